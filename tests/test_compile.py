@@ -1,0 +1,33 @@
+"""Every kernel variant compiles through NVRTC for sm_80 and sm_90 on a machine with no GPU."""
+import pytest
+
+from vbw_cupy import _runtime as rt
+from vbw_cupy.cli import op_modules
+
+pytestmark = pytest.mark.skipif(not rt.have_cupy(), reason="CuPy (with NVRTC) is not installed")
+
+def _modules():
+    from vbw_cupy import autotune  # its probe kernel is compiled too
+    return op_modules() + [autotune]
+
+
+INSTANCES = sorted({inst for m in _modules() if hasattr(m, "kernel_instances") for inst in m.kernel_instances()})
+
+
+def test_every_source_file_has_instances():
+    used = {f for f, _ in INSTANCES}
+    sources = {p.name for p in rt.SOURCE_DIR.glob("*.cu")}
+    assert sources - used == set(), f"kernels never compiled by any module: {sources - used}"
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("filename", sorted({f for f, _ in INSTANCES}))
+def test_compiles(filename, arch):
+    names = [n for f, n in INSTANCES if f == filename]
+    cubin, lowered = rt.compile_cubin(filename, names, arch)
+    assert len(cubin) > 0 and set(lowered) == set(names)
+
+
+def test_compile_error_shows_log():
+    with pytest.raises(rt.CompileError, match="fp4_codec.cu.*no_such_kernel"):
+        rt.compile_cubin("fp4_codec.cu", ["no_such_kernel<int>"], 80)

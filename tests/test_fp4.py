@@ -1,0 +1,222 @@
+"""FP4 formats: the reference against ml_dtypes and the SPEC rules; the GPU kernels bit for bit against it."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import vbw_cupy as vc
+from vbw_cupy import reference as ref
+from vbw_cupy import _runtime as rt
+
+BF16 = ml_dtypes.bfloat16
+DTYPES = [np.float16, BF16, np.float32]
+TIES = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+
+
+def random_input(shape, dtype, seed=0):
+    """Normal values with per-row magnitudes spread over 2^-10 .. 2^10, so blocks see many scales."""
+    rng = np.random.default_rng(seed)
+    mag = np.exp2(rng.uniform(-10, 10, shape[:-1] + (1,)))
+    return (rng.standard_normal(shape) * mag).astype(dtype)
+
+
+# ---------------------------------------------------------------- reference, CPU
+
+def test_e2m1_ties_and_saturation():
+    x = np.array(TIES + [-t for t in TIES] + [7.0, np.inf, -np.inf, 0.0, -0.0, 6.0, 1e30], np.float32)
+    want = [0, 2, 2, 4, 4, 6, 6, 8, 10, 10, 12, 12, 14, 14, 7, 7, 15, 0, 8, 7, 7]
+    assert ref.e2m1_encode(x).tolist() == want
+    np.testing.assert_array_equal(ref.e2m1_decode(np.arange(16)), ref.E2M1_VALUES)
+
+
+def test_e2m1_matches_ml_dtypes():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(100_000) * 3, rng.uniform(-8, 8, 100_000),
+                        np.arange(-64, 65) / 8.0]).astype(np.float32)
+    np.testing.assert_array_equal(ref.e2m1_encode(x), x.astype(ml_dtypes.float4_e2m1fn).view(np.uint8))
+
+
+def test_e4m3_matches_ml_dtypes():
+    rng = np.random.default_rng(2)
+    s = np.exp2(rng.uniform(-9, np.log2(448), 200_000)).astype(np.float32)
+    s = np.clip(np.concatenate([s, ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max * np.ones(1, np.float32),
+                                np.float32([2.0 ** -9, 2.0 ** -6, 0.0029296875])]), 2.0 ** -9, 448).astype(np.float32)
+    codes = ref.e4m3_encode(s)
+    np.testing.assert_array_equal(codes, s.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    np.testing.assert_array_equal(ref.e4m3_decode(codes),
+                                  codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [1, 15, 16, 31, 32, 33, 100, 4096])
+def test_mxfp4_reference_rules(dtype, K):
+    x = random_input((7, K), dtype, seed=K)
+    t = vc.quantize(x, "mxfp4")
+    nb = -(-K // 32)
+    assert t.data.shape == (7, nb * 16) and t.scales.shape == (7, nb) and t.global_scale == 1.0
+    assert t.nbytes == 7 * nb * 16 + 7 * nb + 4
+    xp = np.zeros((7, nb * 32), np.float64)
+    xp[:, :K] = x.astype(np.float64)
+    blk = xp.reshape(7, nb, 32)
+    amax = np.abs(blk).max(-1)
+    e = np.where(amax == 0, -127, np.clip(np.floor(np.log2(np.where(amax == 0, 1, amax))) - 2, -127, 127))
+    np.testing.assert_array_equal(t.scales, (e + 127).astype(np.uint8))
+    # element codes: ml_dtypes' own E2M1 rounding of x / 2^e
+    want = (blk / np.exp2(e)[..., None]).astype(np.float32).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+    want = want.reshape(7, -1)
+    np.testing.assert_array_equal(t.data & 15, want[:, 0::2])
+    np.testing.assert_array_equal(t.data >> 4, want[:, 1::2])
+    d = vc.dequantize(t)  # exact: e2m1 * 2^e
+    np.testing.assert_array_equal(d, (want.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+                                      * np.repeat(np.exp2(e), 32, axis=1))[:, :K].astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [1, 16, 17, 100, 4096])
+def test_nvfp4_reference_rules(dtype, K):
+    x = random_input((5, K), dtype, seed=K + 1)
+    t = vc.quantize(x, "nvfp4")
+    x32 = x.astype(np.float32)
+    gs = np.float32(np.abs(x32).max()) / np.float32(2688.0)
+    assert t.global_scale == gs and t.global_scale.dtype == np.float32
+    nb = -(-K // 16)
+    xp = np.zeros((5, nb * 16), np.float32)
+    xp[:, :K] = x32
+    blk = xp.reshape(5, nb, 16)
+    s = (np.abs(blk).max(-1) / np.float32(6)).astype(np.float32) / gs
+    s = np.clip(s, np.float32(2 ** -9), np.float32(448)).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(t.scales, s.view(np.uint8))
+    denom = (s.astype(np.float32) * gs).astype(np.float32)
+    q = (blk / denom[..., None]).astype(np.float32).astype(ml_dtypes.float4_e2m1fn).view(np.uint8).reshape(5, -1)
+    np.testing.assert_array_equal(t.data & 15, q[:, 0::2])
+    np.testing.assert_array_equal(t.data >> 4, q[:, 1::2])
+    vals = q.view(ml_dtypes.float4_e2m1fn).astype(np.float32) * np.repeat(s.astype(np.float32), 16, axis=1)
+    np.testing.assert_array_equal(vc.dequantize(t), (vals.astype(np.float32) * gs)[:, :K])
+
+
+def test_edge_blocks_reference():
+    x = np.zeros((4, 32), np.float32)
+    x[1] = 1e-38  # e = floor(log2(1e-38)) - 2 = -129 clamps to -127; 3e-39 is a float32 denormal
+    x[1, ::2] = 3e-39
+    x[2, :4] = [np.nan, 1.0, 2.0, 3.0]
+    x[3, :4] = [np.inf, 1.0, 2.0, 3.0]
+    t = vc.quantize(x, "mxfp4")
+    assert t.scales[:, 0].tolist() == [0, 0, 255, 255]
+    d = vc.dequantize(t)
+    assert np.all(d[0] == 0) and np.all(np.isnan(d[2])) and np.all(np.isnan(d[3]))
+    assert np.all(d[1] > 0)
+    z = vc.quantize(np.zeros((2, 16), np.float16), "nvfp4")
+    assert z.global_scale == 1.0 and np.all(vc.dequantize(z) == 0)
+
+
+def test_signed_zero():
+    t = vc.quantize(np.array([[-0.0, 0.0, -0.01, 1.0]], np.float32), "mxfp4")
+    assert (t.data[0, 0] & 15, t.data[0, 0] >> 4, t.data[0, 1] & 15) == (8, 0, 8)
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (lambda: vc.quantize(np.ones((2, 4), np.float64)), TypeError, "float16, bfloat16 or float32"),
+    (lambda: vc.quantize(np.ones((2, 0), np.float32)), ValueError, "non-empty"),
+    (lambda: vc.quantize(np.ones((), np.float32)), ValueError, "non-empty"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), "fp4"), ValueError, "format"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", 0.0), ValueError, "global_scale"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", float("nan")), ValueError, "global_scale"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", "a"), ValueError, "global_scale"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), "mxfp4", 2.0), ValueError, "global_scale"),
+    (lambda: vc.quantize(np.array([[1.0, np.nan]], np.float32), "nvfp4"), ValueError, "NaN or Inf"),
+    (lambda: vc.quantize(np.array([[1.0, np.inf]], np.float32), "nvfp4", 1.0), ValueError, "NaN or Inf"),
+    (lambda: vc.quantize([[1.0, 2.0]]), TypeError, "array"),
+    (lambda: vc.dequantize(np.ones(4)), TypeError, "FP4Tensor"),
+    (lambda: vc.dequantize(vc.quantize(np.ones((1, 4), np.float32)), np.int8), TypeError, "dtype"),
+    (lambda: vc.FP4Tensor(np.zeros((2, 7), np.uint8), np.zeros((2, 1), np.uint8), 1.0, "nvfp4", (2, 15)),
+     ValueError, "data: expected shape"),
+])
+def test_bad_input(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        bad()
+
+
+# ---------------------------------------------------------------- GPU, bit-exact against the reference
+
+def _assert_same(tg, tr, dtype):
+    np.testing.assert_array_equal(tg.scales.get(), tr.scales)
+    np.testing.assert_array_equal(tg.data.get(), tr.data)
+    assert tg.global_scale == tr.global_scale and tg.shape == tr.shape
+    for out in (np.float32, dtype):
+        dg = vc.dequantize(tg, out)
+        assert dg.dtype == np.dtype(out) and dg.shape == tr.shape
+        np.testing.assert_array_equal(dg.get().view(np.uint8), vc.dequantize(tr, out).view(np.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2048, 4096), (3, 4095), (1000, 17), (5, 1), (2, 3, 100)])
+def test_gpu_bitexact_random(fmt, dtype, shape):
+    import cupy as cp
+    x = random_input(shape, dtype, seed=sum(shape))
+    _assert_same(vc.quantize(cp.asarray(x), fmt), vc.quantize(x, fmt), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_bitexact_edges(fmt, dtype):
+    import cupy as cp
+    rng = np.random.default_rng(5)
+    rows = []
+    for scale in (1.0, 0.5, 2.0 ** -20, 2.0 ** 10):  # ties land exactly when the block scale is a power of two
+        r = np.array(TIES + [-t for t in TIES] + [6.0, -6.0, 7.0, 0.0, -0.0, 100.0] + [0.0] * 12) * scale
+        rows.append(r[:32])
+    rows.append(np.zeros(32))                                    # all-zero block
+    rows.append(np.full(32, 1e-6))                               # tiny block
+    rows.append(rng.standard_normal(32) * 6e4 if dtype == np.float16 else rng.standard_normal(32) * 1e30)  # huge
+    rows.append(rng.standard_normal(32) * 1e-3)
+    x = np.array(rows).astype(dtype)
+    _assert_same(vc.quantize(cp.asarray(x), fmt), vc.quantize(x, fmt), dtype)
+    if fmt == "nvfp4":  # a small given global scale drives the block scales into E4M3's denormal range
+        _assert_same(vc.quantize(cp.asarray(x), fmt, 1e3), vc.quantize(x, fmt, 1e3), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_nan_inf(dtype):
+    import cupy as cp
+    x = random_input((4, 64), dtype)
+    x[1, 3] = np.nan
+    x[2, 40] = np.inf
+    tg, tr = vc.quantize(cp.asarray(x), "mxfp4"), vc.quantize(x, "mxfp4")
+    _assert_same(tg, tr, dtype)
+    assert tg.scales.get()[1, 0] == 255 and tg.scales.get()[2, 1] == 255
+    for gs in (None, 1.0):
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            vc.quantize(cp.asarray(x), "nvfp4", gs)
+
+
+@pytest.mark.gpu
+def test_gpu_dequantize_writes_everything():
+    import cupy as cp
+    x = cp.asarray(random_input((333, 1001), np.float32))
+    t = vc.quantize(x, "nvfp4")
+    out = vc.dequantize(t, np.float16)
+    assert not bool(cp.isnan(out).any())
+    err = float(cp.linalg.norm(out.astype(cp.float32) - x) / cp.linalg.norm(x))
+    assert err < 0.15
+
+
+@pytest.mark.gpu
+def test_gpu_noncontiguous_and_dlpack():
+    import cupy as cp
+    x = random_input((64, 256), np.float16)
+    xt = cp.asarray(x.T.copy()).T  # non-contiguous view
+    _assert_same(vc.quantize(xt, "nvfp4"), vc.quantize(np.ascontiguousarray(x), "nvfp4"), np.float16)
+
+    class Wrapped:  # any object exporting DLPack is accepted
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+    _assert_same(vc.quantize(Wrapped(cp.asarray(x)), "mxfp4"), vc.quantize(x, "mxfp4"), np.float16)

@@ -1,0 +1,319 @@
+"""Run-time compilation of the CUDA sources in ``cuda_src/`` and kernel launch.
+
+Kernels are compiled with NVRTC (through CuPy's binding) straight to a cubin for the device's exact
+architecture (``sm_90a`` on Hopper, so wgmma is available), then loaded with ``cupy.RawModule``.
+We drive NVRTC ourselves rather than through ``RawModule(code=...)`` for three reasons:
+- the cache key must cover every ``.cuh`` header a ``.cu`` file includes (CuPy keys on the source
+  string only, so an edited header would reuse a stale binary);
+- CuPy appends ``-ftz=true``; the FP4 codecs must not flush denormals to stay bit-exact;
+- the CPU compile test must build exactly what the GPU path builds, with no GPU present.
+
+Compiled cubins are cached in memory per (device, file, instance, options) and on disk under
+``$VBW_CUPY_CACHE_DIR/kernels`` (default ``~/.cache/vbw_cupy``), keyed by a hash of all sources,
+the options, the architecture and the NVRTC version.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+import tempfile
+import threading
+
+import numpy as np
+
+try:  # CuPy is optional: the package and its NumPy reference work without it.
+    import cupy
+except Exception as _exc:  # pragma: no cover - depends on the machine
+    cupy = None
+    _CUPY_IMPORT_ERROR = _exc
+else:
+    _CUPY_IMPORT_ERROR = None
+
+
+def _find_source_dir() -> pathlib.Path:
+    here = pathlib.Path(__file__).resolve().parent
+    for cand in (here.parent / "cuda_src", here / "cuda_src"):  # source tree / installed wheel
+        if cand.is_dir():
+            return cand
+    raise RuntimeError(f"vbw_cupy: cannot find the CUDA sources (cuda_src/) near {here}")
+
+
+SOURCE_DIR = _find_source_dir()
+
+
+def cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("VBW_CUPY_CACHE_DIR") or pathlib.Path.home() / ".cache" / "vbw_cupy")
+
+
+@functools.lru_cache(maxsize=None)
+def sources_hash() -> str:
+    """Hash of every file in cuda_src/: any edit to any .cu or .cuh invalidates every cached binary."""
+    h = hashlib.sha256()
+    for p in sorted(SOURCE_DIR.iterdir()):
+        if p.suffix in (".cu", ".cuh"):
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def have_cupy() -> bool:
+    return cupy is not None
+
+
+def require_cupy():
+    """Return the cupy module or raise a RuntimeError that says what is missing."""
+    if cupy is None:
+        raise RuntimeError(
+            "vbw_cupy: this operation needs CuPy for the GPU path "
+            f"(import failed: {_CUPY_IMPORT_ERROR}). Install 'vbw_cupy[cuda12]' or 'vbw_cupy[cuda13]', "
+            "or pass NumPy arrays to use the float64 reference.")
+    return cupy
+
+
+def gpu_available() -> bool:
+    if cupy is None:
+        return False
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def is_gpu_array(x) -> bool:
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def device_arch(device_id: int | None = None) -> int:
+    """Compute capability as an int, e.g. 90 for H100."""
+    cp = require_cupy()
+    dev = cp.cuda.Device(device_id)
+    return int(dev.compute_capability)
+
+
+def nvrtc_version() -> str:
+    from cupy.cuda import nvrtc
+    major, minor = nvrtc.getVersion()
+    return f"{major}.{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_include_dir() -> str | None:
+    """A directory holding cuda_fp16.h and friends: CUDA_PATH, the pip wheels, or /usr/local/cuda."""
+    cands = []
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            cands.append(pathlib.Path(os.environ[env]) / "include")
+    try:
+        import nvidia  # namespace package of the CUDA wheels
+        for root in nvidia.__path__:
+            root = pathlib.Path(root)
+            cands += [root / "cu13" / "include", root / "cuda_runtime" / "include"]
+    except Exception:
+        pass
+    if cupy is not None:
+        try:
+            cands.append(pathlib.Path(cupy.cuda.get_cuda_path()) / "include")
+        except Exception:
+            pass
+    cands.append(pathlib.Path("/usr/local/cuda/include"))
+    for c in cands:
+        if (c / "cuda_fp16.h").is_file():
+            return str(c)
+    return None
+
+
+def arch_flag(arch: int) -> str:
+    # Hopper's wgmma / setmaxnreg need the arch-specific "a" target.
+    return f"-arch=sm_{arch}a" if arch == 90 else f"-arch=sm_{arch}"
+
+
+def compile_options(arch: int, extra: tuple[str, ...] = ()) -> list[str]:
+    opts = [arch_flag(arch), "--std=c++17", f"-I{SOURCE_DIR}", f"-DVBW_SRC_HASH=0x{sources_hash()[:8]}"]
+    inc = cuda_include_dir()
+    if inc:
+        opts.append(f"-I{inc}")
+    return opts + list(extra)
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+def compile_cubin(filename: str, name_expressions: list[str], arch: int,
+                  extra_options: tuple[str, ...] = ()) -> tuple[bytes, dict[str, str]]:
+    """Compile cuda_src/<filename> with NVRTC for sm_<arch>; return (cubin, {name: lowered name}).
+
+    Needs no GPU: the CPU compile test calls this for sm_80 and sm_90.
+    """
+    if cupy is None:
+        require_cupy()
+    from cupy.cuda import nvrtc
+    src = (SOURCE_DIR / filename).read_text()
+    opts = compile_options(arch, extra_options)
+    prog = nvrtc.createProgram(src, filename, [], [])
+    try:
+        for n in name_expressions:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            log = nvrtc.getProgramLog(prog)
+            raise CompileError(
+                f"vbw_cupy: NVRTC failed to compile {filename} for {', '.join(name_expressions)} "
+                f"(sm_{arch}, options {' '.join(opts)}): {e}\n{log}") from None
+        lowered = {n: nvrtc.getLoweredName(prog, n) for n in name_expressions}
+        return nvrtc.getCUBIN(prog), lowered
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+_lock = threading.Lock()
+_modules: dict = {}
+
+
+def _disk_key(filename, name, arch, extra_options) -> str:
+    h = hashlib.sha256(repr((sources_hash(), filename, name, arch, tuple(extra_options),
+                             nvrtc_version())).encode())
+    return h.hexdigest()[:32]
+
+
+def get_kernel(filename: str, name: str, extra_options: tuple[str, ...] = ()):
+    """The kernel `name` (a template instance such as ``"quantize_mx<__half>"``) from cuda_src/<filename>,
+    compiled for the current device and cached in memory and on disk."""
+    cp = require_cupy()
+    dev = cp.cuda.Device().id
+    key = (dev, filename, name, tuple(extra_options))
+    fn = _modules.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _modules.get(key)
+        if fn is not None:
+            return fn
+        arch = device_arch(dev)
+        dkey = _disk_key(filename, name, arch, extra_options)
+        d = cache_dir() / "kernels"
+        cubin_path, name_path = d / f"{dkey}.cubin", d / f"{dkey}.name"
+        if cubin_path.is_file() and name_path.is_file():
+            lowered = name_path.read_text()
+        else:
+            cubin, lowered_map = compile_cubin(filename, [name], arch, extra_options)
+            lowered = lowered_map[name]
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                _atomic_write(cubin_path, cubin)
+                _atomic_write(name_path, lowered.encode())
+            except OSError:  # a read-only home still works, just without the disk cache
+                pass
+        mod = cp.RawModule(path=str(cubin_path)) if cubin_path.is_file() else _module_from_bytes(cubin)
+        fn = mod.get_function(lowered)
+        _modules[key] = fn
+        return fn
+
+
+def _module_from_bytes(cubin: bytes):
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return cupy.RawModule(path=f.name)
+    finally:
+        os.unlink(f.name)
+
+
+def _atomic_write(path: pathlib.Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def launch(kernel, grid, block, args, shared_mem: int = 0, stream=None) -> None:
+    """Launch with `shared_mem` bytes of dynamic shared memory, raising the 48 KB opt-in limit when needed."""
+    grid = tuple(int(g) for g in grid)
+    if min(grid) <= 0:
+        return  # never launch an empty grid
+    if shared_mem > 48 * 1024:
+        cur = kernel.max_dynamic_shared_size_bytes
+        if cur < shared_mem:
+            kernel.max_dynamic_shared_size_bytes = int(shared_mem)
+    kernel(grid, tuple(int(b) for b in block), args, shared_mem=int(shared_mem),
+           stream=stream if stream is not None else cupy.cuda.get_current_stream())
+
+
+def num_sms() -> int:
+    cp = require_cupy()
+    return int(cp.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def as_gpu_array(x, name: str):
+    """Accept CuPy arrays and anything with __dlpack__ / __cuda_array_interface__ (torch, JAX, Numba)."""
+    cp = require_cupy()
+    if isinstance(x, cp.ndarray):
+        return x
+    if hasattr(x, "__dlpack__"):
+        return cp.from_dlpack(x)
+    if hasattr(x, "__cuda_array_interface__"):
+        return cp.asarray(x)
+    raise TypeError(f"{name}: expected a CuPy/NumPy array or a DLPack-capable GPU array, got {type(x).__name__}")
+
+
+def ensure_contiguous(x):
+    return x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
+
+
+
+_CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+
+
+def ctype(dtype) -> str:
+    """C++ type name for a NumPy/CuPy dtype, for template instances (float16 -> "__half")."""
+    name = np.dtype(dtype).name
+    if name not in _CTYPES:
+        raise TypeError(f"no CUDA type for dtype {name}")
+    return _CTYPES[name]
+
+
+def check_same_device(**arrays) -> None:
+    """ValueError when GPU arrays live on different devices (kernels run on the first one's)."""
+    devs = {name: a.device.id for name, a in arrays.items() if is_gpu_array(a)}
+    if len(set(devs.values())) > 1:
+        raise ValueError("arrays on different devices: " + ", ".join(f"{n} on GPU {d}" for n, d in devs.items()))
+
+
+def time_ms(fn, warmup: int = 3, rep: int = 20) -> float:
+    """Median time of fn() in milliseconds, CUDA events on the current stream, after warm-up."""
+    cp = require_cupy()
+    for _ in range(warmup):
+        fn()
+    stream = cp.cuda.get_current_stream()
+    times = []
+    for _ in range(rep):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        fn()
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    cp = require_cupy()
+    a = cp.empty(nbytes // 2, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    ms = time_ms(lambda: b.__setitem__(Ellipsis, a), warmup=2, rep=10)
+    return 2 * a.nbytes / ms / 1e6

@@ -1,0 +1,159 @@
+"""Command line: ``vbw-cupy selftest | info | bench | tune`` (also ``python -m vbw_cupy``)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from . import __version__
+from . import _runtime as rt
+
+# Modules that own kernels; each exposes kernel_instances() and selftest_cases().
+OP_MODULES = ("fp4", "gemm", "attention", "paged")
+
+
+def op_modules():
+    mods = []
+    for name in OP_MODULES:
+        try:
+            mods.append(importlib.import_module(f"vbw_cupy.{name}"))
+        except ModuleNotFoundError as e:
+            if e.name != f"vbw_cupy.{name}":
+                raise
+    return mods
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(rows, out=sys.stdout):
+    cols = ["op", "shape", "error", "bound", "ok", "time_ms", "peer", "peer_ms", "ratio"]
+    cells = []
+    for r in rows:
+        ratio = r["peer_ms"] / r["time_ms"] if r.get("peer_ms") and r.get("time_ms") else None
+        cells.append([str(r["op"]), str(r["shape"]), _fmt(r.get("error"), ".2e"), _fmt(r.get("bound"), ".2e"),
+                      "yes" if r.get("ok") else "NO", _fmt(r.get("time_ms"), ".4f"), str(r.get("peer") or "-"),
+                      _fmt(r.get("peer_ms"), ".4f"), _fmt(ratio, ".2f") + ("x" if ratio else "")])
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)), file=out)
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)), file=out)
+    print("ratio = peer time / our time (> 1 means vbw_cupy is faster)", file=out)
+
+
+def _cpu_selftest():
+    """Without a GPU: check the reference path against independent computations."""
+    import ml_dtypes
+    from . import fp4, reference as ref
+    rows = []
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(200_000) * 4).astype(np.float32)
+    ok = np.array_equal(ref.e2m1_encode(x), x.astype(ml_dtypes.float4_e2m1fn).view(np.uint8))
+    rows.append({"op": "e2m1 rounding vs ml_dtypes", "shape": str(x.shape), "error": 0.0 if ok else 1.0,
+                 "bound": 0.0, "ok": ok})
+    for fmt in ("mxfp4", "nvfp4"):
+        a = rng.standard_normal((256, 1000)).astype(np.float32)
+        t0 = time.perf_counter()
+        d = fp4.dequantize(fp4.quantize(a, fmt))
+        ms = (time.perf_counter() - t0) * 1e3
+        err = float(np.linalg.norm(d - a) / np.linalg.norm(a))
+        rows.append({"op": f"{fmt} round trip (reference)", "shape": str(a.shape), "error": err, "bound": 0.2,
+                     "ok": err < 0.2, "time_ms": ms})
+    return rows
+
+
+def cmd_selftest(args) -> int:
+    if not rt.gpu_available():
+        why = "CuPy is not installed" if not rt.have_cupy() else "no CUDA device is visible"
+        print(f"vbw-cupy selftest: {why}; GPU kernels not run. Checking the NumPy reference path only.")
+        rows = _cpu_selftest()
+        print_table(rows)
+        return 0 if all(r["ok"] for r in rows) else 1
+    cp = rt.require_cupy()
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    print(f"vbw-cupy selftest on {props['name'].decode()} (sm_{rt.device_arch()}), NVRTC {rt.nvrtc_version()}",
+          flush=True)
+    cases = [c for m in op_modules() for c in m.selftest_cases()]
+    rows, failed = [], 0
+    for i, case in enumerate(cases, 1):
+        name = getattr(case, "__qualname__", "case")
+        print(f"[{i}/{len(cases)}] {name} ...", file=sys.stderr, flush=True)
+        try:
+            res = case()
+        except Exception as e:  # report and go on: one broken op must not hide the others
+            traceback.print_exc()
+            res = {"op": name, "shape": "-", "error": None, "bound": None, "ok": False,
+                   "time_ms": None, "peer": f"error: {type(e).__name__}", "peer_ms": None}
+        for r in res if isinstance(res, list) else [res]:
+            rows.append(r)
+            failed += not r["ok"]
+    print_table(rows)
+    print(f"{len(rows) - failed}/{len(rows)} rows within bounds")
+    return 1 if failed else 0
+
+
+def cmd_info(args) -> int:
+    print(f"vbw_cupy {__version__}")
+    print(f"cuda sources: {rt.SOURCE_DIR} (hash {rt.sources_hash()})")
+    print(f"cache dir: {rt.cache_dir()}")
+    if not rt.have_cupy():
+        print("CuPy: not installed (GPU paths unavailable; NumPy inputs use the reference)")
+        return 0
+    cp = rt.require_cupy()
+    print(f"CuPy {cp.__version__}, NVRTC {rt.nvrtc_version()}, CUDA headers: {rt.cuda_include_dir()}")
+    if not rt.gpu_available():
+        print("device: none visible")
+    else:
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        print(f"device: {props['name'].decode()}, sm_{rt.device_arch()}, {rt.num_sms()} SMs, "
+              f"{props['totalGlobalMem'] / 2**30:.1f} GiB")
+    try:
+        from . import autotune
+    except ImportError:
+        return 0
+    summary = getattr(autotune, "cache_summary", None)
+    if summary:
+        print("autotune cache:")
+        print(summary())
+    return 0
+
+
+def cmd_bench(args) -> int:
+    bench_dir = rt.SOURCE_DIR.parent / "bench"
+    if not bench_dir.is_dir():
+        print(f"vbw-cupy bench: the benchmarks live in the source checkout (bench/), not found next to {rt.SOURCE_DIR}")
+        return 1
+    cmd = [sys.executable, "-m", "pytest", str(bench_dir), "--benchmark-only", "-q", *args.pytest_args]
+    return subprocess.call(cmd, cwd=str(bench_dir.parent))
+
+
+def cmd_tune(args) -> int:
+    from . import autotune
+    op_modules()  # importing the op modules registers their tunables
+    rows = autotune.tune(names=args.kernels or None, progress=True)
+    autotune.print_tune_table(rows)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="vbw-cupy", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("selftest", help="every kernel against the float64 reference, with timings against its peer")
+    sub.add_parser("info", help="device, architecture, NVRTC version, tuning cache")
+    b = sub.add_parser("bench", help="run the pytest-benchmark suite in bench/ (source checkout)")
+    b.add_argument("pytest_args", nargs="*")
+    t = sub.add_parser("tune", help="autotune the standard shapes of every kernel and cache the choices")
+    t.add_argument("kernels", nargs="*")
+    args = p.parse_args(argv)
+    return {"selftest": cmd_selftest, "info": cmd_info, "bench": cmd_bench, "tune": cmd_tune}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

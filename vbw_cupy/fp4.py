@@ -1,0 +1,252 @@
+"""FP4 block-scaled formats (SPEC section 2): FP4Tensor, quantize, dequantize.
+
+NumPy inputs run `vbw_cupy.reference`; CuPy inputs (or DLPack / CUDA-array-interface objects) run the
+kernels of ``cuda_src/fp4_codec.cu``, bit-identical to the reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_dtypes
+import numpy as np
+
+from . import _runtime as rt
+from . import reference as ref
+
+FORMATS = ref.FORMATS
+_IN_DTYPES = ("float16", "bfloat16", "float32")
+_SOURCE = "fp4_codec.cu"
+_THREADS = 256
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FP4Tensor:
+    """A tensor of E2M1 elements with per-block scales along the last axis.
+
+    data:         uint8 [..., ceil(K/block)*block/2], element 2i in the low nibble of byte i
+    scales:       uint8 [..., ceil(K/block)], raw E8M0 (mxfp4) or E4M3 (nvfp4) codes
+    global_scale: float32 tensor scale (1.0 for mxfp4)
+    format:       "mxfp4" (block 32) or "nvfp4" (block 16)
+    shape:        logical shape [..., K], K unpadded
+    data and scales are both NumPy or both CuPy arrays on one device.
+    """
+    data: object
+    scales: object
+    global_scale: np.float32
+    format: str
+    shape: tuple
+    # Derived layouts (a GEMM's pre-shuffled weights, say), built once on first use.
+    _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"format: expected one of {sorted(FORMATS)}, got {self.format!r}")
+        shape = tuple(int(s) for s in self.shape)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "global_scale", np.float32(self.global_scale))
+        block = FORMATS[self.format]
+        if len(shape) < 1 or shape[-1] < 1:
+            raise ValueError(f"shape: expected [..., K] with K >= 1, got {shape}")
+        nb = -(-shape[-1] // block)
+        for name, arr, last in (("data", self.data, nb * block // 2), ("scales", self.scales, nb)):
+            if str(getattr(arr, "dtype", None)) != "uint8":
+                raise TypeError(f"{name}: expected uint8, got {getattr(arr, 'dtype', type(arr).__name__)}")
+            if tuple(arr.shape) != shape[:-1] + (last,):
+                raise ValueError(f"{name}: expected shape {shape[:-1] + (last,)} for logical shape {shape} "
+                                 f"in {self.format}, got {tuple(arr.shape)}")
+        if rt.is_gpu_array(self.data) != rt.is_gpu_array(self.scales):
+            raise ValueError("data and scales must both be NumPy or both CuPy arrays")
+        rt.check_same_device(data=self.data, scales=self.scales)
+
+    @property
+    def block_size(self) -> int:
+        return FORMATS[self.format]
+
+    @property
+    def nbytes(self) -> int:
+        """True storage: packed elements + block scales + the 4-byte tensor scale."""
+        return int(self.data.nbytes + self.scales.nbytes + 4)
+
+    @property
+    def is_gpu(self) -> bool:
+        return rt.is_gpu_array(self.data)
+
+    def to_gpu(self) -> "FP4Tensor":
+        cp = rt.require_cupy()
+        return FP4Tensor(cp.asarray(self.data), cp.asarray(self.scales), self.global_scale, self.format, self.shape)
+
+    def to_cpu(self) -> "FP4Tensor":
+        get = (lambda a: a.get()) if self.is_gpu else (lambda a: a)
+        return FP4Tensor(get(self.data), get(self.scales), self.global_scale, self.format, self.shape)
+
+
+def _as_input(x, name: str):
+    """NumPy arrays stay NumPy (reference path); everything else must become a CuPy array."""
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, (list, tuple, int, float)):
+        raise TypeError(f"{name}: expected a NumPy or CuPy array, got {type(x).__name__}")
+    return rt.as_gpu_array(x, name)
+
+
+def _check_global_scale(global_scale, fmt):
+    if global_scale is None:
+        return None
+    if fmt == "mxfp4":
+        raise ValueError(f"global_scale: mxfp4 has no tensor scale, got {global_scale!r} (pass None)")
+    try:
+        gs = float(global_scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"global_scale: expected a positive finite float, got {global_scale!r}") from None
+    if not (math.isfinite(gs) and gs > 0) or not (np.isfinite(np.float32(gs)) and np.float32(gs) > 0):
+        raise ValueError(f"global_scale: expected a positive finite float32, got {global_scale!r}")
+    return np.float32(gs)
+
+
+def quantize(x, format: str = "nvfp4", global_scale=None) -> FP4Tensor:
+    """Quantize `x` [..., K] (float16 / bfloat16 / float32) to MXFP4 or NVFP4 along the last axis.
+
+    MXFP4: blocks of 32, E8M0 scale 2^(floor(log2(amax)) - 2); a block holding NaN/Inf gets scale code
+    255 (decodes to NaN). NVFP4: blocks of 16, E4M3 scale, float32 `global_scale` (default
+    amax / (448 * 6)); NaN or Inf anywhere is a ValueError. Any K: the last block is zero-padded.
+    On the GPU, NVFP4 reads the tensor twice when `global_scale` is None (amax first) and synchronizes
+    once to check for NaN/Inf.
+
+    >>> import numpy as np, vbw_cupy
+    >>> t = vbw_cupy.quantize(np.array([[0.3, -1.2, 5.0, 6.5]], np.float32), "mxfp4")
+    >>> vbw_cupy.dequantize(t)
+    array([[ 0.5, -1. ,  4. ,  6. ]], dtype=float32)
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format: expected one of {sorted(FORMATS)}, got {format!r}")
+    gs = _check_global_scale(global_scale, format)
+    x = _as_input(x, "x")
+    if x.dtype.name not in _IN_DTYPES:
+        raise TypeError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
+    if x.ndim < 1 or x.size == 0:
+        raise ValueError(f"x: expected a non-empty array [..., K] with K >= 1, got shape {tuple(x.shape)}")
+    if isinstance(x, np.ndarray):
+        return _quantize_reference(x, format, gs)
+    with x.device:
+        return _quantize_gpu(x, format, gs)
+
+
+def _quantize_reference(x, fmt, gs):
+    if fmt == "mxfp4":
+        data, scales = ref.quantize_mxfp4(x)
+        return FP4Tensor(data, scales, np.float32(1.0), fmt, x.shape)
+    if not np.all(np.isfinite(x.astype(np.float32))):
+        raise ValueError("x: NaN or Inf in the input; nvfp4 has no NaN scale (use mxfp4, or clean the input)")
+    if gs is None:
+        gs = ref.nvfp4_global_scale(x)
+    data, scales = ref.quantize_nvfp4(x, gs)
+    return FP4Tensor(data, scales, gs, fmt, x.shape)
+
+
+def _quantize_gpu(x, fmt, gs):
+    cp = rt.require_cupy()
+    x = rt.ensure_contiguous(x)
+    if x.data.ptr % 16:
+        x = x.copy()  # 16-byte vector loads need an aligned base
+    block = FORMATS[fmt]
+    K = x.shape[-1]
+    R = x.size // K
+    Kp = rt.cdiv(K, block) * block
+    data = cp.empty(x.shape[:-1] + (Kp // 2,), dtype=cp.uint8)
+    scales = cp.empty(x.shape[:-1] + (Kp // block,), dtype=cp.uint8)
+    vec = "true" if K % 8 == 0 else "false"
+    T = rt.ctype(x.dtype)
+    grid = (rt.cdiv(R * (Kp // 8), _THREADS),)
+    args = (x, data, scales, np.int64(R), np.int64(K), np.int64(Kp))
+    if fmt == "mxfp4":
+        rt.launch(rt.get_kernel(_SOURCE, f"mxfp4_quantize<{T}, {vec}>"), grid, (_THREADS,), args)
+        return FP4Tensor(data, scales, np.float32(1.0), fmt, x.shape)
+    if gs is None:
+        gs = _global_scale_gpu(x)
+    flag = cp.zeros(1, dtype=cp.int32)
+    rt.launch(rt.get_kernel(_SOURCE, f"nvfp4_quantize<{T}, {vec}>"), grid, (_THREADS,),
+              args + (np.float32(gs), flag))
+    if int(flag.get()[0]):
+        raise ValueError("x: NaN or Inf in the input; nvfp4 has no NaN scale (use mxfp4, or clean the input)")
+    return FP4Tensor(data, scales, gs, fmt, x.shape)
+
+
+def _global_scale_gpu(x) -> np.float32:
+    cp = rt.require_cupy()
+    out = cp.zeros(1, dtype=cp.uint32)
+    n = x.size
+    grid = (max(1, min(rt.cdiv(n // 8 + 1, _THREADS), rt.num_sms() * 8)),)
+    rt.launch(rt.get_kernel(_SOURCE, f"abs_max<{rt.ctype(x.dtype)}>"), grid, (_THREADS,), (x, np.int64(n), out))
+    amax = out.get().view(np.float32)[0]
+    if not np.isfinite(amax):
+        raise ValueError("x: NaN or Inf in the input; nvfp4 has no NaN scale (use mxfp4, or clean the input)")
+    return np.float32(1.0) if amax == 0 else np.float32(amax / np.float32(448.0 * 6.0))
+
+
+def dequantize(t: FP4Tensor, dtype=np.float32):
+    """Decode `t` to an array of `t.shape`: (e2m1 * scale) * global_scale in float32, then cast to `dtype`
+    (float32, float16 or bfloat16, rounding to nearest even). MXFP4 decodes exactly; scale code 255 -> NaN."""
+    if not isinstance(t, FP4Tensor):
+        raise TypeError(f"t: expected an FP4Tensor, got {type(t).__name__}")
+    dtype = np.dtype(dtype)
+    if dtype.name not in _IN_DTYPES:
+        raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+    if not t.is_gpu:
+        return ref.dequantize(t, dtype)
+    cp = rt.require_cupy()
+    with t.data.device:
+        K = t.shape[-1]
+        R = math.prod(t.shape[:-1])
+        Kp = t.data.shape[-1] * 2
+        out = cp.empty(t.shape, dtype=dtype)
+        vec = "true" if K % 8 == 0 else "false"
+        name = f"fp4_dequantize<{rt.ctype(dtype)}, {t.block_size}, {vec}>"
+        grid = (rt.cdiv(R * rt.cdiv(K, 8), _THREADS),)
+        rt.launch(rt.get_kernel(_SOURCE, name), grid, (_THREADS,),
+                  (t.data, t.scales, out, np.int64(R), np.int64(K), np.int64(Kp), np.float32(t.global_scale)))
+        return out
+
+
+def kernel_instances() -> list[tuple[str, str]]:
+    out = []
+    for T in ("__half", "__nv_bfloat16", "float"):
+        out.append((_SOURCE, f"abs_max<{T}>"))
+        for vec in ("true", "false"):
+            out += [(_SOURCE, f"mxfp4_quantize<{T}, {vec}>"), (_SOURCE, f"nvfp4_quantize<{T}, {vec}>")]
+            out += [(_SOURCE, f"fp4_dequantize<{T}, {b}, {vec}>") for b in (16, 32)]
+    return out
+
+
+def _bitexact_case(fmt, dtype, shape):
+    """Quantize + dequantize on the GPU against the reference, at a real size; times at 64M elements."""
+    def case():
+        cp = rt.require_cupy()
+        rng = np.random.default_rng(0)
+        x = (rng.standard_normal(shape) * np.exp(rng.uniform(-8, 8, shape[:-1] + (1,)))).astype(dtype)
+        t = quantize(cp.asarray(x), fmt)
+        tr = quantize(x, fmt)
+        same = (np.array_equal(t.data.get(), tr.data) and np.array_equal(t.scales.get(), tr.scales)
+                and t.global_scale == tr.global_scale)
+        d, dr = dequantize(t, dtype).get(), dequantize(tr, dtype)
+        same &= np.array_equal(d.view(np.uint8), dr.view(np.uint8))
+        big = cp.asarray(rng.standard_normal((8192, 8192), dtype=np.float32)).astype(dtype)
+        gs = None if fmt == "mxfp4" else 1.0
+        tq = rt.time_ms(lambda: quantize(big, fmt, gs))
+        tb = quantize(big, fmt, gs)
+        td = rt.time_ms(lambda: dequantize(tb, dtype))
+        copy_ms = rt.time_ms(lambda: big.copy())
+        qbytes = big.nbytes + tb.nbytes
+        return [
+            {"op": f"quantize {fmt}", "shape": f"{shape} {np.dtype(dtype).name}", "error": 0.0 if same else 1.0,
+             "bound": 0.0, "ok": bool(same), "time_ms": tq, "peer": "copy (same bytes)",
+             "peer_ms": copy_ms * qbytes / (2 * big.nbytes)},
+            {"op": f"dequantize {fmt}", "shape": "8192x8192", "error": 0.0 if same else 1.0, "bound": 0.0,
+             "ok": bool(same), "time_ms": td, "peer": "copy (same bytes)", "peer_ms": copy_ms * qbytes / (2 * big.nbytes)},
+        ]
+    return case
+
+
+def selftest_cases():
+    return [_bitexact_case(f, np.float16, (4096, 4111)) for f in ("mxfp4", "nvfp4")] + \
+           [_bitexact_case("nvfp4", ml_dtypes.bfloat16, (1024, 4096))]

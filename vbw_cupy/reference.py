@@ -1,0 +1,740 @@
+"""NumPy float64 ground truth for every public operation of vbw_cupy.
+
+Obviously correct rather than fast. FP4 quantization follows SPEC section 2 exactly, including its
+float32 rounding steps for NVFP4, so the GPU kernels can be compared bit for bit. Attention works
+in float64 one block of queries at a time, so 8k tokens never build an 8k x 8k x heads array.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# ----------------------------------------------------------------------------------------------
+# FP4 (owned by the FP4 section; attention helpers below must not depend on it)
+# ----------------------------------------------------------------------------------------------
+
+FORMATS = {"mxfp4": 32, "nvfp4": 16}  # format -> block size along K
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+E4M3_MAX = 448.0
+
+
+def e2m1_encode(x: np.ndarray) -> np.ndarray:
+    """E2M1 codes (uint8, 0..15) for float values: round to nearest, ties to even, saturate at +-6.
+
+    The thresholds are the midpoints between neighbouring values; a tie goes to the even code, so
+    0.25, 1.25, 2.5 and 5 round down while 0.75, 1.75 and 3.5 round up. NaN encodes as a signed zero.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    a = np.abs(x)
+    code = ((a > 0.25).astype(np.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
+            + (a > 5.0)).astype(np.uint8)
+    return code | (np.signbit(x).astype(np.uint8) << 3)
+
+
+def e2m1_decode(code: np.ndarray) -> np.ndarray:
+    return E2M1_VALUES[np.asarray(code) & 15]
+
+
+def e4m3_encode(s: np.ndarray) -> np.ndarray:
+    """E4M3 (fn) codes for positive float32 values already clamped to [2^-9, 448]; RNE."""
+    s = np.asarray(s, dtype=np.float64)
+    m, e = np.frexp(s)  # s = m * 2^e, m in [0.5, 1)
+    E = e - 1
+    normal = E >= -6
+    q = np.where(normal, np.rint((m * 2 - 1) * 8), np.rint(s * 512.0))  # np.rint is ties-to-even
+    carry = normal & (q == 8)
+    E = np.where(carry, E + 1, E)
+    q = np.where(carry, 0, q)
+    code = np.where(normal, ((E + 7) << 3) | q.astype(np.int64), q.astype(np.int64))
+    return code.astype(np.uint8)
+
+
+def e4m3_decode(code: np.ndarray) -> np.ndarray:
+    code = np.asarray(code).astype(np.int64)
+    e, m = (code >> 3) & 15, code & 7
+    v = np.where(e > 0, np.ldexp(1.0 + m / 8.0, e - 7), m * 2.0 ** -9)
+    return np.where(code & 0x80, -v, v).astype(np.float32)
+
+
+def e8m0_decode(code: np.ndarray) -> np.ndarray:
+    code = np.asarray(code)
+    with np.errstate(over="ignore"):  # code 255 overflows before it becomes NaN below
+        v = np.ldexp(np.float32(1.0), code.astype(np.int32) - 127).astype(np.float32)
+    return np.where(code == 255, np.float32(np.nan), v).astype(np.float32)
+
+
+def _blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, int]:
+    """[..., K] -> [..., nblocks, block] float32, zero-padded; returns it with K."""
+    K = x.shape[-1]
+    nb = -(-K // block)
+    xp = np.zeros(x.shape[:-1] + (nb * block,), dtype=np.float32)
+    xp[..., :K] = x.astype(np.float32)
+    return xp.reshape(x.shape[:-1] + (nb, block)), K
+
+
+def _pack(codes: np.ndarray) -> np.ndarray:
+    """[..., Kp] codes -> [..., Kp/2] bytes, element 2i in the low nibble."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _unpack(data: np.ndarray) -> np.ndarray:
+    out = np.empty(data.shape[:-1] + (data.shape[-1] * 2,), dtype=np.uint8)
+    out[..., 0::2] = data & 15
+    out[..., 1::2] = data >> 4
+    return out
+
+
+def nvfp4_global_scale(x: np.ndarray) -> np.float32:
+    """SPEC: float32(amax_tensor) / float32(448 * 6); 1.0 when the tensor is all zeros."""
+    amax = np.float32(np.max(np.abs(x.astype(np.float32)))) if x.size else np.float32(0)
+    return np.float32(1.0) if amax == 0 else np.float32(amax / np.float32(448.0 * 6.0))
+
+
+def quantize_mxfp4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(data, scales) for MXFP4: e = floor(log2(amax)) - 2 clamped to [-127, 127]; NaN/Inf block -> 255."""
+    blk, _ = _blocks(x, 32)
+    amax = np.max(np.abs(blk), axis=-1)
+    bad = ~np.all(np.isfinite(blk), axis=-1)
+    safe = np.where(bad | (amax == 0), np.float32(1), amax)
+    e = np.frexp(safe)[1].astype(np.int64) - 1 - 2  # floor(log2(amax)) - 2, exact via frexp
+    e = np.where(amax == 0, -127, np.clip(e, -127, 127))
+    scaled = blk.astype(np.float64) * np.ldexp(1.0, -e)[..., None]  # exact power-of-two scaling
+    codes = np.where(bad[..., None], np.uint8(0), e2m1_encode(np.where(bad[..., None], 0, scaled)))
+    scales = np.where(bad, 255, e + 127).astype(np.uint8)
+    return _pack(codes.reshape(codes.shape[:-2] + (-1,))), scales
+
+
+def quantize_nvfp4(x: np.ndarray, global_scale) -> tuple[np.ndarray, np.ndarray]:
+    """(data, scales) for NVFP4 with the SPEC's float32 steps, each rounded to nearest even."""
+    gs = np.float32(global_scale)
+    blk, _ = _blocks(x, 16)
+    amax = np.max(np.abs(blk), axis=-1)
+    with np.errstate(under="ignore"):
+        s = (amax / np.float32(6.0)).astype(np.float32) / gs
+        s = np.clip(s, np.float32(2.0 ** -9), np.float32(E4M3_MAX)).astype(np.float32)
+        codes_s = e4m3_encode(s)
+        denom = (e4m3_decode(codes_s) * gs).astype(np.float32)
+        q = (blk / denom[..., None]).astype(np.float32)
+    codes = e2m1_encode(q)
+    return _pack(codes.reshape(codes.shape[:-2] + (-1,))), codes_s
+
+
+def dequantize_codes(data: np.ndarray, scales: np.ndarray, fmt: str, global_scale, K: int) -> np.ndarray:
+    """float32 values [..., K]: (e2m1 * scale) * global_scale, each product rounded to float32."""
+    block = FORMATS[fmt]
+    vals = e2m1_decode(_unpack(data)).reshape(data.shape[:-1] + (-1, block))
+    sc = e8m0_decode(scales) if fmt == "mxfp4" else e4m3_decode(scales)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = (vals * sc[..., None]).astype(np.float32)
+        if fmt == "nvfp4":
+            out = (out * np.float32(global_scale)).astype(np.float32)
+    return out.reshape(data.shape[:-1] + (-1,))[..., :K]
+
+
+def quantize(x, format="nvfp4", global_scale=None):
+    """Reference quantize: same contract as vbw_cupy.quantize on NumPy arrays."""
+    from .fp4 import quantize as _q  # the public function validates, then calls back into this module
+    return _q(np.asarray(x), format, global_scale)
+
+
+def dequantize(t, dtype=np.float32):
+    """Reference dequantize of an FP4Tensor held in NumPy arrays."""
+    out = dequantize_codes(np.asarray(t.data), np.asarray(t.scales), t.format, t.global_scale, t.shape[-1])
+    return out.astype(dtype)
+
+
+_ACTIVATIONS = {
+    None: lambda z: z,
+    "relu": lambda z: np.maximum(z, 0.0),
+    "gelu": lambda z: 0.5 * z * (1.0 + _erf(z / np.sqrt(2.0))),
+    "gelu_tanh": lambda z: 0.5 * z * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (z + 0.044715 * z ** 3))),
+    "silu": lambda z: z / (1.0 + np.exp(-z)),
+}
+
+
+def _erf(z):
+    try:
+        from scipy.special import erf
+        return erf(z)
+    except ImportError:  # math.erf, vectorised: exact to double precision, fine for a reference
+        import math
+        return np.vectorize(math.erf, otypes=[np.float64])(z)
+
+
+def apply_activation(z: np.ndarray, name) -> np.ndarray:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {sorted(k for k in _ACTIVATIONS if k)} or None, got {name!r}")
+    with np.errstate(over="ignore"):
+        return _ACTIVATIONS[name](z)
+
+
+def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None):
+    """activation(a @ dequantize(w).T + bias) in float64, cast to out_dtype (default: a's dtype, or
+    float16 when `a` is itself an FP4Tensor, W4A4)."""
+    if hasattr(a, "format"):  # FP4Tensor
+        a64 = dequantize(a).astype(np.float64)
+        default_dtype = np.float16
+    else:
+        a64 = np.asarray(a).astype(np.float64)
+        default_dtype = np.asarray(a).dtype
+    w64 = dequantize(w).astype(np.float64)
+    z = a64 @ w64.T
+    if bias is not None:
+        z = z + np.asarray(bias).astype(np.float64)
+    return apply_activation(z, activation).astype(out_dtype or default_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------
+
+# Attention follows SPEC section 3. Every function works on one sequence at a time, one KV head at a
+# time, and a block of query rows at a time, so the largest temporary is about _BLOCK_ELEMS float64
+# scores (16 MiB) whatever the sequence length. The argument checks are public so that
+# vbw_cupy.attention can run the very same checks on CuPy arrays before it launches a kernel.
+
+import math as _math
+from typing import NamedTuple as _NamedTuple
+
+import ml_dtypes as _ml_dtypes
+
+#: dtypes the reference accepts for q, k, v (the GPU kernels take float16 and bfloat16 only).
+ATTENTION_DTYPES = (np.dtype(np.float16), np.dtype(_ml_dtypes.bfloat16), np.dtype(np.float32))
+#: largest head dimension (SPEC section 3: any D from 1 to 256).
+MAX_HEAD_DIM = 256
+#: largest paged-KV block size (any power of two from 1 to 256).
+MAX_BLOCK_SIZE = 256
+
+_BLOCK_ROWS = 256            # query rows per block, at most
+_BLOCK_ELEMS = 1 << 21       # score elements per block, at most (rows shrink when Sk * group is large)
+
+
+class AttentionShape(_NamedTuple):
+    """Sizes of a dense `flash_attention` call (returned by `check_attention_args`)."""
+    B: int
+    Sq: int
+    Sk: int
+    Hq: int
+    Hkv: int
+    D: int
+
+
+class VarlenShape(_NamedTuple):
+    """Sizes of a `flash_attention_varlen` call (returned by `check_varlen_args`).
+
+    `cu_seqlens_q` / `cu_seqlens_k` are host (NumPy int64) copies of the offsets, or None when the
+    checker was told not to look at values and had no reason to copy them."""
+    B: int
+    total_q: int
+    total_k: int
+    Hq: int
+    Hkv: int
+    D: int
+    max_seqlen_q: int | None
+    max_seqlen_k: int | None
+    cu_seqlens_q: np.ndarray | None
+    cu_seqlens_k: np.ndarray | None
+
+
+class PagedShape(_NamedTuple):
+    """Sizes of a `paged_attention` call (returned by `check_paged_args`).
+
+    `block_table` / `seq_lens` are host (NumPy int64) copies, or None when values were not checked."""
+    B: int
+    Hq: int
+    Hkv: int
+    D: int
+    num_blocks: int
+    block_size: int
+    max_blocks: int
+    block_table: np.ndarray | None
+    seq_lens: np.ndarray | None
+
+
+# ---- argument checks (NumPy and CuPy alike) ---------------------------------------------------
+
+def _check_array(name, x, ndim, layout):
+    if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
+        raise TypeError(f"{name}: expected an array of shape {layout}, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d array {layout}, got {x.ndim}-d shape {tuple(x.shape)}")
+
+
+def _check_float_dtype(name, x, dtypes):
+    if np.dtype(x.dtype) not in dtypes:
+        want = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {want}, got {x.dtype}")
+
+
+def _check_same_dtype(name, x, ref_name, ref):
+    if np.dtype(x.dtype) != np.dtype(ref.dtype):
+        raise TypeError(f"{name}: expected the same dtype as {ref_name} ({ref.dtype}), got {x.dtype}")
+
+
+def _check_int32(name, x, ndim, layout):
+    _check_array(name, x, ndim, layout)
+    if np.dtype(x.dtype) != np.dtype(np.int32):
+        raise TypeError(f"{name}: expected an int32 array {layout}, got dtype {x.dtype}")
+
+
+def _check_nonempty(name, shape, layout):
+    if any(int(n) == 0 for n in shape):
+        raise ValueError(f"{name}: expected a non-empty array {layout}, got shape {tuple(shape)}")
+
+
+def _check_heads(Hq, Hkv, q_name, k_name):
+    if Hq % Hkv != 0:
+        raise ValueError(f"{k_name}: expected a number of KV heads that divides {q_name}'s {Hq} heads "
+                         f"(grouped-query attention), got {Hkv}")
+
+
+def _check_head_dim(D, name):
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"{name}: expected a head dimension D from 1 to {MAX_HEAD_DIM}, got {D}")
+
+
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x):
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_window(window):
+    """Validate `window=(left, right)`: two ints, each -1 (unbounded) or >= 0. Returns (left, right)."""
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(_is_int(w) for w in window):
+        raise TypeError(f"window: expected a pair of ints (left, right), -1 meaning unbounded, got {window!r}")
+    left, right = int(window[0]), int(window[1])
+    if left < -1 or right < -1:
+        raise ValueError(f"window: expected values >= -1 (-1 is unbounded), got {(left, right)}")
+    return left, right
+
+
+def check_softcap(softcap):
+    """Validate `softcap`: a finite real >= 0 (0 turns it off). Returns it as a float."""
+    if not _is_real(softcap):
+        raise TypeError(f"softcap: expected a float >= 0, got {type(softcap).__name__} {softcap!r}")
+    softcap = float(softcap)
+    if not (_math.isfinite(softcap) and softcap >= 0.0):
+        raise ValueError(f"softcap: expected a finite float >= 0 (0 is off), got {softcap}")
+    return softcap
+
+
+def check_flag(name, value):
+    """Validate a boolean flag such as `causal` or `return_lse`. Returns it as a bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def effective_scale(softmax_scale, D):
+    """`softmax_scale`, or 1/sqrt(D) when it is None; must be a finite real. Returns a float."""
+    if softmax_scale is None:
+        return 1.0 / _math.sqrt(D)
+    if not _is_real(softmax_scale):
+        raise TypeError(f"softmax_scale: expected None or a float, got {type(softmax_scale).__name__} "
+                        f"{softmax_scale!r}")
+    if not _math.isfinite(float(softmax_scale)):
+        raise ValueError(f"softmax_scale: expected a finite float, got {float(softmax_scale)}")
+    return float(softmax_scale)
+
+
+def effective_window(window, causal):
+    """(left, right) after SPEC's rule that `causal=True` means right = 0 (any left window is kept)."""
+    left, right = check_window(window)
+    return (left, 0) if causal else (left, right)
+
+
+def _check_options(window, softcap, causal, softmax_scale, D):
+    check_window(window)
+    check_softcap(softcap)
+    check_flag("causal", causal)
+    effective_scale(softmax_scale, D)
+
+
+def check_attention_args(q, k, v, window=(-1, -1), softcap=0.0, *, causal=False, softmax_scale=None,
+                         dtypes=ATTENTION_DTYPES):
+    """Check the arguments of `flash_attention` and return their sizes.
+
+    q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D], all of one dtype from `dtypes`, no empty dimension,
+    Hq % Hkv == 0, 1 <= D <= 256; `window`, `softcap`, `causal`, `softmax_scale` as in SPEC section 3.
+    Only `.shape`, `.dtype` and `.ndim` are read, so NumPy and CuPy arrays work alike and nothing is
+    copied. Raises TypeError / ValueError naming the argument. Returns
+    `AttentionShape(B, Sq, Sk, Hq, Hkv, D)` (a tuple).
+    """
+    _check_array("q", q, 4, "[B, Sq, Hq, D]")
+    _check_array("k", k, 4, "[B, Sk, Hkv, D]")
+    _check_array("v", v, 4, "[B, Sk, Hkv, D]")
+    _check_float_dtype("q", q, dtypes)
+    _check_same_dtype("k", k, "q", q)
+    _check_same_dtype("v", v, "q", q)
+    B, Sq, Hq, D = (int(n) for n in q.shape)
+    _check_head_dim(D, "q")
+    _check_nonempty("q", q.shape, "[B, Sq, Hq, D]")
+    _check_nonempty("k", k.shape, "[B, Sk, Hkv, D]")
+    Bk, Sk, Hkv, Dk = (int(n) for n in k.shape)
+    if Bk != B or Dk != D:
+        raise ValueError(f"k: expected shape [B, Sk, Hkv, D] with B == q's {B} and D == q's {D}, "
+                         f"got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    _check_heads(Hq, Hkv, "q", "k")
+    _check_options(window, softcap, causal, softmax_scale, D)
+    return AttentionShape(B, Sq, Sk, Hq, Hkv, D)
+
+
+def _to_host(x):
+    # NumPy arrays pass through; CuPy arrays are copied to the host with .get() (this synchronizes).
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "get"):
+        return np.asarray(x.get())
+    return np.asarray(x)
+
+
+def _check_cu_seqlens(name, cu, total, tokens_name):
+    cu = _to_host(cu).astype(np.int64)
+    if cu[0] != 0:
+        raise ValueError(f"{name}: expected offsets starting at 0, got {int(cu[0])} first")
+    steps = np.diff(cu)
+    if (steps < 0).any():
+        at = int(np.argmax(steps < 0))
+        raise ValueError(f"{name}: expected non-decreasing offsets, got {int(cu[at])} then {int(cu[at + 1])} "
+                         f"at index {at}")
+    if cu[-1] != total:
+        raise ValueError(f"{name}: expected the last offset to equal {tokens_name}'s packed length {total}, "
+                         f"got {int(cu[-1])}")
+    return cu
+
+
+def _check_max_seqlen(name, value, actual):
+    if value is None:
+        return actual
+    if not _is_int(value):
+        raise TypeError(f"{name}: expected None or an int, got {type(value).__name__} {value!r}")
+    if int(value) < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {int(value)}")
+    if actual is not None and int(value) < actual:
+        raise ValueError(f"{name}: expected at least the longest sequence ({actual}), got {int(value)}")
+    return int(value)
+
+
+def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window=(-1, -1), softcap=0.0, *,
+                      max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None,
+                      dtypes=ATTENTION_DTYPES, check_values=True):
+    """Check the arguments of `flash_attention_varlen` and return their sizes.
+
+    Packed q [total_q, Hq, D], k and v [total_k, Hkv, D] (one dtype from `dtypes`, no empty dimension,
+    Hq % Hkv == 0, 1 <= D <= 256); `cu_seqlens_q` and `cu_seqlens_k` int32 [B + 1]. Shapes and dtypes are
+    read from `.shape` / `.dtype` only. With `check_values=True` (default) the offsets must start at 0,
+    never decrease and end at total_q / total_k, and `max_seqlen_q` / `max_seqlen_k`, when given, must
+    be at least the longest sequence (a smaller value would make a kernel skip rows). Checking values
+    reads the offsets on the host: for CuPy arrays that is a device-to-host copy with `.get()`, which
+    synchronizes the stream. With `check_values=False` nothing is copied unless a max_seqlen is None
+    (it is then computed from the offsets). Returns `VarlenShape(B, total_q, total_k, Hq, Hkv, D,
+    max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k)` with host copies of the offsets when read.
+    """
+    _check_array("q", q, 3, "[total_q, Hq, D]")
+    _check_array("k", k, 3, "[total_k, Hkv, D]")
+    _check_array("v", v, 3, "[total_k, Hkv, D]")
+    _check_float_dtype("q", q, dtypes)
+    _check_same_dtype("k", k, "q", q)
+    _check_same_dtype("v", v, "q", q)
+    total_q, Hq, D = (int(n) for n in q.shape)
+    _check_head_dim(D, "q")
+    _check_nonempty("q", q.shape, "[total_q, Hq, D]")
+    _check_nonempty("k", k.shape, "[total_k, Hkv, D]")
+    total_k, Hkv, Dk = (int(n) for n in k.shape)
+    if Dk != D:
+        raise ValueError(f"k: expected shape [total_k, Hkv, D] with D == q's {D}, got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    _check_heads(Hq, Hkv, "q", "k")
+    _check_int32("cu_seqlens_q", cu_seqlens_q, 1, "[B + 1]")
+    _check_int32("cu_seqlens_k", cu_seqlens_k, 1, "[B + 1]")
+    nq, nk = int(cu_seqlens_q.shape[0]), int(cu_seqlens_k.shape[0])
+    if nq < 2:
+        raise ValueError(f"cu_seqlens_q: expected B + 1 >= 2 offsets, got {nq}")
+    if nk != nq:
+        raise ValueError(f"cu_seqlens_k: expected {nq} offsets (B + 1, as cu_seqlens_q), got {nk}")
+    _check_options(window, softcap, causal, softmax_scale, D)
+    cu_q = cu_k = None
+    max_q = max_k = None
+    if check_values or max_seqlen_q is None or max_seqlen_k is None:
+        cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "q")
+        cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "k")
+        max_q, max_k = int(np.diff(cu_q).max()), int(np.diff(cu_k).max())
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, max_q)
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
+    return VarlenShape(nq - 1, total_q, total_k, Hq, Hkv, D, max_q, max_k, cu_q, cu_k)
+
+
+def check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window=(-1, -1), softcap=0.0, *,
+                     softmax_scale=None, dtypes=ATTENTION_DTYPES, check_values=True):
+    """Check the arguments of `paged_attention` and return their sizes.
+
+    q [B, Hq, D]; k_cache and v_cache [num_blocks, block_size, Hkv, D] of q's dtype (one of `dtypes`),
+    block_size a power of two from 1 to 256, Hq % Hkv == 0, 1 <= D <= 256; block_table int32
+    [B, max_blocks]; seq_lens int32 [B]. Shapes and dtypes are read from `.shape` / `.dtype` only.
+    With `check_values=True` (default) every seq_lens[b] must be in [1, max_blocks * block_size] and the
+    first ceil(seq_lens[b] / block_size) entries of block_table[b] (the ones used) in [0, num_blocks);
+    entries past those are never read and may hold anything. Checking values reads block_table and
+    seq_lens on the host: for CuPy arrays that is a device-to-host copy with `.get()`, which synchronizes
+    the stream. Returns `PagedShape(B, Hq, Hkv, D, num_blocks, block_size, max_blocks, block_table,
+    seq_lens)` with host copies of the two int arrays when values were checked (else None).
+    """
+    _check_array("q", q, 3, "[B, Hq, D]")
+    _check_array("k_cache", k_cache, 4, "[num_blocks, block_size, Hkv, D]")
+    _check_array("v_cache", v_cache, 4, "[num_blocks, block_size, Hkv, D]")
+    _check_float_dtype("q", q, dtypes)
+    _check_same_dtype("k_cache", k_cache, "q", q)
+    _check_same_dtype("v_cache", v_cache, "q", q)
+    B, Hq, D = (int(n) for n in q.shape)
+    _check_head_dim(D, "q")
+    _check_nonempty("q", q.shape, "[B, Hq, D]")
+    _check_nonempty("k_cache", k_cache.shape, "[num_blocks, block_size, Hkv, D]")
+    num_blocks, block_size, Hkv, Dk = (int(n) for n in k_cache.shape)
+    if Dk != D:
+        raise ValueError(f"k_cache: expected shape [num_blocks, block_size, Hkv, D] with D == q's {D}, "
+                         f"got {tuple(k_cache.shape)}")
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, "
+                         f"got {tuple(v_cache.shape)}")
+    if block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1):
+        raise ValueError(f"k_cache: expected a block_size (dimension 1) that is a power of two from 1 to "
+                         f"{MAX_BLOCK_SIZE}, got {block_size}")
+    _check_heads(Hq, Hkv, "q", "k_cache")
+    _check_int32("block_table", block_table, 2, "[B, max_blocks]")
+    _check_int32("seq_lens", seq_lens, 1, "[B]")
+    if int(block_table.shape[0]) != B or int(block_table.shape[1]) < 1:
+        raise ValueError(f"block_table: expected shape [B, max_blocks] with B == q's {B} and max_blocks >= 1, "
+                         f"got {tuple(block_table.shape)}")
+    if int(seq_lens.shape[0]) != B:
+        raise ValueError(f"seq_lens: expected shape [B] with B == q's {B}, got {tuple(seq_lens.shape)}")
+    check_window(window)
+    check_softcap(softcap)
+    effective_scale(softmax_scale, D)
+    max_blocks = int(block_table.shape[1])
+    table = lens = None
+    if check_values:
+        lens = _to_host(seq_lens).astype(np.int64)
+        table = _to_host(block_table).astype(np.int64)
+        capacity = max_blocks * block_size
+        for b, n in enumerate(lens):
+            if not 1 <= n <= capacity:
+                raise ValueError(f"seq_lens: expected values from 1 to max_blocks * block_size = {capacity}, "
+                                 f"got {int(n)} at index {b}")
+            used = table[b, :-(-int(n) // block_size)]
+            bad = (used < 0) | (used >= num_blocks)
+            if bad.any():
+                j = int(np.argmax(bad))
+                raise ValueError(f"block_table: expected block ids in [0, {num_blocks}) (k_cache has {num_blocks} "
+                                 f"blocks), got {int(used[j])} at [{b}, {j}]")
+    return PagedShape(B, Hq, Hkv, D, num_blocks, block_size, max_blocks, table, lens)
+
+
+# ---- the computation ------------------------------------------------------------------------
+
+def _require_numpy(**arrays):
+    for name, x in arrays.items():
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{name}: the reference takes numpy.ndarray, got {type(x).__module__}."
+                            f"{type(x).__name__} (vbw_cupy.attention runs GPU arrays)")
+
+
+def _round_from_f64(x, dtype):
+    """Round float64 `x` to `dtype` once (round-to-nearest-even).
+
+    NumPy rounds float64 -> float16 / float32 directly, but ml_dtypes casts float64 -> bfloat16 through
+    float32, which rounds twice. Rounding to float32 with round-to-odd first (truncate, then set the last
+    bit when inexact) keeps the information a second rounding needs, so float32 -> bfloat16 is then exact.
+    """
+    dtype = np.dtype(dtype)
+    if dtype != np.dtype(_ml_dtypes.bfloat16):
+        return x.astype(dtype)
+    y = x.astype(np.float32)
+    back = y.astype(np.float64)
+    y = np.where(np.abs(back) > np.abs(x), np.nextafter(y, np.float32(0)), y)   # truncate toward zero
+    bits = y.view(np.uint32) | (y.astype(np.float64) != x).astype(np.uint32)     # sticky bit
+    return bits.view(np.float32).astype(dtype)
+
+
+def _query_blocks(Sq, Sk, group, left, right):
+    """Yield (i0, i1, j0, j1, mask): query rows [i0, i1), the keys [j0, j1) any of them may see, and
+    mask[r, c] True iff query i0 + r sees key j0 + c (bottom-right aligned, SPEC section 3)."""
+    offset = Sk - Sq
+    rows = max(1, min(_BLOCK_ROWS, _BLOCK_ELEMS // (group * max(Sk, 1))))
+    for i0 in range(0, Sq, rows):
+        i1 = min(Sq, i0 + rows)
+        j0 = 0 if left < 0 else min(Sk, max(0, i0 + offset - left))
+        j1 = Sk if right < 0 else min(Sk, max(0, i1 - 1 + offset + right + 1))
+        j1 = max(j0, j1)
+        diag = np.arange(i0, i1)[:, None] + offset            # key index aligned with each query
+        j = np.arange(j0, j1)[None, :]
+        mask = np.ones((i1 - i0, j1 - j0), dtype=bool)
+        if left >= 0:
+            mask &= j >= diag - left
+        if right >= 0:
+            mask &= j <= diag + right
+        yield i0, i1, j0, j1, mask
+
+
+def _attend(q, k, v, out, lse, scale, left, right, softcap):
+    """One sequence in float64: q [Sq, Hq, D], k and v [Sk, Hkv, D] (any float dtype, Sk may be 0).
+    Writes out [Sq, Hq, D] (rounded to out's dtype) and, when lse is not None, lse [Hq, Sq]."""
+    Sq, Hq, _ = q.shape
+    Sk, Hkv, _ = k.shape
+    group = Hq // Hkv
+    for h in range(Hkv):
+        heads = slice(h * group, (h + 1) * group)        # query heads that share KV head h
+        kh = k[:, h, :].astype(np.float64)
+        vh = v[:, h, :].astype(np.float64)
+        for i0, i1, j0, j1, mask in _query_blocks(Sq, Sk, group, left, right):
+            qb = q[i0:i1, heads, :].astype(np.float64).transpose(1, 0, 2)      # [group, rows, D]
+            s = (qb @ kh[j0:j1].T) * scale                                       # [group, rows, keys]
+            if softcap > 0:
+                s = softcap * np.tanh(s / softcap)
+            s = np.where(mask, s, -np.inf)
+            m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+            m = np.where(np.isfinite(m), m, 0.0)             # rows that see no key: all p are 0
+            p = np.exp(s - m)
+            l = p.sum(axis=-1, keepdims=True)                # >= 1 where a key is seen, else 0
+            seen = l > 0
+            o = np.divide(p @ vh[j0:j1], l, out=np.zeros(qb.shape), where=seen)
+            out[i0:i1, heads, :] = _round_from_f64(o.transpose(1, 0, 2), out.dtype)
+            if lse is not None:
+                lse[heads, i0:i1] = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)[..., 0]
+
+
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0,
+                    return_lse=False):
+    """Attention in float64 (SPEC section 3), the ground truth for the GPU kernel.
+
+    q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]: float16, bfloat16 or float32 NumPy arrays of one dtype,
+    Hq % Hkv == 0 (query head h reads KV head h // (Hq // Hkv)), 1 <= D <= 256.
+    Scores are `softmax_scale * q.k` (default 1/sqrt(D)), then `softcap * tanh(s / softcap)` when
+    softcap > 0. Query i sees key j iff `i + Sk - Sq - left <= j <= i + Sk - Sq + right` with
+    (left, right) = window (-1 unbounded); `causal=True` sets right = 0 (bottom-right aligned). A query
+    that sees no key gets output 0 and lse -inf.
+
+    Returns o [B, Sq, Hq, D] in q's dtype (rounded once from float64), and with `return_lse=True` also
+    lse float32 [B, Hq, Sq], the natural log of each row's softmax denominator.
+
+    >>> q = np.random.default_rng(0).standard_normal((1, 5, 4, 8)).astype(np.float16)
+    >>> kv = np.random.default_rng(1).standard_normal((1, 7, 2, 8)).astype(np.float16)
+    >>> flash_attention(q, kv, kv, causal=True).shape
+    (1, 5, 4, 8)
+    """
+    _require_numpy(q=q, k=k, v=v)
+    B, Sq, Sk, Hq, Hkv, D = check_attention_args(q, k, v, window, softcap, causal=causal,
+                                                 softmax_scale=softmax_scale)
+    return_lse = check_flag("return_lse", return_lse)
+    left, right = effective_window(window, causal)
+    scale, softcap = effective_scale(softmax_scale, D), check_softcap(softcap)
+    out = np.empty(q.shape, dtype=q.dtype)
+    lse = np.empty((B, Hq, Sq), dtype=np.float32) if return_lse else None
+    for b in range(B):
+        _attend(q[b], k[b], v[b], out[b], None if lse is None else lse[b], scale, left, right, softcap)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
+                           causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+    """`flash_attention` over packed sequences of different lengths, in float64.
+
+    q [total_q, Hq, D], k and v [total_k, Hkv, D]; sequence b holds q rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1] and k, v rows cu_seqlens_k[b]:cu_seqlens_k[b+1] (int32 [B + 1],
+    starting at 0, non-decreasing, ending at total_q / total_k). Each sequence is attended on its own
+    with the rules of `flash_attention` (causal aligned bottom-right within the sequence); a sequence with
+    no keys gives output 0 and lse -inf for its queries. `max_seqlen_q` / `max_seqlen_k` are checked to
+    be at least the longest sequence but are otherwise unused here.
+
+    Returns o [total_q, Hq, D] in q's dtype, and with `return_lse=True` lse float32 [Hq, total_q].
+    """
+    _require_numpy(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    shape = check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, softcap,
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+                              softmax_scale=softmax_scale)
+    return_lse = check_flag("return_lse", return_lse)
+    left, right = effective_window(window, causal)
+    scale, softcap = effective_scale(softmax_scale, shape.D), check_softcap(softcap)
+    cu_q, cu_k = shape.cu_seqlens_q, shape.cu_seqlens_k
+    out = np.empty(q.shape, dtype=q.dtype)
+    lse = np.empty((shape.Hq, shape.total_q), dtype=np.float32) if return_lse else None
+    for b in range(shape.B):
+        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if qe > qs:
+            _attend(q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], None if lse is None else lse[:, qs:qe],
+                    scale, left, right, softcap)
+    return (out, lse) if return_lse else out
+
+
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, softcap=0.0,
+                    window=(-1, -1)):
+    """Decode attention over a paged KV cache, in float64: one query token per sequence.
+
+    q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_table int32 [B, max_blocks];
+    seq_lens int32 [B]. Token t of sequence b lives at k_cache[block_table[b, t // block_size],
+    t % block_size]. The query is the sequence's last token (position seq_lens[b] - 1) and sees its
+    seq_lens[b] keys, limited by `window` exactly as `flash_attention` with Sq = 1, Sk = seq_lens[b]
+    (so only `left` matters). Returns [B, Hq, D] in q's dtype.
+    """
+    _require_numpy(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
+    shape = check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window, softcap,
+                             softmax_scale=softmax_scale)
+    left, right = check_window(window)
+    scale, softcap = effective_scale(softmax_scale, shape.D), check_softcap(softcap)
+    out = np.empty(q.shape, dtype=q.dtype)
+    bs = shape.block_size
+    for b in range(shape.B):
+        n = int(shape.seq_lens[b])
+        blocks = shape.block_table[b, :-(-n // bs)]
+        k = k_cache[blocks].reshape(-1, shape.Hkv, shape.D)[:n]
+        v = v_cache[blocks].reshape(-1, shape.Hkv, shape.D)[:n]
+        _attend(q[b][None], k, v, out[b][None], None, scale, left, right, softcap)
+    return out
+
+
+def sdpa_lowp(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0):
+    """The same attention computed the way flash-attn does in the input precision: SPEC section 7's
+    baseline ("the error of a same-dtype computation with float32 softmax").
+
+    Same arguments and masks as `flash_attention`. Steps, per query row: scores q.k from the input
+    values with float32 products and sums, times softmax_scale in float32, softcap in float32;
+    p = exp(s - rowmax) in float32 and l = sum(p) in float32; p rounded to the input dtype; p @ v with
+    float32 accumulation; divided by l in float32; rounded to the input dtype. (Unlike the kernel there is
+    no online rescaling: the row max is exact, which only makes this baseline slightly better.)
+    Rows that see no key give 0. A GPU result passes when
+    `err(gpu) <= 2 * err(sdpa_lowp)` (relative Frobenius errors against `flash_attention` in float64) and
+    under the SPEC's absolute cap for its dtype.
+
+    Returns o [B, Sq, Hq, D] in q's dtype.
+    """
+    _require_numpy(q=q, k=k, v=v)
+    B, Sq, Sk, Hq, Hkv, D = check_attention_args(q, k, v, window, softcap, causal=causal,
+                                                 softmax_scale=softmax_scale)
+    left, right = effective_window(window, causal)
+    scale = np.float32(effective_scale(softmax_scale, D))
+    cap = np.float32(check_softcap(softcap))
+    group = Hq // Hkv
+    f32 = np.float32
+    out = np.empty(q.shape, dtype=q.dtype)
+    for b in range(B):
+        for h in range(Hkv):
+            heads = slice(h * group, (h + 1) * group)
+            kh = k[b, :, h, :].astype(f32)
+            vh = v[b, :, h, :].astype(f32)
+            for i0, i1, j0, j1, mask in _query_blocks(Sq, Sk, group, left, right):
+                qb = q[b, i0:i1, heads, :].astype(f32).transpose(1, 0, 2)
+                s = (qb @ kh[j0:j1].T) * scale
+                if cap > 0:
+                    s = cap * np.tanh(s / cap)
+                s = np.where(mask, s, f32(-np.inf))
+                m = s.max(axis=-1, keepdims=True, initial=f32(-np.inf))
+                m = np.where(np.isfinite(m), m, f32(0))
+                p = np.exp(s - m)
+                l = p.sum(axis=-1, keepdims=True, dtype=f32)
+                p = p.astype(q.dtype).astype(f32)
+                o = np.divide(p @ vh[j0:j1], l, out=np.zeros(qb.shape, dtype=f32), where=l > 0)
+                out[b, i0:i1, heads, :] = o.astype(q.dtype).transpose(1, 0, 2)
+    return out
