@@ -1,0 +1,713 @@
+"""Autotuning of kernel template parameters, remembered on disk (SPEC section 5).
+
+A kernel module declares what can be tuned once, at import time::
+
+    from vbw_cupy import autotune
+
+    GEMM_TUNABLE = autotune.register(autotune.Tunable(
+        name="fp4_gemm",
+        params=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"),
+        candidates=tuple(dict(BLOCK_M=m, BLOCK_N=n, WARPS=w, STAGES=s)
+                         for m in (64, 128) for n in (64, 128) for w in (4, 8) for s in (2, 3)),
+        defaults={80: dict(BLOCK_M=128, BLOCK_N=128, WARPS=8, STAGES=3),
+                  86: ..., 89: ..., 90: ...},        # other archs use the nearest lower one
+        bucket=lambda s: (autotune.pow2_bucket(s["M"], lo=16, hi=8192), s["N"], s["K"]),
+        fits=lambda cfg, lim: smem_bytes(cfg) <= lim["smem_optin"],
+        source="fp4_gemm.cu",
+        standard_shapes=(({"M": 4096, "N": 4096, "K": 4096}, "float16"),),   # for `vbw-cupy tune`
+        bench=make_gemm_bench,                       # (shape, dtype) -> run(cfg), inputs built inside
+    ))
+
+and at each call asks for a config, passing a closure that launches the kernel ONCE with a given config on the
+caller's own arrays::
+
+    cfg = autotune.pick("fp4_gemm", {"M": M, "N": N, "K": K}, a.dtype, lambda c: _launch(c, a, w, out))
+    _launch(cfg, a, w, out)
+
+`pick` returns, in this order of preference:
+- ``VBW_CUPY_AUTOTUNE=0``: the per-arch default (``default_config``); nothing is ever timed.
+- a cache hit: memory first, then ``$VBW_CUPY_CACHE_DIR/autotune.json`` (re-read on every memory miss, so a
+  key another process tuned meanwhile is reused).
+- otherwise (``VBW_CUPY_AUTOTUNE=1``, the default) it tunes: every candidate that passes ``fits`` (plus the
+  default, always timed first) is run with CUDA events on the current stream: one warm-up launch (this is
+  where NVRTC compiles the instance), then the median of 3..50 timed launches, with a scratch buffer of twice
+  the device's L2 written before every timed launch (outside the timed interval) so no config wins from a warm
+  L2. Repetitions are capped by measured time: tuning one key costs about ``VBW_CUPY_AUTOTUNE_BUDGET_S``
+  seconds (default 3) of timed launches plus the compile time of the instances; a candidate whose first
+  timing is over 3x the best so far is not repeated. The winner is stored in memory and merged into the JSON
+  file.
+  While the current stream is capturing a CUDA graph, a miss returns the default without timing.
+
+Rules for the ``run`` closure (kernel authors, read this):
+- it must be idempotent: it runs many times, so it must not accumulate into its output (zero it inside
+  ``run`` if the kernel accumulates, e.g. split-K with atomics) and must not modify its inputs;
+- any exception it raises (NVRTC ``CompileError``, ``cudaErrorLaunchOutOfResources``, too many threads,
+  a ``ValueError`` for a config it does not support) scores that candidate as unusable; tuning goes on.
+- EXCEPT sticky CUDA errors (illegal address, illegal instruction, misaligned address, launch failure,
+  hardware stack error): they kill the CUDA context, no later launch in the process can succeed, and they
+  cannot be recovered. `pick` re-raises them as a RuntimeError naming the kernel and config. A kernel must
+  therefore be correct for every candidate it lists (test all candidates in a subprocess; `fits` must prune
+  configs the kernel cannot run, e.g. wgmma with fewer than 128 threads).
+
+The cache key (``make_key``) is ``kernel | source hash | device name | sm_XX | nvrtc X.Y | dtype | bucket``.
+The source hash covers the kernel's ``.cu`` file and every ``.cuh`` in ``cuda_src/`` (editing one kernel
+does not invalidate the others' tuning; editing a shared header invalidates all). The bucket comes from the
+Tunable's ``bucket(shape)``; its rule is documented in the kernel module's docstring; ``pow2_bucket`` is the
+usual building block.
+
+The JSON file holds ``{"meta": {"tool": "vbw_cupy.autotune", "format": FORMAT_VERSION, "vbw_cupy": version},
+"entries": {key: {...}}}``. Writes go to a temporary file that replaces the old one (``os.replace``), while an
+``fcntl.flock`` on ``autotune.json.lock`` is held and after re-reading the file, so two processes tuning at
+once both keep their keys. A corrupt, foreign or stale (other format version) file is ignored with one
+warning per process and rewritten by the next store. A read-only cache directory degrades to memory only.
+
+Ahead of time: ``tune(names=None, shapes=None)`` (what ``vbw-cupy tune`` calls) tunes each Tunable's
+``standard_shapes`` with its ``bench`` and returns table rows; ``format_rows(rows)`` / ``print_tune_table(rows)``
+show them.
+``cache_summary()`` describes the file for ``vbw-cupy info``. ``stats()`` counts timer calls and hits.
+
+Tests replace the timer: ``autotune._timer = lambda run, cfg, **kw: ms`` (keywords: ``budget_s``,
+``cutoff_ms``), and ``autotune._device_info`` to run without a GPU; ``autotune.reset()`` forgets the memory
+cache, warnings and counters (a "new process").
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from . import _runtime as rt
+
+try:  # POSIX; elsewhere writes are still atomic, just not merged under a lock
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
+
+ENV_SWITCH = "VBW_CUPY_AUTOTUNE"
+ENV_BUDGET = "VBW_CUPY_AUTOTUNE_BUDGET_S"
+FORMAT_VERSION = 1
+CACHE_FILENAME = "autotune.json"
+TOOL = "vbw_cupy.autotune"
+MIN_REPS, MAX_REPS = 3, 50
+CUTOFF_FACTOR = 3.0          # a candidate first measured over 3x the best so far is not repeated
+SETTLE_FACTOR = 1.0          # reps target: budget / n_candidates seconds of timed launches each
+
+
+# ----------------------------------------------------------------------------------------------- declaring
+@dataclass(frozen=True)
+class Tunable:
+    """What one kernel can tune. See the module docstring for an example.
+
+    name: registry name ("fp4_gemm"). params: template parameter names; every config is a dict over them.
+    candidates: configs to time. defaults: {arch: config} for at least 80, 86, 89, 90; an arch not listed
+    uses the nearest lower one (or the lowest listed when the arch is below all of them).
+    bucket: shape dict -> hashable tuple; shapes in one bucket share a tuned config.
+    fits: (config, device limits) -> bool, prunes configs before timing (see ``device_limits``).
+    source: the cuda_src/ filename, hashed into the key. standard_shapes / bench: for ``tune``.
+    """
+    name: str
+    params: tuple[str, ...]
+    candidates: tuple[dict, ...]
+    defaults: dict[int, dict]
+    bucket: Callable[[dict], tuple]
+    fits: Callable[[dict, dict], bool] | None = None
+    source: str = ""
+    standard_shapes: tuple = ()
+    bench: Callable[[dict, Any], Callable[[dict], None]] | None = None
+
+    def __post_init__(self):
+        if not self.defaults:
+            raise ValueError(f"Tunable {self.name}: defaults must name a config for at least one arch")
+        for what, cfgs in (("candidates", self.candidates), ("defaults", tuple(self.defaults.values()))):
+            for c in cfgs:
+                if set(c) != set(self.params):
+                    raise ValueError(f"Tunable {self.name}: {what} config {c} must set exactly {self.params}")
+
+
+_registry: dict[str, Tunable] = {}
+
+
+def register(t: Tunable) -> Tunable:
+    """Add (or replace, e.g. on module reload) a Tunable; returns it so modules can keep a handle."""
+    _registry[t.name] = t
+    return t
+
+
+def get(name: str) -> Tunable:
+    try:
+        return _registry[name]
+    except KeyError:
+        raise KeyError(f"autotune: no Tunable named {name!r} (registered: {sorted(_registry)})") from None
+
+
+def registered() -> list[str]:
+    return sorted(_registry)
+
+
+def enabled() -> bool:
+    """VBW_CUPY_AUTOTUNE: "0" (or off/false/no) uses the per-arch defaults; "1" (default) tunes new keys."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _budget_s() -> float:
+    try:
+        return max(0.05, float(os.environ.get(ENV_BUDGET, "3")))
+    except ValueError:
+        return 3.0
+
+
+def pow2_bucket(n: int, lo: int | None = None, hi: int | None = None) -> int:
+    """Smallest power of two >= n (1 for n <= 1), clamped to [lo, hi]: 1000 -> 1024, 1024 -> 1024, 1025 -> 2048."""
+    n = int(n)
+    b = 1 if n <= 1 else 1 << (n - 1).bit_length()
+    if lo is not None:
+        b = max(b, int(lo))
+    if hi is not None:
+        b = min(b, int(hi))
+    return b
+
+
+def _nearest_arch(arch: int, archs) -> int:
+    archs = sorted(archs)
+    lower = [a for a in archs if a <= arch]
+    return lower[-1] if lower else archs[0]
+
+
+def default_config(name: str, arch: int | None = None) -> dict:
+    """The per-arch default of kernel `name` (arch None: the current device's), as a fresh dict."""
+    t = get(name)
+    if arch is None:
+        arch = _device_info()["arch"]
+    return dict(t.defaults[_nearest_arch(int(arch), t.defaults)])
+
+
+# -------------------------------------------------------------------------------------------- the device
+_device_cache: dict[int, dict] = {}
+
+
+def _query_device() -> dict:
+    cp = rt.require_cupy()
+    dev = cp.cuda.Device()
+    if dev.id in _device_cache:
+        return _device_cache[dev.id]
+    a = dev.attributes
+    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
+    if isinstance(name, bytes):
+        name = name.decode(errors="replace")
+    arch = int(dev.compute_capability)
+    info = {
+        "id": dev.id,
+        "name": str(name).strip(),
+        "arch": arch,
+        "nvrtc": rt.nvrtc_version(),
+        "limits": {
+            "arch": arch,
+            "smem_optin": int(a.get("MaxSharedMemoryPerBlockOptin", a.get("MaxSharedMemoryPerBlock", 49152))),
+            "smem_per_sm": int(a.get("MaxSharedMemoryPerMultiprocessor", 0)),
+            "max_threads": int(a.get("MaxThreadsPerBlock", 1024)),
+            "regs_per_block": int(a.get("MaxRegistersPerBlock", 65536)),
+            "num_sms": int(a.get("MultiProcessorCount", 1)),
+            "l2_bytes": int(a.get("L2CacheSize", 0)),
+        },
+    }
+    _device_cache[dev.id] = info
+    return info
+
+
+# Tests replace this with a function returning the same dict shape (no GPU needed).
+_device_info: Callable[[], dict] = _query_device
+
+
+def device_limits() -> dict:
+    """Limits passed to ``Tunable.fits``: arch, smem_optin (max dynamic+static shared memory per block after
+    opt-in, bytes), smem_per_sm, max_threads (per block), regs_per_block, num_sms, l2_bytes."""
+    return dict(_device_info()["limits"])
+
+
+def kernel_fits(kernel, threads: int, smem_bytes: int, limits: dict) -> bool:
+    """For a compiled cupy.RawKernel: does a launch with `threads` threads per block and `smem_bytes` of
+    dynamic shared memory fit? Uses the kernel's attributes (registers, static smem, max threads); local
+    memory (spills) is allowed, the timing judges it. Call it from ``fits`` when the compile is cheap."""
+    at = kernel.attributes
+    if threads > min(int(at.get("max_threads_per_block", limits["max_threads"])), limits["max_threads"]):
+        return False
+    if int(at.get("num_regs", 0)) * threads > limits["regs_per_block"]:
+        return False
+    return int(at.get("shared_size_bytes", 0)) + int(smem_bytes) <= limits["smem_optin"]
+
+
+# ------------------------------------------------------------------------------------------------ the key
+_src_hashes: dict[str, str] = {}
+
+
+def source_hash(filename: str) -> str:
+    """Hash of cuda_src/<filename> plus every .cuh header (headers are shared, so any header edit counts)."""
+    if not filename:
+        return "nosrc"
+    h = _src_hashes.get(filename)
+    if h is None:
+        d = hashlib.sha256()
+        paths = [rt.SOURCE_DIR / filename] + sorted(p for p in rt.SOURCE_DIR.glob("*.cuh"))
+        for p in paths:
+            d.update(p.name.encode())
+            d.update(p.read_bytes() if p.is_file() else b"<missing>")
+        h = _src_hashes[filename] = d.hexdigest()[:16]
+    return h
+
+
+def _dtype_name(dtype) -> str:
+    if dtype is None:
+        return "none"
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
+
+
+def _bucket_str(t: Tunable, shape: dict) -> str:
+    b = t.bucket(shape)
+    if not isinstance(b, tuple):
+        b = (b,)
+    return ",".join(str(x) for x in b)
+
+
+def make_key(name: str, shape: dict, dtype, device: dict | None = None) -> str:
+    """``kernel|source hash|device name|sm_XX|nvrtc X.Y|dtype|bucket`` for the current (or given) device."""
+    t = get(name)
+    dev = device if device is not None else _device_info()
+    return "|".join((t.name, source_hash(t.source), dev["name"], f"sm_{dev['arch']}", f"nvrtc{dev['nvrtc']}",
+                     _dtype_name(dtype), _bucket_str(t, shape)))
+
+
+# ---------------------------------------------------------------------------------------------- the cache
+_lock = threading.RLock()
+_memory: dict[str, dict] = {}
+_warned: set[str] = set()
+_stats = {"timer_calls": 0, "tuned": 0, "memory_hits": 0, "disk_hits": 0, "defaults": 0, "failed": 0}
+
+
+def cache_path() -> pathlib.Path:
+    return rt.cache_dir() / CACHE_FILENAME
+
+
+def stats() -> dict:
+    """Counters since import / reset(): timer_calls, tuned (keys), memory_hits, disk_hits, defaults, failed
+    (candidates scored unusable)."""
+    return dict(_stats)
+
+
+def reset() -> None:
+    """Forget the in-memory cache, the one-time warnings and the counters (what a new process would see)."""
+    with _lock:
+        _memory.clear()
+        _warned.clear()
+        for k in _stats:
+            _stats[k] = 0
+
+
+def _warn_once(tag: str, msg: str) -> None:
+    if tag not in _warned:
+        _warned.add(tag)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def _meta() -> dict:
+    from . import __version__
+    return {"tool": TOOL, "format": FORMAT_VERSION, "vbw_cupy": __version__}
+
+
+def _read_file(path: pathlib.Path) -> tuple[dict, str]:
+    """(entries, status) with status "ok", "missing" or why the file was ignored."""
+    try:
+        raw = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return {}, "missing"
+    except OSError as e:
+        return {}, f"unreadable ({e})"
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return {}, "corrupt (not valid JSON)"
+    if not isinstance(data, dict) or not isinstance(data.get("meta"), dict) or data["meta"].get("tool") != TOOL:
+        return {}, "foreign (not written by vbw_cupy.autotune)"
+    if data["meta"].get("format") != FORMAT_VERSION:
+        return {}, f"stale (format {data['meta'].get('format')!r}, this version reads {FORMAT_VERSION})"
+    entries = data.get("entries")
+    if not isinstance(entries, dict):
+        return {}, "corrupt (no entries table)"
+    good = {k: v for k, v in entries.items()
+            if isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("config"), dict)}
+    return good, "ok"
+
+
+def _load(path: pathlib.Path) -> dict:
+    entries, status = _read_file(path)
+    if status not in ("ok", "missing"):
+        _warn_once(f"bad:{path}", f"vbw_cupy.autotune: ignoring the tuning cache {path}: {status}; "
+                                  "it will be rewritten with the next tuned kernel")
+    return entries
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path):
+    if fcntl is None:  # pragma: no cover
+        yield
+        return
+    with open(str(path) + ".lock", "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _store(key: str, entry: dict) -> None:
+    """Put one entry in memory and merge it into the JSON file (lock, re-read, update, atomic replace)."""
+    with _lock:
+        _memory[key] = entry
+        path = cache_path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with _file_lock(path):
+                entries = _load(path)
+                entries[key] = entry
+                data = json.dumps({"meta": _meta(), "entries": entries}, indent=1, sort_keys=True)
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, path)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    raise
+        except OSError as e:
+            _warn_once(f"ro:{path}", f"vbw_cupy.autotune: cannot write the tuning cache {path} ({e}); "
+                                     "tuned configs are kept in memory for this process only")
+
+
+def _lookup(key: str) -> dict | None:
+    e = _memory.get(key)
+    if e is not None:
+        _stats["memory_hits"] += 1
+        return e
+    disk = _load(cache_path())
+    for k, v in disk.items():  # keep every key read, the next misses are then free
+        _memory.setdefault(k, v)
+    e = disk.get(key)
+    if e is not None:
+        _stats["disk_hits"] += 1
+    return e
+
+
+# ---------------------------------------------------------------------------------------------- timing
+_scratch: dict[int, Any] = {}
+
+
+def _flush_l2(stream) -> None:
+    cp = rt.require_cupy()
+    dev = cp.cuda.Device().id
+    buf = _scratch.get(dev)
+    if buf is None:
+        l2 = int(cp.cuda.Device().attributes.get("L2CacheSize", 0)) or (64 << 20)
+        buf = _scratch[dev] = cp.empty(2 * l2, dtype=cp.uint8)
+    buf.data.memset_async(0, buf.nbytes, stream)
+
+
+def _cuda_event_timer(run: Callable[[dict], None], cfg: dict, budget_s: float = 0.2,
+                      cutoff_ms: float | None = None) -> float:
+    """Median milliseconds of run(cfg) on the current stream: 1 warm-up, then MIN_REPS..MAX_REPS timed
+    launches (as many as fit in budget_s), L2 flushed before each outside the timed interval."""
+    cp = rt.require_cupy()
+    stream = cp.cuda.get_current_stream()
+    run(cfg)                       # warm-up: NVRTC compile / module load / first touch
+    stream.synchronize()
+    a, b = cp.cuda.Event(), cp.cuda.Event()
+    _flush_l2(stream)
+    a.record(stream)
+    run(cfg)
+    b.record(stream)
+    b.synchronize()
+    first = cp.cuda.get_elapsed_time(a, b)
+    if cutoff_ms is not None and first > cutoff_ms:
+        return first
+    reps = int(min(MAX_REPS, max(MIN_REPS, budget_s * 1e3 / max(first, 1e-3))))
+    events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(reps)]
+    for a, b in events:
+        _flush_l2(stream)
+        a.record(stream)
+        run(cfg)
+        b.record(stream)
+    events[-1][1].synchronize()
+    return statistics.median(cp.cuda.get_elapsed_time(a, b) for a, b in events)
+
+
+# Tests replace this: _timer(run, cfg, budget_s=..., cutoff_ms=...) -> milliseconds.
+_timer: Callable[..., float] = _cuda_event_timer
+
+# cudaError / CUresult codes that poison the context: nothing can run after them in this process.
+_STICKY = {700, 702, 714, 715, 716, 717, 718, 719}
+_STICKY_NAMES = ("illegal address", "illegal_address", "illegal instruction", "illegal_instruction",
+                 "misaligned", "unspecified launch failure", "launch_failed", "hardware stack",
+                 "invalid program counter", "invalid_pc", "address space")
+
+
+def _is_sticky(exc: BaseException) -> bool:
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and status in _STICKY:
+        return True
+    msg = str(exc).lower()
+    return type(exc).__name__ in ("CUDARuntimeError", "CUDADriverError") and any(s in msg for s in _STICKY_NAMES)
+
+
+def _unique(cfgs) -> list[dict]:
+    seen, out = set(), []
+    for c in cfgs:
+        k = tuple(sorted(c.items()))
+        if k not in seen:
+            seen.add(k)
+            out.append(dict(c))
+    return out
+
+
+def _tune_key(t: Tunable, run, dev: dict) -> dict:
+    """Time the default and every fitting candidate; return the cache entry (config, ms, default, ...)."""
+    default = default_config(t.name, dev["arch"])
+    limits = dict(dev["limits"])
+    cands = []
+    for c in _unique([default, *t.candidates]):
+        try:
+            ok = t.fits is None or bool(t.fits(c, limits))
+        except Exception:
+            ok = False
+        if ok:
+            cands.append(c)
+    per = _budget_s() / max(1, len(cands))
+    best, best_ms, default_ms, results = None, math.inf, None, []
+    for c in cands:
+        _stats["timer_calls"] += 1
+        try:
+            ms = float(_timer(run, c, budget_s=per,
+                              cutoff_ms=best_ms * CUTOFF_FACTOR if best_ms < math.inf else None))
+            if not ms > 0 or math.isnan(ms):
+                raise ValueError(f"timer returned {ms!r}")
+        except Exception as e:  # unusable candidate; sticky CUDA errors cannot be survived
+            if _is_sticky(e):
+                raise RuntimeError(f"vbw_cupy.autotune: {t.name} config {c} hit a sticky CUDA error ({e}); the "
+                                   "CUDA context is lost and this process cannot launch kernels any more. "
+                                   "The kernel must handle every candidate it lists (or prune it in fits).") from e
+            _stats["failed"] += 1
+            results.append((c, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]))
+            continue
+        results.append((c, ms, None))
+        if c == default:
+            default_ms = ms
+        if ms < best_ms:
+            best, best_ms = c, ms
+    return {"kernel": t.name, "config": best, "ms": best_ms if best is not None else None,
+            "default": default, "default_ms": default_ms, "tried": len(cands),
+            "failed": sum(1 for r in results if r[1] is None), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _capturing() -> bool:
+    try:
+        cp = rt.require_cupy()
+        return bool(cp.cuda.get_current_stream().is_capturing())
+    except Exception:
+        return False
+
+
+def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
+    """The config to launch kernel `name` with for this shape and dtype (a fresh dict; see module docstring).
+
+    run(cfg) must launch the kernel once with cfg on the caller's arrays; it is called only on a cache miss
+    with tuning enabled.
+    """
+    t = get(name)
+    dev = _device_info()
+    if not enabled():
+        _stats["defaults"] += 1
+        return default_config(name, dev["arch"])
+    key = make_key(name, shape, dtype, dev)
+    e = _memory.get(key)
+    if e is not None:
+        _stats["memory_hits"] += 1
+        return dict(e["config"])
+    with _lock:
+        e = _lookup(key)
+        if e is not None:
+            return dict(e["config"])
+        if _capturing():
+            _warn_once(f"capture:{key}", f"vbw_cupy.autotune: {name} {_bucket_str(t, shape)} is not tuned and the "
+                                         "stream is capturing a CUDA graph: using the default config")
+            return default_config(name, dev["arch"])
+        e = _tune_key(t, run, dev)
+        e.update(device=dev["name"], arch=dev["arch"], dtype=_dtype_name(dtype), bucket=_bucket_str(t, shape),
+                 shape={k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in shape.items()})
+        if e["config"] is None:  # nothing ran: do not remember, fall back to the default
+            _warn_once(f"allfail:{key}", f"vbw_cupy.autotune: every candidate of {name} failed for {key}; "
+                                         "using the default config")
+            _memory[key] = {**e, "config": e["default"]}
+            return dict(e["default"])
+        _stats["tuned"] += 1
+        _store(key, e)
+        return dict(e["config"])
+
+
+# -------------------------------------------------------------------------------------- ahead of time
+def _import_kernel_modules() -> None:
+    import importlib
+    import pkgutil
+    from . import __path__ as pkg_path
+    for m in pkgutil.iter_modules(pkg_path):
+        if m.name.startswith("_") or m.name in ("cli", "autotune", "reference", "__main__"):
+            continue
+        try:
+            importlib.import_module(f"{__package__}.{m.name}")
+        except Exception as e:
+            _warn_once(f"import:{m.name}", f"vbw_cupy.autotune: cannot import vbw_cupy.{m.name} ({e})")
+
+
+def _fmt_cfg(c: dict | None) -> str:
+    return "-" if not c else " ".join(f"{k}={v}" for k, v in c.items())
+
+
+def tune(names=None, shapes=None, progress: bool = True, force: bool = False) -> list[dict]:
+    """Tune ahead of time (``vbw-cupy tune``). names: Tunable names (None: every registered one with a
+    ``bench``). shapes: None for each Tunable's ``standard_shapes``; a list of (shape, dtype) pairs for every
+    name; or {name: [(shape, dtype), ...]}. force: re-time keys already in the cache. Tuning happens even with
+    VBW_CUPY_AUTOTUNE=0. Returns one row per (kernel, shape): kernel, shape, dtype, bucket, default,
+    default_ms, chosen, chosen_ms, speedup (default_ms / chosen_ms), cached (True if it was a cache hit)."""
+    _import_kernel_modules()
+    if names is None:
+        names = [n for n in registered() if _registry[n].bench is not None]
+    elif isinstance(names, str):
+        names = [names]
+    jobs = []
+    for n in names:
+        t = get(n)
+        todo = shapes.get(n, ()) if isinstance(shapes, dict) else (shapes if shapes is not None else t.standard_shapes)
+        if t.bench is None and todo:
+            raise ValueError(f"autotune.tune: {n} has no bench callable, cannot build inputs")
+        jobs += [(t, dict(s), d) for s, d in todo]
+    dev = _device_info()
+    rows = []
+    for i, (t, shape, dtype) in enumerate(jobs, 1):
+        key = make_key(t.name, shape, dtype, dev)
+        t0 = time.perf_counter()
+        with _lock:
+            e = None if force else _lookup(key)
+            cached = e is not None
+            if e is None:
+                run = t.bench(shape, dtype)
+                e = _tune_key(t, run, dev)
+                e.update(device=dev["name"], arch=dev["arch"], dtype=_dtype_name(dtype),
+                         bucket=_bucket_str(t, shape), shape=dict(shape))
+                if e["config"] is not None:
+                    _stats["tuned"] += 1
+                    _store(key, e)
+                del run
+        row = {"kernel": t.name, "shape": dict(shape), "dtype": _dtype_name(dtype), "bucket": _bucket_str(t, shape),
+               "default": e.get("default"), "default_ms": e.get("default_ms"),
+               "chosen": e.get("config"), "chosen_ms": e.get("ms"), "cached": cached,
+               "speedup": (e["default_ms"] / e["ms"]) if e.get("default_ms") and e.get("ms") else None}
+        rows.append(row)
+        if progress:
+            shape_s = " ".join(f"{k}={v}" for k, v in shape.items())
+            gain = f"{row['speedup']:.2f}x" if row["speedup"] else "-"
+            ms = f"{row['chosen_ms']:.4f} ms" if row["chosen_ms"] else "failed"
+            print(f"[{i}/{len(jobs)}] {t.name} {shape_s} {row['dtype']}: {_fmt_cfg(row['chosen'])} {ms} "
+                  f"(vs default {gain}){' [cached]' if cached else ''} in {time.perf_counter() - t0:.1f}s",
+                  file=sys.stderr, flush=True)
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A plain-text table of tune() rows."""
+    head = ("kernel", "bucket", "dtype", "default", "default ms", "chosen", "chosen ms", "gain")
+    body = [(r["kernel"], r["bucket"], r["dtype"], _fmt_cfg(r["default"]),
+             "-" if r["default_ms"] is None else f"{r['default_ms']:.4f}", _fmt_cfg(r["chosen"]),
+             "-" if r["chosen_ms"] is None else f"{r['chosen_ms']:.4f}",
+             "-" if r["speedup"] is None else f"{r['speedup']:.2f}x") for r in rows]
+    w = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    line = lambda cells: "  ".join(str(c).ljust(n) for c, n in zip(cells, w)).rstrip()
+    return "\n".join([line(head), line(["-" * n for n in w]), *map(line, body)])
+
+
+def print_tune_table(rows: list[dict], out=None) -> None:
+    """Print format_rows(rows) (what ``vbw-cupy tune`` shows at the end)."""
+    print(format_rows(rows) if rows else "no kernel with standard shapes to tune", file=out or sys.stdout)
+
+
+def cache_summary() -> dict:
+    """What the tuning cache file holds, for ``vbw-cupy info``: path, status ("ok", "missing", or why it is
+    ignored), format, the number of entries, and per entry kernel, device, arch, dtype, bucket, config, ms,
+    default_ms. Needs no GPU."""
+    path = cache_path()
+    entries, status = _read_file(path)
+    rows = [{"kernel": v.get("kernel", k.split("|")[0]), "device": v.get("device"), "arch": v.get("arch"),
+             "dtype": v.get("dtype"), "bucket": v.get("bucket"), "config": v.get("config"), "ms": v.get("ms"),
+             "default_ms": v.get("default_ms")} for k, v in sorted(entries.items())]
+    return {"path": str(path), "status": status, "format": FORMAT_VERSION, "entries": len(rows), "rows": rows}
+
+
+# ---------------------------------------------------------------------------------- the probe kernel
+PROBE_SOURCE = "autotune_probe.cu"
+_PROBE_BLOCKS = (64, 128, 256, 512, 1024)
+_PROBE_VECS = (1, 2, 4, 8)
+
+
+def kernel_instances() -> list[tuple[str, str]]:
+    """Every (file, instance) this module can launch: the probe kernel of its GPU test."""
+    return [(PROBE_SOURCE, f"probe_axpb<{b}, {v}>") for b in _PROBE_BLOCKS for v in _PROBE_VECS]
+
+
+def selftest_cases() -> list:
+    """The CLI's op-module protocol: the probe has no selftest rows (its GPU test lives in tests/)."""
+    return []
+
+
+def probe_launch(cfg: dict, x, y, alpha: float = 2.0, beta: float = 1.0) -> None:
+    """y = alpha * x + beta (float32, contiguous CuPy arrays) with the probe kernel and config cfg."""
+    k = rt.get_kernel(PROBE_SOURCE, f"probe_axpb<{cfg['BLOCK']}, {cfg['VEC']}>")
+    per = cfg["BLOCK"] * cfg["VEC"]
+    rt.launch(k, (rt.cdiv(x.size, per),), (cfg["BLOCK"],),
+              (x, y, np.float32(alpha), np.float32(beta), np.int64(x.size)))
+
+
+def _probe_bench(shape: dict, dtype):
+    cp = rt.require_cupy()
+    x = cp.arange(shape["n"], dtype=cp.float32)
+    y = cp.empty_like(x)
+    return lambda cfg: probe_launch(cfg, x, y)
+
+
+def probe_tunable() -> Tunable:
+    """Register and return the probe Tunable ("autotune_probe"; the bucket is pow2_bucket(n)). Not
+    registered at import, so ``vbw-cupy tune`` does not list it."""
+    return register(Tunable(
+        name="autotune_probe",
+        params=("BLOCK", "VEC"),
+        candidates=tuple({"BLOCK": b, "VEC": v} for b in _PROBE_BLOCKS for v in _PROBE_VECS),
+        defaults={80: {"BLOCK": 128, "VEC": 1}},
+        bucket=lambda s: (pow2_bucket(s["n"]),),
+        fits=lambda cfg, lim: cfg["BLOCK"] <= lim["max_threads"],
+        source=PROBE_SOURCE,
+        standard_shapes=(({"n": 1 << 25}, "float32"),),
+        bench=_probe_bench,
+    ))
