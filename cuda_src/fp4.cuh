@@ -18,13 +18,22 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-// RNE with saturation. The thresholds are the midpoints between neighbouring E2M1 values; at a tie
-// the even code wins, which is why 0.25, 1.25, 2.5, 5 round down and 0.75, 1.75, 3.5 round up.
-// NaN compares false everywhere and encodes as a (signed) zero; callers handle NaN blocks themselves.
+// E2M1 code of a magnitude a >= 0 (no sign): round to nearest, ties to even, saturate at 6.
+// For a >= 1 the float's exponent and first mantissa bit are the code: adding 0x1FFFFF plus that bit
+// rounds the remaining 22 bits to nearest-even into bit 22 (1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4,
+// 5 -> 4); 1.0 (biased exponent 127, bit 0) becomes (254 >> 0) - 252 = code 2. Below 1 only the
+// thresholds 0.25 (tie to 0) and 0.75 (tie to 1) matter. NaN saturates to 6; callers handle NaN blocks.
+__device__ __forceinline__ unsigned e2m1_encode_mag(float a) {
+    a = fminf(a, 6.0f);
+    unsigned b = __float_as_uint(a);
+    unsigned hi = ((b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22) - 252u;
+    unsigned lo = (a > 0.25f) + (a >= 0.75f);
+    return a >= 1.0f ? hi : lo;
+}
+
+// Signed version: -0 and negative values that round to zero keep their sign (code 8).
 __device__ __forceinline__ unsigned e2m1_encode(float x) {
-    float a = fabsf(x);
-    unsigned c = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-    return c | (signbit(x) ? 8u : 0u);
+    return e2m1_encode_mag(fabsf(x)) | ((__float_as_uint(x) >> 28) & 8u);
 }
 
 __device__ __forceinline__ float e2m1_decode(unsigned c) {
@@ -41,24 +50,21 @@ __device__ __forceinline__ float e8m0_decode(unsigned code) {
     return __int_as_float((int)(code << 23));
 }
 
-// E4M3 (fn: bias 7, max 448, denormals step 2^-9), positive values only: NVFP4 block scales.
+// E4M3 (fn: bias 7, max 448, denormals step 2^-9): NVFP4 block scales. Built from bits, no libm.
 __device__ __forceinline__ float e4m3_decode(unsigned code) {
     unsigned e = (code >> 3) & 15u, m = code & 7u;
-    float v = e ? ldexpf(1.0f + m * 0.125f, (int)e - 7) : m * 0.001953125f;  // 2^-9
+    float v = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;  // 2^-9
     return (code & 0x80u) ? -v : v;
 }
 
-// x already clamped to [2^-9, 448]: round to the nearest E4M3 value, ties to even.
+// x already clamped to [2^-9, 448]: round to the nearest E4M3 value, ties to even. Normal range: add
+// 0x7FFFF plus the lowest kept mantissa bit to round the 20 dropped bits to nearest-even (a carry
+// bumps the exponent), then rebias 127 -> 7. Below 2^-6 the grid is 2^-9 and rintf is RNE (8 lands on
+// the first normal, code 8).
 __device__ __forceinline__ unsigned e4m3_encode_pos(float x) {
-    if (x < 0.015625f) {  // below 2^-6: denormal grid of 2^-9; rintf is RNE, 8 lands on the first normal
-        return (unsigned)rintf(x * 512.0f);
-    }
-    int e;
-    float m = frexpf(x, &e);           // x = m * 2^e, m in [0.5, 1)
-    unsigned q = (unsigned)rintf((m * 2.0f - 1.0f) * 8.0f);  // exact: m*2-1 has <= 24 bits
-    int E = e - 1;
-    if (q == 8u) { q = 0u; E += 1; }
-    return ((unsigned)(E + 7) << 3) | q;
+    if (x < 0.015625f) return (unsigned)rintf(x * 512.0f);
+    unsigned b = __float_as_uint(x);
+    return ((b + 0x7FFFFu + ((b >> 20) & 1u)) >> 20) - (120u << 3);
 }
 
 // floor(log2(a)) for a finite a > 0, denormals included.

@@ -88,8 +88,12 @@ def is_gpu_array(x) -> bool:
 def device_arch(device_id: int | None = None) -> int:
     """Compute capability as an int, e.g. 90 for H100."""
     cp = require_cupy()
-    dev = cp.cuda.Device(device_id)
-    return int(dev.compute_capability)
+    return _device_arch(cp.cuda.Device(device_id).id)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(device_id: int) -> int:
+    return int(cupy.cuda.Device(device_id).compute_capability)
 
 
 def nvrtc_version() -> str:
@@ -250,8 +254,13 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, stream=None) -> None:
 
 
 def num_sms() -> int:
-    cp = require_cupy()
-    return int(cp.cuda.Device().attributes["MultiProcessorCount"])
+    """SM count of the current device (cached: Device().attributes queries every attribute, ~0.1 ms)."""
+    return _num_sms(require_cupy().cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_id: int) -> int:
+    return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
 def cdiv(a: int, b: int) -> int:

@@ -15,7 +15,7 @@ from . import __version__
 from . import _runtime as rt
 
 # Modules that own kernels; each exposes kernel_instances() and selftest_cases().
-OP_MODULES = ("fp4", "gemm", "attention", "paged")
+OP_MODULES = ("fp4", "gemm", "attention", "paged", "autotune")
 
 
 def op_modules():
@@ -118,10 +118,11 @@ def cmd_info(args) -> int:
         from . import autotune
     except ImportError:
         return 0
-    summary = getattr(autotune, "cache_summary", None)
-    if summary:
-        print("autotune cache:")
-        print(summary())
+    s = autotune.cache_summary()
+    print(f"autotune cache: {s['path']} ({s['status']}, {s['entries']} entries; "
+          f"VBW_CUPY_AUTOTUNE={'1' if autotune.enabled() else '0'})")
+    for row in s["rows"]:
+        print(f"  {row}")
     return 0
 
 

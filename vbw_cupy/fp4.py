@@ -150,26 +150,34 @@ def _quantize_gpu(x, fmt, gs):
     if x.data.ptr % 16:
         x = x.copy()  # 16-byte vector loads need an aligned base
     block = FORMATS[fmt]
-    K = x.shape[-1]
-    R = x.size // K
-    Kp = rt.cdiv(K, block) * block
+    Kp = rt.cdiv(x.shape[-1], block) * block
     data = cp.empty(x.shape[:-1] + (Kp // 2,), dtype=cp.uint8)
     scales = cp.empty(x.shape[:-1] + (Kp // block,), dtype=cp.uint8)
-    vec = "true" if K % 8 == 0 else "false"
-    T = rt.ctype(x.dtype)
-    grid = (rt.cdiv(R * (Kp // 8), _THREADS),)
-    args = (x, data, scales, np.int64(R), np.int64(K), np.int64(Kp))
     if fmt == "mxfp4":
-        rt.launch(rt.get_kernel(_SOURCE, f"mxfp4_quantize<{T}, {vec}>"), grid, (_THREADS,), args)
+        _launch_quantize(x, data, scales, fmt)
         return FP4Tensor(data, scales, np.float32(1.0), fmt, x.shape)
     if gs is None:
         gs = _global_scale_gpu(x)
     flag = cp.zeros(1, dtype=cp.int32)
-    rt.launch(rt.get_kernel(_SOURCE, f"nvfp4_quantize<{T}, {vec}>"), grid, (_THREADS,),
-              args + (np.float32(gs), flag))
+    _launch_quantize(x, data, scales, fmt, gs, flag)
     if int(flag.get()[0]):
         raise ValueError("x: NaN or Inf in the input; nvfp4 has no NaN scale (use mxfp4, or clean the input)")
     return FP4Tensor(data, scales, gs, fmt, x.shape)
+
+
+def _launch_quantize(x, data, scales, fmt, gs=None, flag=None):
+    """The quantize kernel alone, into preallocated outputs (the benchmark times this too)."""
+    block = FORMATS[fmt]
+    K = x.shape[-1]
+    R = x.size // K
+    Kp = rt.cdiv(K, block) * block
+    flat = "true" if K % block == 0 else "false"
+    # quantize loops grid-stride over the 8-element groups: a few waves of CTAs are enough
+    grid = (min(rt.cdiv(R * (Kp // 8), _THREADS), rt.num_sms() * 8),)
+    args = (x, data, scales, np.int64(R), np.int64(K), np.int64(Kp))
+    if fmt == "nvfp4":
+        args += (np.float32(gs), flag)
+    rt.launch(rt.get_kernel(_SOURCE, f"{fmt}_quantize<{rt.ctype(x.dtype)}, {flat}>"), grid, (_THREADS,), args)
 
 
 def _global_scale_gpu(x) -> np.float32:
@@ -196,25 +204,30 @@ def dequantize(t: FP4Tensor, dtype=np.float32):
         return ref.dequantize(t, dtype)
     cp = rt.require_cupy()
     with t.data.device:
-        K = t.shape[-1]
-        R = math.prod(t.shape[:-1])
-        Kp = t.data.shape[-1] * 2
         out = cp.empty(t.shape, dtype=dtype)
-        vec = "true" if K % 8 == 0 else "false"
-        name = f"fp4_dequantize<{rt.ctype(dtype)}, {t.block_size}, {vec}>"
-        grid = (rt.cdiv(R * rt.cdiv(K, 8), _THREADS),)
-        rt.launch(rt.get_kernel(_SOURCE, name), grid, (_THREADS,),
-                  (t.data, t.scales, out, np.int64(R), np.int64(K), np.int64(Kp), np.float32(t.global_scale)))
+        _launch_dequantize(t, out)
         return out
+
+
+def _launch_dequantize(t, out):
+    """The dequantize kernel alone, into a preallocated output (the benchmark times this too)."""
+    K = t.shape[-1]
+    R = math.prod(t.shape[:-1])
+    Kp = t.data.shape[-1] * 2
+    flat = K % t.block_size == 0
+    name = f"fp4_dequantize<{rt.ctype(out.dtype)}, {t.block_size}, {'true' if flat else 'false'}>"
+    grid = (rt.cdiv(R * rt.cdiv(K, 16 if flat else 8), _THREADS),)
+    rt.launch(rt.get_kernel(_SOURCE, name), grid, (_THREADS,),
+              (t.data, t.scales, out, np.int64(R), np.int64(K), np.int64(Kp), np.float32(t.global_scale)))
 
 
 def kernel_instances() -> list[tuple[str, str]]:
     out = []
     for T in ("__half", "__nv_bfloat16", "float"):
         out.append((_SOURCE, f"abs_max<{T}>"))
-        for vec in ("true", "false"):
-            out += [(_SOURCE, f"mxfp4_quantize<{T}, {vec}>"), (_SOURCE, f"nvfp4_quantize<{T}, {vec}>")]
-            out += [(_SOURCE, f"fp4_dequantize<{T}, {b}, {vec}>") for b in (16, 32)]
+        for flat in ("true", "false"):
+            out += [(_SOURCE, f"mxfp4_quantize<{T}, {flat}>"), (_SOURCE, f"nvfp4_quantize<{T}, {flat}>")]
+            out += [(_SOURCE, f"fp4_dequantize<{T}, {b}, {flat}>") for b in (16, 32)]
     return out
 
 
