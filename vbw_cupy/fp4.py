@@ -172,8 +172,8 @@ def _launch_quantize(x, data, scales, fmt, gs=None, flag=None):
     R = x.size // K
     Kp = rt.cdiv(K, block) * block
     flat = "true" if K % block == 0 else "false"
-    # quantize loops grid-stride over the 8-element groups: a few waves of CTAs are enough
-    grid = (min(rt.cdiv(R * (Kp // 8), _THREADS), rt.num_sms() * 8),)
+    # quantize loops grid-stride over 16-element groups: a few waves of CTAs are enough
+    grid = (min(rt.cdiv(R * (Kp // 16), _THREADS), rt.num_sms() * 8),)
     args = (x, data, scales, np.int64(R), np.int64(K), np.int64(Kp))
     if fmt == "nvfp4":
         args += (np.float32(gs), flag)
