@@ -1,0 +1,558 @@
+"""Paged-KV decode attention (flash-decoding) and a small paged KV cache to feed it.
+
+`paged_attention` (SPEC section 3) attends one query token per sequence over a KV cache stored in fixed-size
+blocks ("pages"). NumPy inputs run `vbw_cupy.reference.paged_attention` (float64); CuPy inputs (or DLPack /
+CUDA-array-interface objects) run ``cuda_src/attention_decode.cu``: one CTA per (KV head, sequence, split)
+that serves all the query heads of the KV head's group from each K/V load, the KV range of long sequences
+split across CTAs when the batch alone does not fill the GPU, and the splits merged by a small second kernel.
+
+`PagedKVCache` holds the caches, a block table, the sequence lengths and a free list of blocks, so a decode
+loop needs no index arithmetic (see its docstring).
+
+Tuning: the kernel's (WARPS, STAGES, SPLITS) config is a `vbw_cupy.autotune` Tunable named
+``"paged_decode"``. SPLITS = 0 is the built-in heuristic (`heuristic_splits`: the fewest splits within 5%
+of the best wave efficiency on the device's CTA slots, at least 2 * WARPS 16-token tiles per split); other
+values cap the splits of every sequence. Each sequence then splits its own KV range on the device, so short
+sequences in a ragged batch use fewer splits. The shape bucket is
+(pow2(B), Hkv, Hq / Hkv, padded head dim, pow2(longest sequence, >= 512), block_size); the longest sequence is
+read from seq_lens when values are checked, else `max_seqlen`, else max_blocks * block_size.
+"""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+from . import _runtime as rt
+from . import autotune
+from . import reference as ref
+
+_SOURCE = "attention_decode.cu"
+_GPU_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+_DPS = (64, 128, 256)
+_CONFIGS = ((4, 2), (4, 3), (2, 3), (8, 2), (2, 2))  # (WARPS, STAGES) the kernel is instantiated for
+_EXPLORE_CONFIGS = ((2, 4), (4, 4), (8, 3))          # benchmark sweeps only (not in kernel_instances)
+_SPLIT_CHOICES = (0, 1, 2, 4, 8, 16, 32, 64)        # 0 = heuristic
+MAX_SPLITS = 256                                     # paged_decode_combine's limit
+_TILE = 16
+_LOG2E = 1.4426950408889634
+
+
+def _dp(D: int) -> int:
+    return 64 if D <= 64 else 128 if D <= 128 else 256
+
+
+def _smem_bytes(dp: int, warps: int, stages: int) -> int:
+    """Dynamic shared memory of paged_decode: the Q tile plus each warp's K and V stages."""
+    return _TILE * dp * 2 + warps * stages * 2 * _TILE * dp * 2
+
+
+def _kernel_name(T: str, dp: int, warps: int, stages: int) -> str:
+    return f"paged_decode<{T}, {dp}, {warps}, {stages}>"
+
+
+def _combine_name(T: str) -> str:
+    return f"paged_decode_combine<{T}>"
+
+
+def _bucket(s: dict) -> tuple:
+    return (autotune.pow2_bucket(s["B"]), s["Hkv"], s["G"], s["DP"],
+            autotune.pow2_bucket(s["ctx"], lo=512), s["block_size"])
+
+
+def _fits(cfg: dict, lim: dict) -> bool:
+    # the smallest head dim must fit; a larger one that does not is refused by _Launch (ValueError)
+    return _smem_bytes(64, cfg["WARPS"], cfg["STAGES"]) <= lim["smem_optin"] and cfg["WARPS"] * 32 <= lim["max_threads"]
+
+
+def _bench(shape: dict, dtype):
+    """Inputs for `vbw-cupy tune`: random cache, shuffled block table, every sequence at ctx tokens."""
+    cp = rt.require_cupy()
+    B, Hkv, G, D, ctx, bs = (shape[k] for k in ("B", "Hkv", "G", "DP", "ctx", "block_size"))
+    nblk = rt.cdiv(ctx, bs)
+    rng = np.random.default_rng(0)
+    kc = (cp.random.standard_normal((B * nblk, bs, Hkv, D), dtype=cp.float32)).astype(dtype)
+    vc = (cp.random.standard_normal((B * nblk, bs, Hkv, D), dtype=cp.float32)).astype(dtype)
+    table = cp.asarray(rng.permutation(B * nblk).astype(np.int32).reshape(B, nblk))
+    lens = cp.full((B,), ctx, dtype=cp.int32)
+    q = cp.random.standard_normal((B, Hkv * G, D), dtype=cp.float32).astype(dtype)
+    out = cp.empty_like(q)
+    return lambda cfg: _Launch(cfg, q, kc, vc, table, lens, out, 1 / math.sqrt(D), 0.0, -1, ctx).run()
+
+
+TUNABLE = autotune.register(autotune.Tunable(
+    name="paged_decode",
+    params=("WARPS", "STAGES", "SPLITS"),
+    candidates=tuple(dict(WARPS=w, STAGES=s, SPLITS=n) for (w, s) in _CONFIGS for n in _SPLIT_CHOICES),
+    # A100 (164 KB smem / SM): 2 CTAs of 4 warps x 2 stages at D=128; consumer Ampere/Ada (100 KB): 2 warps;
+    # Hopper (228 KB): 4 warps x 2 stages, 3 CTAs per SM at D=128, was the best all-round config on H200
+    # (bench_decode.py --sweep: B=1 x 32k and B=8 x 4k; B=64 x 4k within 2% of the best with 3 splits).
+    defaults={80: dict(WARPS=4, STAGES=2, SPLITS=0), 86: dict(WARPS=2, STAGES=2, SPLITS=0),
+              89: dict(WARPS=2, STAGES=2, SPLITS=0), 90: dict(WARPS=4, STAGES=2, SPLITS=0)},
+    bucket=_bucket,
+    fits=_fits,
+    source=_SOURCE,
+    standard_shapes=tuple(({"B": b, "Hkv": 8, "G": 4, "DP": 128, "ctx": c, "block_size": 16}, "float16")
+                          for b, c in ((1, 32768), (8, 4096), (64, 4096))),
+    bench=_bench,
+))
+
+
+def kernel_instances() -> list[tuple[str, str]]:
+    """Every (file, instance) paged_attention can launch."""
+    out = []
+    for T in ("__half", "__nv_bfloat16"):
+        out += [(_SOURCE, _kernel_name(T, dp, w, s)) for dp in _DPS for (w, s) in _CONFIGS]
+        out.append((_SOURCE, _combine_name(T)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- the launch
+def _occupancy(kernel, threads: int, smem: int) -> int:
+    """CTAs per SM from shared memory, registers and threads (an estimate; never below 1)."""
+    cp = rt.require_cupy()
+    a = cp.cuda.Device().attributes
+    smem_sm = int(a.get("MaxSharedMemoryPerMultiprocessor", 228 * 1024))
+    at = kernel.attributes
+    static = int(at.get("shared_size_bytes", 0))
+    regs = max(1, int(at.get("num_regs", 128)))
+    by_smem = smem_sm // (smem + static + 1024)
+    by_regs = int(a.get("MaxRegistersPerMultiprocessor", 65536)) // (((regs + 7) // 8 * 8) * threads)
+    by_threads = int(a.get("MaxThreadsPerMultiProcessor", 2048)) // threads
+    return max(1, min(by_smem, by_regs, by_threads, 32))
+
+
+def heuristic_splits(ctas: int, slots: int, max_len: int, warps: int) -> int:
+    """Split count for `ctas` (sequence, KV head, head tile) CTAs on `slots` resident CTAs (SMs x CTAs per SM).
+
+    Equal CTAs run in ceil(n / slots) waves, so n = ctas * s uses the GPU with efficiency
+    n / (ceil(n / slots) * slots). Take the smallest s within 5% of the best efficiency (every split costs a
+    partial write and a merge), s <= MAX_SPLITS, and at least 2 * warps 16-token tiles of the longest sequence
+    per split."""
+    by_len = max(1, min(MAX_SPLITS, rt.cdiv(max_len, _TILE) // (2 * warps)))
+    ctas, slots = max(1, ctas), max(1, slots)
+    eff = [ctas * s / (rt.cdiv(ctas * s, slots) * slots) for s in range(1, by_len + 1)]
+    best = max(eff)
+    return next(s for s, e in enumerate(eff, 1) if e >= 0.95 * best)
+
+
+class _Launch:
+    """Everything one paged_decode call needs (kernels, grid, scratch), so it can be replayed (tuning,
+    benchmarks, CUDA graphs) without re-checking arguments."""
+
+    def __init__(self, cfg, q, k_cache, v_cache, block_table, seq_lens, out, scale, softcap, left, max_len,
+                 explore=False):
+        cp = rt.require_cupy()
+        B, Hq, D = (int(n) for n in q.shape)
+        _, bs, Hkv, _ = (int(n) for n in k_cache.shape)
+        G = Hq // Hkv
+        HT = rt.cdiv(G, 16)
+        dp = _dp(D)
+        W, S = int(cfg["WARPS"]), int(cfg["STAGES"])
+        if (W, S) not in _CONFIGS + (_EXPLORE_CONFIGS if explore else ()):
+            raise ValueError(f"paged_decode: no instance for WARPS={W}, STAGES={S} (have {_CONFIGS})")
+        smem = _smem_bytes(dp, W, S)
+        optin = int(cp.cuda.Device().attributes.get("MaxSharedMemoryPerBlockOptin", 48 * 1024))
+        if smem > optin:
+            raise ValueError(f"paged_decode: WARPS={W}, STAGES={S} at head dim {dp} needs {smem} bytes of shared "
+                             f"memory, the device allows {optin}")
+        T = rt.ctype(q.dtype)
+        self.kernel = rt.get_kernel(_SOURCE, _kernel_name(T, dp, W, S))
+        ctas = B * Hkv * HT
+        splits = int(cfg.get("SPLITS", 0))
+        by_len = max(1, rt.cdiv(max_len, _TILE) // (2 * W))
+        if splits <= 0:
+            slots = rt.num_sms() * _occupancy(self.kernel, W * 32, smem)
+            splits = heuristic_splits(ctas, slots, max_len, W)
+        splits = max(1, min(splits, by_len, MAX_SPLITS))
+        self.splits = splits
+        vec16 = (D % 8 == 0 and k_cache.data.ptr % 16 == 0 and v_cache.data.ptr % 16 == 0)
+        if softcap > 0:
+            qk_scale, cap2 = scale / softcap, softcap * _LOG2E
+        else:
+            qk_scale, cap2 = scale * _LOG2E, 0.0
+        Dp = rt.cdiv(D, 4) * 4        # partial rows padded for the combine kernel's 16-byte loads
+        if splits > 1:
+            self.o_part = cp.empty((B * Hq * splits * Dp,), dtype=cp.float32)
+            self.lse_part = cp.empty((B * Hq * splits,), dtype=cp.float32)
+            self.combine = rt.get_kernel(_SOURCE, _combine_name(T))
+        else:
+            self.o_part = self.lse_part = cp.empty((1,), dtype=cp.float32)
+            self.combine = None
+        min_tiles = 2 * W
+        self.grid = (splits, Hkv * HT, B)
+        self.block = (W * 32,)
+        self.smem = smem
+        self.args = (q, k_cache, v_cache, block_table, seq_lens, out, self.o_part, self.lse_part,
+                     np.int32(Hq), np.int32(Hkv), np.int32(G), np.int32(D), np.int32(block_table.shape[1]),
+                     np.int32(int(bs).bit_length() - 1), np.float32(qk_scale), np.float32(cap2), np.int32(left),
+                     np.int32(splits), np.int32(min_tiles), np.int32(1 if vec16 else 0), np.int32(Dp))
+        self.cargs = (self.o_part, self.lse_part, seq_lens, out, np.int32(Hq), np.int32(D), np.int32(Dp),
+                      np.int32(left), np.int32(splits), np.int32(min_tiles), np.int32(W))
+        self.cgrid = (Hq, B)
+        self.kv_bytes = None
+
+    def run(self):
+        rt.launch(self.kernel, self.grid, self.block, self.args, shared_mem=self.smem)
+        if self.combine is not None:
+            rt.launch(self.combine, self.cgrid, (128,), self.cargs)
+
+
+# ------------------------------------------------------------------------------------- the public call
+def _is_numpy(x) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, softcap=0.0,
+                    window=(-1, -1), check=True, max_seqlen=None, out=None):
+    """Decode attention over a paged KV cache: one query token per sequence (SPEC section 3).
+
+    q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_table int32 [B, max_blocks];
+    seq_lens int32 [B]. float16 or bfloat16 (NumPy inputs also float32), Hq % Hkv == 0 (query head h reads
+    KV head h // (Hq // Hkv)), 1 <= D <= 256, block_size a power of two from 1 to 256. Token t of sequence
+    b is k_cache[block_table[b, t // block_size], t % block_size]. The query is the sequence's last token and
+    sees keys [max(0, seq_lens[b] - 1 - left), seq_lens[b]) with (left, right) = window (-1: unbounded;
+    right cannot reach past the query). Scores are softmax_scale * q.k (default 1/sqrt(D)), then
+    softcap * tanh(s / softcap) when softcap > 0. Accumulation in float32. Returns [B, Hq, D] in q's dtype
+    (written into `out` when given: a C-contiguous GPU array of that shape and dtype).
+
+    Checks: dtypes, ranks, shapes (q against the caches and tables), window, softcap and scale are checked from
+    the shapes on the host at no cost. With ``check=True`` (default) the VALUES of seq_lens (each in
+    [1, max_blocks * block_size]) and of the block_table entries in use (each in [0, num_blocks)) are checked
+    too: for GPU arrays this is a device-to-host copy of both arrays, which synchronizes the stream. Pass
+    ``check=False`` in a decode loop whose tables are known to be valid (PagedKVCache does); bad values then
+    read wrong memory or fault instead of raising.
+
+    `max_seqlen` (optional, host int) bounds seq_lens; it picks the split count when values are not checked
+    (default bound max_blocks * block_size). Launch shapes never depend on seq_lens' values, so with
+    check=False the call can be captured in a CUDA graph and replayed as the sequences grow.
+
+    >>> import cupy as cp
+    >>> q = cp.random.standard_normal((2, 32, 128), dtype=cp.float32).astype(cp.float16)
+    >>> kc = cp.random.standard_normal((64, 16, 8, 128), dtype=cp.float32).astype(cp.float16)
+    >>> table = cp.arange(64, dtype=cp.int32).reshape(2, 32)[:, ::-1].copy()   # any block order
+    >>> o = paged_attention(q, kc, kc, table, cp.asarray([300, 17], dtype=cp.int32))  # o.shape == (2, 32, 128)
+    """
+    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
+    if all(_is_numpy(a) for a in arrays.values()):
+        if out is not None:
+            raise TypeError("out: only supported for GPU arrays (the reference path allocates its result)")
+        ref.check_flag("check", check)
+        return ref.paged_attention(q, k_cache, v_cache, block_table, seq_lens, softmax_scale=softmax_scale,
+                                   softcap=softcap, window=window)
+    for name, a in arrays.items():
+        if _is_numpy(a):
+            raise TypeError(f"{name}: expected a GPU array like the other arguments, got numpy.ndarray "
+                            "(pass all NumPy arrays for the reference, or all GPU arrays)")
+    cp = rt.require_cupy()
+    arrays = {n: rt.as_gpu_array(a, n) for n, a in arrays.items()}
+    rt.check_same_device(**arrays)
+    q, k_cache, v_cache, block_table, seq_lens = arrays.values()
+    check = ref.check_flag("check", check)
+    shape = ref.check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window, softcap,
+                                 softmax_scale=softmax_scale, dtypes=_GPU_DTYPES, check_values=check)
+    left, _ = ref.check_window(window)
+    scale = ref.effective_scale(softmax_scale, shape.D)
+    softcap = ref.check_softcap(softcap)
+    B, Hq, Hkv, D = shape.B, shape.Hq, shape.Hkv, shape.D
+    if shape.num_blocks * shape.block_size * Hkv >= 2 ** 31:
+        raise ValueError(f"k_cache: expected fewer than 2^31 token-head rows (num_blocks * block_size * Hkv), "
+                         f"got {shape.num_blocks} * {shape.block_size} * {Hkv}")
+    if B > 65535 or Hkv * rt.cdiv(Hq // Hkv, 16) > 65535:
+        raise ValueError(f"q: expected B <= 65535 and Hkv * ceil(Hq / Hkv / 16) <= 65535, got B={B}, Hq={Hq}, "
+                         f"Hkv={Hkv}")
+    capacity = shape.max_blocks * shape.block_size
+    if shape.seq_lens is not None:
+        max_len = int(shape.seq_lens.max())
+    elif max_seqlen is not None:
+        if not ref._is_int(max_seqlen) or int(max_seqlen) < 1:
+            raise ValueError(f"max_seqlen: expected a positive int, got {max_seqlen!r}")
+        max_len = min(int(max_seqlen), capacity)
+    else:
+        max_len = capacity
+    with cp.cuda.Device(q.device.id):
+        q, k_cache, v_cache = (rt.ensure_contiguous(a) for a in (q, k_cache, v_cache))
+        block_table, seq_lens = rt.ensure_contiguous(block_table), rt.ensure_contiguous(seq_lens)
+        if out is None:
+            out = cp.empty(q.shape, dtype=q.dtype)
+        else:
+            if not rt.is_gpu_array(out) or tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype \
+                    or not out.flags.c_contiguous:
+                raise ValueError(f"out: expected a C-contiguous CuPy array of shape {tuple(q.shape)} and dtype "
+                                 f"{q.dtype}, got {type(out).__name__} {getattr(out, 'shape', None)} "
+                                 f"{getattr(out, 'dtype', None)}")
+            rt.check_same_device(q=q, out=out)
+        args = (q, k_cache, v_cache, block_table, seq_lens, out, scale, softcap, left, max_len)
+        key_shape = {"B": B, "Hkv": Hkv, "G": Hq // Hkv, "DP": _dp(D), "ctx": max_len,
+                     "block_size": shape.block_size}
+        cfg = autotune.pick(TUNABLE.name, key_shape, q.dtype, lambda c: _Launch(c, *args).run())
+        try:
+            launch = _Launch(cfg, *args)
+        except ValueError:  # a tuned/default config that does not fit this head dim: the smallest one
+            launch = _Launch(dict(WARPS=2, STAGES=2, SPLITS=cfg.get("SPLITS", 0)), *args)
+        launch.run()
+    return out
+
+
+def _launch_for(q, k_cache, v_cache, block_table, seq_lens, out, cfg=None, *, softmax_scale=None, softcap=0.0,
+                window=(-1, -1), max_seqlen=None, explore=False):
+    """A replayable _Launch for already-valid CuPy arguments (benchmarks, tests of every config)."""
+    D = int(q.shape[-1])
+    scale = ref.effective_scale(softmax_scale, D)
+    left, _ = ref.check_window(window)
+    max_len = max_seqlen or int(block_table.shape[1]) * int(k_cache.shape[1])
+    if cfg is None:
+        cfg = autotune.default_config(TUNABLE.name)
+    return _Launch(cfg, q, k_cache, v_cache, block_table, seq_lens, out, scale, float(softcap), left, max_len,
+                   explore=explore)
+
+
+# ------------------------------------------------------------------------------------------ the KV cache
+class PagedKVCache:
+    """A paged KV cache for decoding: plain arrays inside, block allocation and index arithmetic done for you.
+
+    Arrays (NumPy or CuPy, per `xp`; read them freely, write them only through the methods):
+      k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim] of `dtype`
+      block_table       int32 [max_batch, max_blocks_per_seq]: block ids of each sequence slot, in order
+      seq_lens          int32 [max_batch]: tokens stored per sequence slot (0 = free slot)
+    and a host-side free list of blocks. Sequence slots are the rows 0..max_batch-1.
+
+    - ``append(k_new, v_new, seqs=None)``: adds one token (k_new [B, Hkv, D]) or T tokens (k_new [B, T, Hkv, D])
+      to each of the sequences `seqs` (default 0..B-1), allocating blocks as they fill. Raises MemoryError,
+      changing nothing, when the free blocks or a sequence's table row would run out.
+    - ``attention(q, seqs=None, **kw)``: `paged_attention` of q [B, Hq, D] over those sequences (values are
+      known valid, so no device-to-host copy).
+    - ``free(seq)``: returns a sequence's blocks to the free list and empties its slot.
+
+    Example, a greedy decode loop over a batch of 8 (``model`` is yours)::
+
+        cache = PagedKVCache(num_blocks=8 * 256, block_size=16, num_kv_heads=8, head_dim=128,
+                             dtype=cupy.float16, max_batch=8, max_blocks_per_seq=256)
+        cache.append(k_prompt, v_prompt)              # [8, T, 8, 128]: the prompts, T tokens each
+        for step in range(max_new_tokens):
+            q, k, v = model.qkv(tokens)                # [8, 32, 128], [8, 8, 128], [8, 8, 128]
+            cache.append(k, v)                         # every sequence grows by one token
+            o = cache.attention(q)                     # [8, 32, 128]
+            tokens = model.next(o)
+        cache.free(3)                                  # sequence 3 finished: its blocks are reusable
+    """
+
+    def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, dtype=np.float16, *, max_batch,
+                 max_blocks_per_seq, xp=None):
+        if xp is None:
+            xp = rt.require_cupy()
+        for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq)):
+            if not ref._is_int(v) or int(v) < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if block_size > ref.MAX_BLOCK_SIZE or block_size & (block_size - 1):
+            raise ValueError(f"block_size: expected a power of two from 1 to {ref.MAX_BLOCK_SIZE}, got {block_size}")
+        if not 1 <= head_dim <= ref.MAX_HEAD_DIM:
+            raise ValueError(f"head_dim: expected 1 to {ref.MAX_HEAD_DIM}, got {head_dim}")
+        dtype = np.dtype(dtype)
+        if dtype not in ref.ATTENTION_DTYPES:
+            raise TypeError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
+        self.xp = xp
+        self.block_size = int(block_size)
+        self.num_blocks = int(num_blocks)
+        shape = (int(num_blocks), int(block_size), int(num_kv_heads), int(head_dim))
+        self.k_cache = xp.zeros(shape, dtype=dtype)
+        self.v_cache = xp.zeros(shape, dtype=dtype)
+        self.block_table = xp.zeros((int(max_batch), int(max_blocks_per_seq)), dtype=np.int32)
+        self.seq_lens = xp.zeros((int(max_batch),), dtype=np.int32)
+        self._lens = np.zeros(int(max_batch), dtype=np.int64)
+        self._table = np.zeros((int(max_batch), int(max_blocks_per_seq)), dtype=np.int64)
+        self._nblk = np.zeros(int(max_batch), dtype=np.int64)           # blocks owned per slot
+        self._free = list(range(int(num_blocks) - 1, -1, -1))           # pop() hands out block 0 first
+
+    # -- bookkeeping
+    @property
+    def max_batch(self) -> int:
+        return int(self._lens.shape[0])
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def lengths(self, seqs=None) -> np.ndarray:
+        """Host copy of the sequence lengths (no device access)."""
+        if seqs is None:
+            return self._lens.copy()
+        return self._lens[self._slots(seqs, len(np.atleast_1d(seqs)))].copy()
+
+    def _slots(self, seqs, B):
+        if seqs is None:
+            if B > self.max_batch:
+                raise ValueError(f"batch: {B} sequences but the cache has max_batch={self.max_batch} slots")
+            return np.arange(B)
+        s = np.asarray(seqs, dtype=np.int64).reshape(-1)
+        if s.size != B or (s.size and (s.min() < 0 or s.max() >= self.max_batch)) or np.unique(s).size != s.size:
+            raise ValueError(f"seqs: expected {B} distinct slots in [0, {self.max_batch}), got {list(s)}")
+        return s
+
+    def append(self, k_new, v_new, seqs=None) -> None:
+        """Append one token per sequence (k_new, v_new [B, Hkv, D]) or T tokens each ([B, T, Hkv, D])."""
+        xp = self.xp
+        _, bs, Hkv, D = self.k_cache.shape
+        for name, x in (("k_new", k_new), ("v_new", v_new)):
+            if not hasattr(x, "shape") or x.ndim not in (3, 4) or tuple(x.shape[-2:]) != (Hkv, D):
+                raise ValueError(f"{name}: expected shape [B, {Hkv}, {D}] or [B, T, {Hkv}, {D}], "
+                                 f"got {getattr(x, 'shape', type(x).__name__)}")
+            if np.dtype(x.dtype) != self.k_cache.dtype:
+                raise TypeError(f"{name}: expected dtype {self.k_cache.dtype}, got {x.dtype}")
+            if (xp is np) != _is_numpy(x):
+                raise TypeError(f"{name}: expected a {'NumPy' if xp is np else 'GPU'} array like the cache, "
+                                f"got {type(x).__name__}")
+        if tuple(k_new.shape) != tuple(v_new.shape):
+            raise ValueError(f"v_new: expected the shape of k_new {tuple(k_new.shape)}, got {tuple(v_new.shape)}")
+        if k_new.ndim == 3:
+            k_new, v_new = k_new[:, None], v_new[:, None]
+        B, T = int(k_new.shape[0]), int(k_new.shape[1])
+        slots = self._slots(seqs, B)
+        if T == 0 or B == 0:
+            return
+        # plan every allocation before changing anything
+        new_len = self._lens[slots] + T
+        need_blocks = -(-new_len // bs)
+        if (need_blocks > self._table.shape[1]).any():
+            i = int(np.argmax(need_blocks > self._table.shape[1]))
+            raise MemoryError(f"sequence {int(slots[i])} would reach {int(new_len[i])} tokens, over max_blocks_per_seq "
+                              f"* block_size = {self._table.shape[1] * bs}")
+        extra = need_blocks - self._nblk[slots]
+        if int(extra.sum()) > len(self._free):
+            raise MemoryError(f"PagedKVCache: {int(extra.sum())} new blocks needed, {len(self._free)} free")
+        rows, cols, ids = [], [], []
+        for s, e in zip(slots, extra):
+            for _ in range(int(e)):
+                c = int(self._nblk[s])
+                self._table[s, c] = self._free.pop()
+                self._nblk[s] += 1
+                rows.append(s), cols.append(c), ids.append(self._table[s, c])
+        pos = self._lens[slots][:, None] + np.arange(T)[None, :]                     # [B, T]
+        flat = self._table[slots[:, None], pos // bs] * bs + pos % bs               # row in [num_blocks * bs]
+        idx = xp.asarray(flat.reshape(-1))
+        self.k_cache.reshape(-1, Hkv, D)[idx] = k_new.reshape(-1, Hkv, D)
+        self.v_cache.reshape(-1, Hkv, D)[idx] = v_new.reshape(-1, Hkv, D)
+        if rows:
+            self.block_table[xp.asarray(np.array(rows)), xp.asarray(np.array(cols))] = \
+                xp.asarray(np.array(ids, dtype=np.int32))
+        self._lens[slots] = new_len
+        self.seq_lens[xp.asarray(slots)] = xp.asarray(new_len.astype(np.int32))
+
+    def free(self, seq) -> None:
+        """Return sequence slot `seq`'s blocks to the free list; its length becomes 0."""
+        if not ref._is_int(seq) or not 0 <= int(seq) < self.max_batch:
+            raise ValueError(f"seq: expected a slot in [0, {self.max_batch}), got {seq!r}")
+        s = int(seq)
+        n = int(self._nblk[s])
+        self._free.extend(int(b) for b in self._table[s, :n][::-1])
+        self._table[s, :n] = 0
+        self._nblk[s] = 0
+        self._lens[s] = 0
+        self.block_table[s, :n] = 0
+        self.seq_lens[s] = 0
+
+    def attention(self, q, seqs=None, **kw):
+        """`paged_attention(q, ...)` over sequences `seqs` (default 0..B-1), each with at least one token."""
+        B = int(q.shape[0])
+        slots = self._slots(seqs, B)
+        if (self._lens[slots] < 1).any():
+            i = int(np.argmax(self._lens[slots] < 1))
+            raise ValueError(f"seqs: sequence slot {int(slots[i])} is empty; append a token first")
+        if seqs is None:
+            table, lens = self.block_table[:B], self.seq_lens[:B]
+        else:
+            idx = self.xp.asarray(slots)
+            table, lens = self.block_table[idx], self.seq_lens[idx]
+        if self.xp is np:
+            return paged_attention(q, self.k_cache, self.v_cache, table, lens, **kw)
+        kw.setdefault("check", False)
+        kw.setdefault("max_seqlen", int(self._lens[slots].max()))
+        return paged_attention(q, self.k_cache, self.v_cache, table, lens, **kw)
+
+
+# ------------------------------------------------------------------------------------ error and selftest
+def reference_bound(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, softcap=0.0,
+                    window=(-1, -1)):
+    """(ref, base, bound) for host inputs: ref = the float64 reference (float64 array), base = relative
+    Frobenius error of `reference.sdpa_lowp` (same-dtype computation with float32 softmax) against it, and
+    bound = min(2 * base, 2e-3 for float16 / 1e-2 for bfloat16) (SPEC section 7)."""
+    dt = np.dtype(q.dtype)
+    f32 = lambda a: np.asarray(a).astype(np.float32)
+    r = ref.paged_attention(f32(q), f32(k_cache), f32(v_cache), block_table, seq_lens,
+                            softmax_scale=softmax_scale, softcap=softcap, window=window).astype(np.float64)
+    bs = k_cache.shape[1]
+    low = np.empty(q.shape, dtype=dt)
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        blocks = block_table[b, :-(-n // bs)]
+        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n]
+        v = v_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n]
+        low[b] = ref.sdpa_lowp(q[b][None, None], k[None], v[None], softmax_scale=softmax_scale,
+                               softcap=softcap, window=window)[0, 0]
+    base = rel_error(low, r)
+    cap = 2e-3 if dt == np.float16 else 1e-2
+    return r, base, min(2 * base, cap)
+
+
+def rel_error(out, r) -> float:
+    """||out - r|| / ||r|| in float64 (NaN if out holds NaN)."""
+    return float(np.linalg.norm(np.asarray(out).astype(np.float64) - r) / np.linalg.norm(r))
+
+
+def reference_errors(q, k_cache, v_cache, block_table, seq_lens, out, **kw):
+    """(err, base, bound): `out`'s relative error against the float64 reference, and `reference_bound`'s
+    base and bound (host arrays in)."""
+    r, base, bound = reference_bound(q, k_cache, v_cache, block_table, seq_lens, **kw)
+    return rel_error(out, r), base, bound
+
+
+def make_case(rng, B, lens, Hq, Hkv, D, block_size, dtype, *, spare_blocks=3, xp=np):
+    """Random inputs with a shuffled block table: (q, k_cache, v_cache, block_table, seq_lens) on the host."""
+    lens = np.broadcast_to(np.asarray(lens, dtype=np.int64), (B,))
+    nb = -(-lens // block_size)
+    total = int(nb.sum()) + spare_blocks
+    perm = rng.permutation(total).astype(np.int32)
+    mb = int(nb.max())
+    table = np.full((B, mb), -1, dtype=np.int32)   # entries past a sequence's blocks are never read
+    o = 0
+    for b in range(B):
+        table[b, :nb[b]] = perm[o:o + nb[b]]
+        o += nb[b]
+    q = rng.standard_normal((B, Hq, D), dtype=np.float32).astype(dtype)
+    kc = rng.standard_normal((total, block_size, Hkv, D), dtype=np.float32).astype(dtype)
+    vc = rng.standard_normal((total, block_size, Hkv, D), dtype=np.float32).astype(dtype)
+    return q, kc, vc, table, lens.astype(np.int32)
+
+
+def _selftest_case(B, ctx, Hq, Hkv, D, bs, dtype, **kw):
+    def case():
+        cp = rt.require_cupy()
+        rng = np.random.default_rng(1)
+        lens = ctx if not kw.get("mixed") else rng.integers(1, ctx + 1, size=B)
+        opts = {k: v for k, v in kw.items() if k != "mixed"}
+        h = make_case(rng, B, lens, Hq, Hkv, D, bs, dtype)
+        d = [cp.asarray(a) for a in h]
+        o = paged_attention(*d, **opts)
+        err, base, bound = reference_errors(*h, o.get(), **opts)
+        out = cp.empty_like(d[0])
+        launch = _launch_for(*d, out, cfg=None, max_seqlen=int(np.max(lens)), **opts)
+        t = rt.time_ms(launch.run, warmup=3, rep=20)
+        kv = int(np.sum(np.asarray(lens))) * Hkv * D * 2 * np.dtype(dtype).itemsize
+        src = cp.empty(max(kv // 2, 128 << 20), dtype=cp.uint8)   # >= 256 MB moved: not an L2 copy
+        dst = cp.empty_like(src)
+        copy_ms = rt.time_ms(lambda: dst.__setitem__(Ellipsis, src), warmup=2, rep=10)
+        extra = " ".join(f"{k}={v}" for k, v in opts.items())
+        return {"op": "paged_attention", "shape": f"B={B} ctx={ctx}{'(mixed)' if kw.get('mixed') else ''} "
+                f"{Hq}/{Hkv} D={D} bs={bs} {np.dtype(dtype).name} {extra}".strip(),
+                "error": err, "bound": bound, "ok": bool(err <= bound), "time_ms": t,
+                "peer": "copy of the K+V bytes", "peer_ms": copy_ms * kv / (2 * src.nbytes)}
+    return case
+
+
+def selftest_cases():
+    bf16 = ml_dtypes.bfloat16
+    return [_selftest_case(1, 32768, 32, 8, 128, 16, np.float16),
+            _selftest_case(64, 4096, 32, 8, 128, 16, bf16),
+            _selftest_case(16, 3000, 32, 32, 80, 128, np.float16, mixed=True, window=(1000, 0), softcap=30.0)]
