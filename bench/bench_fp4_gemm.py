@@ -1,0 +1,198 @@
+"""fp4_matmul (FP4 weights, fp16 activations) against cupy.matmul in float16 on the dequantized weight, same run.
+
+pytest bench/bench_fp4_gemm.py --benchmark-only       (pytest-benchmark; ratios in extra_info)
+python bench/bench_fp4_gemm.py [--quick] [--fmt nvfp4|mxfp4] (prints the table)
+
+Timing: CUDA events around 10 back-to-back calls after warm-up, median of 15 such groups, divided by 10 (so
+host launch overhead counts only where it starves the GPU). Weights are rotated among copies totalling more
+than 2x the L2 (FP4 weights of 8192^2 are 36 MB and would otherwise stay in the 50 MB L2), the same for the
+peer's fp16 weights. TFLOP/s = 2 M N K / t; weight GB/s = bytes of the FP4 tensor (data + scales) / t.
+The epilogue variant adds bias + silu: fused in fp4_matmul, a CuPy elementwise kernel after cupy.matmul.
+"""
+import math
+import sys
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy") if __name__ != "__main__" else __import__("cupy")
+
+from vbw_cupy import _runtime as rt  # noqa: E402
+from vbw_cupy import gemm  # noqa: E402
+from vbw_cupy.fp4 import dequantize, quantize  # noqa: E402
+
+MS = (1, 16, 64, 256, 4096)
+NKS = ((8192, 8192), (14336, 4096), (4096, 14336))
+ROTATE_BYTES = 120e6
+
+_silu_bias = None
+
+
+def _peer_epilogue(y, bias):
+    global _silu_bias
+    if _silu_bias is None:
+        _silu_bias = cp.ElementwiseKernel("T y, T b", "T z", "float v = (float)y + (float)b; z = (T)(v / (1.f + expf(-v)))",
+                                          "vbw_bench_silu_bias")
+    return _silu_bias(y, bias)
+
+
+def setup(M, N, K, fmt="nvfp4", epilogue=False, seed=0):
+    rs = cp.random.RandomState(seed)
+    w0 = quantize(rs.standard_normal((N, K), dtype=cp.float32), fmt)
+    n_q = max(1, min(8, math.ceil(ROTATE_BYTES / w0.nbytes)))
+    ws = [w0] + [quantize(rs.standard_normal((N, K), dtype=cp.float32), fmt) for _ in range(n_q - 1)]
+    n_h = max(1, min(8, math.ceil(ROTATE_BYTES / (N * K * 2))))
+    wds = [dequantize(w, np.float16) for w in ws[:n_h]]
+    while len(wds) < n_h:
+        wds.append(wds[-1].copy())
+    a = rs.standard_normal((M, K), dtype=cp.float32).astype(cp.float16)
+    bias = rs.standard_normal(N, dtype=cp.float32).astype(cp.float16) if epilogue else None
+    act = "silu" if epilogue else None
+    ours = lambda i: gemm.fp4_matmul(a, ws[i % n_q], bias, act)  # noqa: E731
+    if epilogue:
+        peer = lambda i: _peer_epilogue(cp.matmul(a, wds[i % n_h].T), bias)  # noqa: E731
+    else:
+        peer = lambda i: cp.matmul(a, wds[i % n_h].T)  # noqa: E731
+    return ours, peer, (a, ws[0], bias, act), w0.nbytes
+
+
+def time_us(fn, inner=10, reps=15):
+    stream = cp.cuda.get_current_stream()
+    for i in range(3):
+        fn(i)
+    stream.synchronize()
+    times = []
+    for r in range(reps):
+        s, e = cp.cuda.Event(), cp.cuda.Event()
+        s.record(stream)
+        for i in range(inner):
+            fn(r * inner + i)
+        e.record(stream)
+        e.synchronize()
+        times.append(cp.cuda.get_elapsed_time(s, e) * 1e3 / inner)
+    return float(np.median(times))
+
+
+def measure(M, N, K, fmt="nvfp4", epilogue=False, check=True):
+    ours, peer, (a, w, bias, act), wbytes = setup(M, N, K, fmt, epilogue)
+    t_ours = time_us(ours)
+    t_peer = time_us(peer)
+    row = {"M": M, "N": N, "K": K, "fmt": fmt, "epilogue": "bias+silu" if epilogue else "-",
+           "ours_us": t_ours, "peer_us": t_peer, "ratio": t_peer / t_ours,
+           "tflops": 2 * M * N * K / t_ours / 1e6, "peer_tflops": 2 * M * N * K / t_peer / 1e6,
+           "weight_GBs": wbytes / t_ours / 1e3, "config": gemm.chosen_config(a, w)}
+    if check:
+        got = gemm.fp4_matmul(a, w, bias, act)
+        z = a.astype(cp.float64) @ dequantize(w).astype(cp.float64).T
+        if epilogue:
+            z += bias.astype(cp.float64)
+            z = z / (1 + cp.exp(-z))
+        nz = float(cp.linalg.norm(z))
+        row["error"] = float(cp.linalg.norm(got.astype(cp.float64) - z)) / nz
+        row["bound"] = 2 * float(cp.linalg.norm(z.astype(cp.float16).astype(cp.float64) - z)) / nz + 1e-6
+    return row
+
+
+CASES = [(m, n, k, False) for m in MS for n, k in NKS] + [(m, 8192, 8192, True) for m in (1, 16, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K,epi", CASES, ids=[f"M{m}-N{n}-K{k}{'-bias_silu' if e else ''}" for m, n, k, e in CASES])
+def test_fp4_matmul(benchmark, M, N, K, epi):
+    row = measure(M, N, K, "nvfp4", epi, check=False)
+    ours, _, _, _ = setup(M, N, K, "nvfp4", epi)
+    stream = cp.cuda.get_current_stream()
+
+    def timed():
+        ours(0)
+        stream.synchronize()
+    benchmark.pedantic(timed, rounds=20, warmup_rounds=3)
+    benchmark.extra_info.update({k: row[k] for k in ("ours_us", "peer_us", "ratio", "tflops", "peer_tflops",
+                                                     "weight_GBs")})
+    benchmark.extra_info["config"] = str(row["config"])
+
+
+def print_table(rows, out=sys.stdout):
+    print(f"{'M':>5} {'N':>6} {'K':>6} {'fmt':6} {'epilogue':9} {'ours us':>9} {'cuBLAS us':>9} {'ratio':>6} "
+          f"{'TFLOP/s':>8} {'cuBLAS':>7} {'wGB/s':>7} {'error':>9} {'bound':>9}  config", file=out)
+    for r in rows:
+        cfg = r["config"] or {}
+        cs = f"{cfg.get('KIND', '?')} {cfg.get('BR')}x{cfg.get('BC')}x{cfg.get('BK')} s{cfg.get('SPLIT')}"
+        print(f"{r['M']:>5} {r['N']:>6} {r['K']:>6} {r['fmt']:6} {r['epilogue']:9} {r['ours_us']:9.1f} "
+              f"{r['peer_us']:9.1f} {r['ratio']:6.2f} {r['tflops']:8.1f} {r['peer_tflops']:7.1f} "
+              f"{r['weight_GBs']:7.0f} {r.get('error', float('nan')):9.2e} {r.get('bound', float('nan')):9.2e}  {cs}",
+              file=out, flush=True)
+
+
+def diagnose(out=sys.stdout):
+    """Where the time goes: the public call vs the bare kernel launch vs a CUDA graph of the call, and every
+    config at M = 4096 (N = K = 8192)."""
+    for M in (1, 16):
+        ours, peer, (a, w, bias, act), wbytes = setup(M, 8192, 8192)
+        t_call = time_us(ours)
+        o, plan = gemm._matmul_gpu(a, w, None, None, np.dtype(np.float16))
+        t_launch = time_us(lambda i: gemm._launch(plan, a, o, None))
+        try:
+            s = cp.cuda.Stream(non_blocking=True)
+            with s:
+                gemm.fp4_matmul(a, w)
+                s.begin_capture()
+                for _ in range(20):
+                    gemm.fp4_matmul(a, w)
+                g = s.end_capture()
+                g.launch(s)
+                s.synchronize()
+                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                ts = []
+                for _ in range(10):
+                    e0.record(s)
+                    g.launch(s)
+                    e1.record(s)
+                    e1.synchronize()
+                    ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / 20)
+                t_graph = float(np.median(ts))
+        except Exception as exc:
+            t_graph = float("nan")
+            print(f"graph capture failed: {exc}", file=out)
+        print(f"M={M}: call {t_call:.1f} us, bare launch {t_launch:.1f} us, graph {t_graph:.1f} us (same weight: L2-warm), "
+              f"cuBLAS {time_us(peer):.1f} us, plan {plan[1]} {plan[-1]}", file=out, flush=True)
+        n_q = max(1, math.ceil(ROTATE_BYTES / w.nbytes))
+        wsr = [w] + [quantize(cp.random.standard_normal((8192, 8192), dtype=cp.float32)) for _ in range(n_q - 1)]
+        small = ("mma_s", "mma_s8", "mma_sk", "mma_s8k", "mma_t") if M <= 8 else ("mma_s", "mma_sk", "mma_t")
+        for name in small:
+            for split in (0, 2, 4, 8):
+                cfg = dict(gemm.TILES[name], SPLIT=split)
+                plans = [gemm._matmul_gpu(a, x, None, None, np.dtype(np.float16), cfg=cfg)[1] for x in wsr]
+                t = time_us(lambda i: gemm._launch(plans[i % len(plans)], a, o, None))
+                print(f"  M={M} {name} split={split} (-> {plans[0][1]}): {t:.1f} us {wbytes / t / 1e3:.0f} GB/s",
+                      file=out, flush=True)
+    ours, peer, (a, w, bias, act), wbytes = setup(4096, 8192, 8192)
+    flop = 2 * 4096 * 8192 * 8192
+    for name in ("wg256", "wgrs256", "wgrs256k", "wgrs128k", "wg128"):
+        cfg = dict(gemm.TILES[name], SPLIT=0)
+        o, plan = gemm._matmul_gpu(a, w, None, None, np.dtype(np.float16), cfg=cfg)
+        t = time_us(lambda i: gemm._launch(plan, a, o, None), inner=3, reps=5)
+        print(f"M=4096 {name}: {t:.1f} us {flop / t / 1e6:.1f} TFLOP/s", file=out, flush=True)
+    print(f"M=4096 cuBLAS: {time_us(peer, inner=3, reps=5):.1f} us", file=out, flush=True)
+
+
+if __name__ == "__main__":
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="M in {1, 16, 4096} at N = K = 8192 only")
+    p.add_argument("--fmt", default="nvfp4")
+    p.add_argument("--no-check", action="store_true")
+    p.add_argument("--diag", action="store_true", help="launch-overhead and per-config breakdown only")
+    args = p.parse_args()
+    if args.diag:
+        diagnose()
+        sys.exit(0)
+    cases = [(m, 8192, 8192, False) for m in (1, 16, 4096)] if args.quick else CASES
+    rows = []
+    for m, n, k, e in cases:
+        try:
+            rows.append(measure(m, n, k, args.fmt, e, check=not args.no_check))
+        except Exception as exc:  # keep going: one failing shape must not hide the others
+            print(f"M={m} N={n} K={k}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        cp.get_default_memory_pool().free_all_blocks()
+    print_table(rows)

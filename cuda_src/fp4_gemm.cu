@@ -1,0 +1,1128 @@
+// fp4_gemm.cu: W4A16 GEMM with FP4 weights on tensor cores (SPEC 2 / issue 3).
+//
+//   out[m, n] = act( sum_k a[m, k] * W[n, k] * out_scale + bias[n] )     (fp32 accumulation)
+//
+// a: [M, K] row-major (lda elements, 16-byte aligned rows), float16 / bfloat16, or float32 (exact path below).
+// W: an FP4Tensor [N, K] (NVFP4: E2M1 + E4M3 per 16 + float32 global scale; MXFP4: E2M1 + E8M0 per 32),
+//    re-laid-out ONCE by fp4_gemm_prepare into "atoms" of 16 rows x 64 k (gemm.py caches it in w._cache):
+//      atom = 512 B of nibbles + 64 B (nvfp4) / 32 B (mxfp4) of scale bytes; atoms ordered [N/16][K/64].
+//      Lane l = 4g + t of a warp owns 16 B of the atom = 4 words, word j = the k16 step j, holding exactly its
+//      m16n8k16 A-fragment (the weight is the MMA's A operand, tokens are B: "swap AB"):
+//        nibble 3/7: W[g][2t], W[g][2t+1]      nibble 2/6: W[g+8][2t], W[g+8][2t+1]
+//        nibble 1/5: W[g][2t+8], W[g][2t+9]    nibble 0/4: W[g+8][2t+8], W[g+8][2t+9]
+//      so one LDS.128 gives a thread 4 k16 steps; decode = (q & 0x80008000) | ((q & 0x70007000) >> 3 (f16) / 6
+//      (bf16)), then q <<= 4: the E2M1 bits land in a half's sign/exponent/mantissa, = e2m1 * 2^-14 (f16) or
+//      e2m1 * 2^-126 (bf16), exactly (E2M1's subnormal 0.5 maps to the half's subnormal).
+//      Scale bytes: row g's blocks then row g+8's, at 512 + g*8 (nvfp4) / 512 + g*4 (mxfp4).
+// Block scales, two exact modes (template MODE):
+//   SIR (scale in register): the multiplier h = u * 2^14 (f16) / u * 2^126 (bf16), u = scale * 2^-c, is built
+//      from a prepared byte by a shift and multiplied into the decoded half2 (HMUL2): e2m1 * u has <= 5
+//      significant bits, so it is exact as long as it is a normal half; c (per tensor) and a range check in
+//      gemm.py guarantee that (else FPP). One fp32 accumulator over all K; out_scale = global_scale * 2^c.
+//   FPP (fp32 partials): exact e2m1 operands, one partial accumulator per K block (1 k16 step for nvfp4, 2 for
+//      mxfp4) added to the main accumulator times the block scale in fp32 (fp64 for float32 activations).
+//      Used when the scale range does not fit (and for MXFP4 NaN blocks, code 255).
+// float32 activations: each a is split into three bf16 (hi + mid + lo == a exactly), three MMAs per step into
+//   the per-block fp32 partial, partials summed in fp64: error ~1e-7, within SPEC 7 for a float32 output.
+//
+// Kernels (tile sizes are template parameters; gemm.py lists the instances and the autotuner picks):
+//   fp4_gemm_mma   <T, BLK, MODE, BR, BC, BK, WARPS_R, WARPS_C, STAGES>: mma.sync m16n8k16, any sm_80+.
+//      CTA = BR weight rows x BC tokens, BK k per stage, cp.async multi-stage ring for weights and activations
+//      (activations in 128B-swizzled rows, read with ldmatrix), split-K over gridDim.z. The decode path.
+//   fp4_gemm_wgrs  <T, BLK, BC, WGS, STAGES, KSUB>: Hopper (sm_90a) wgmma m64nBCk16, A = the decoded weights
+//      straight from registers, B = activations from 128B-swizzled smem; WGS warpgroups x 64 rows, KSUB 64-k
+//      sub-tiles per stage. Drains wgmma every k-tile (ptxas serializes wgmma if an A register is written while
+//      one is in flight); the two warpgroups cover each other's decode. The prefill path.
+//   fp4_gemm_wgmma <T, BLK, BC, WGS, STAGES>: Hopper, each warp decodes its atom into a double-buffered
+//      128B-swizzled smem A tile and wgmma reads both operands from smem (wait_group 1, decode overlaps MMA).
+//   Split-K (all): each CTA writes its fp32 partial tile to a workspace, the last CTA of a tile (atomic
+//   counter, self-resetting) sums all partials in a fixed order (deterministic) and runs the epilogue.
+//   Epilogue: * out_scale, + bias (f16/bf16/f32), relu / gelu(erf) / gelu_tanh / silu, one store per element.
+//
+// History (NVIDIA H200 at 1980 MHz -- no H100 was lent; fp16, nvfp4, N = K = 8192; cuBLAS = cupy.matmul fp16 on
+// the dequantized weight, same run; "us" = CUDA events over back-to-back calls, weights rotated past the L2):
+//   v1 mma.sync split-K (M <= 16) + wgmma RS with wait<1> (ptxas: "wgmma serialized", C7513):
+//      M=1 36 us (cuBLAS 39, 1.06x), M=16 34 us (1.07x), M=4096 1296 us 424 TFLOP/s (cuBLAS 771, 0.55x).
+//   v2 wgmma SS (decoded tile staged in smem, wait<1>) + leaner host path: M=1 25.5 us (1.59x; bare kernel
+//      24.6 us, so not launch-bound), M=16 25.9 us (1.41x), M=4096 1473 us 373 TFLOP/s (0.55x).
+//   v3 per-thread copy plans hoisted out of the k-loop, BC=8 / smaller-stage tiles, RS with a drain per k-tile:
+//      M=1 19.9 us (mma_s8k, 1895 GB/s, 2.0x), M=16 24.0 us (1.5x): flat across tiles, splits and occupancy, so
+//      bound by instructions per weight (decode 15 + scale 8 ops per 8 weights); M=4096 wgrs256 1050 us
+//      524 TFLOP/s (0.67x), wg256 (SS) 437, wg128 330, mma.sync 128x128 222.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include "mma.cuh"
+#include "fp4.cuh"
+
+namespace vbw_fp4gemm {
+
+using vbw::u32;
+typedef unsigned long long u64;
+typedef unsigned char u8;
+
+template <class A, class B> struct same { static constexpr bool value = false; };
+template <class A> struct same<A, A> { static constexpr bool value = true; };
+
+template <typename T> struct OpT { using type = T; };              // MMA operand type for activations T
+template <> struct OpT<float> { using type = __nv_bfloat16; };
+template <typename T> struct AccT { using type = float; };          // accumulator type
+template <> struct AccT<float> { using type = double; };
+
+constexpr int MODE_SIR = 0, MODE_FPP = 1;
+__host__ __device__ constexpr int atom_bytes(int blk) { return 512 + (blk == 16 ? 64 : 32); }
+
+// ---------------------------------------------------------------------------------------------- decode
+template <typename OT> __device__ __forceinline__ u32 e2m1x2(u32 q);
+template <> __device__ __forceinline__ u32 e2m1x2<__half>(u32 q) {
+  return (q & 0x80008000u) | ((q & 0x70007000u) >> 3);     // = e2m1 * 2^-14
+}
+template <> __device__ __forceinline__ u32 e2m1x2<__nv_bfloat16>(u32 q) {
+  return (q & 0x80008000u) | ((q & 0x70007000u) >> 6);     // = e2m1 * 2^-126
+}
+
+template <typename OT> __device__ __forceinline__ u32 mul2(u32 a, u32 b);
+template <> __device__ __forceinline__ u32 mul2<__half>(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+template <> __device__ __forceinline__ u32 mul2<__nv_bfloat16>(u32 a, u32 b) {
+  u32 d;  // + (-0) keeps a product of -0 and leaves every other product unchanged
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+// 2^14 (f16) / 2^126 (bf16) in both halves: turns the decoded e2m1 * 2^-14 / 2^-126 into exact e2m1.
+template <typename OT> __device__ __forceinline__ u32 exact_k2();
+template <> __device__ __forceinline__ u32 exact_k2<__half>() { return 0x74007400u; }
+template <> __device__ __forceinline__ u32 exact_k2<__nv_bfloat16>() { return 0x7E807E80u; }
+
+// SIR multiplier from x = [b, 0, b, 0] (bytes): b = ((e_u + 29) << 3) | mantissa3 of u = scale * 2^-c, e_u in
+// [-29, 1] (f16 needs e_u >= -13). b = 0 (zero-filled tails) gives h = 0 (f16) or 2^97 (bf16): finite, so zero
+// weights stay zero.
+template <typename OT> __device__ __forceinline__ u32 sir_h(u32 x);
+template <> __device__ __forceinline__ u32 sir_h<__half>(u32 x) { return x << 7; }                        // u * 2^14
+template <> __device__ __forceinline__ u32 sir_h<__nv_bfloat16>(u32 x) { return (x << 4) + 0x70007000u; } // u * 2^126
+
+template <int BLK> __device__ __forceinline__ float scale_value(u32 code);
+template <> __device__ __forceinline__ float scale_value<16>(u32 code) {   // E4M3 (fn), sign honoured
+  const float v = __uint_as_float((code & 0x7Fu) << 20) * 0x1p120f;
+  return (code & 0x80u) ? -v : v;
+}
+template <> __device__ __forceinline__ float scale_value<32>(u32 code) { return vbw::e8m0_decode(code); }
+
+template <typename OT>
+__device__ __forceinline__ void decode_word(u32 q, u32 (&f)[4]) {
+  f[0] = e2m1x2<OT>(q);
+  f[1] = e2m1x2<OT>(q << 4);
+  f[2] = e2m1x2<OT>(q << 8);
+  f[3] = e2m1x2<OT>(q << 12);
+}
+
+// d = a * b + c  (m16n8k16, fp32 accumulators)
+template <typename OT> __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  vbw::mma_16816<OT>(d, a, b0, b1);
+}
+
+__device__ __forceinline__ u32 bf16_bits(__nv_bfloat16 x) { return (u32)__bfloat16_as_ushort(x); }
+
+// float -> hi + mid + lo (bf16 each), exact for normal floats.
+__device__ __forceinline__ void split3(float x, u32& hi, u32& mid, u32& lo) {
+  const __nv_bfloat16 h = __float2bfloat16_rn(x);
+  float r = x - __bfloat162float(h);
+  const __nv_bfloat16 m = __float2bfloat16_rn(r);
+  r = r - __bfloat162float(m);
+  const __nv_bfloat16 l = __float2bfloat16_rn(r);
+  hi = bf16_bits(h); mid = bf16_bits(m); lo = bf16_bits(l);
+}
+
+// ---------------------------------------------------------------------------------------------- epilogue
+// flags: bits 0-2 activation (0 none, 1 relu, 2 gelu erf, 3 gelu tanh, 4 silu); bits 4-5 bias (0 none,
+// 1 f16, 2 bf16, 3 f32); bits 8-9 output (0 f16, 1 bf16, 2 f32).
+__device__ __noinline__ void store_out(void* out, const void* bias, int flags, int n, int m, int N, float v) {
+  const int bk = (flags >> 4) & 3;
+  if (bk == 1) v += __half2float(static_cast<const __half*>(bias)[n]);
+  else if (bk == 2) v += __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[n]);
+  else if (bk == 3) v += static_cast<const float*>(bias)[n];
+  switch (flags & 7) {
+    case 1: v = v < 0.f ? 0.f : v; break;  // NaN stays NaN
+    case 2: v = 0.5f * v * (1.f + erff(v * 0.7071067811865476f)); break;
+    case 3: v = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))); break;
+    case 4: v = v / (1.f + expf(-v)); break;
+    default: break;
+  }
+  const size_t idx = (size_t)m * (size_t)N + (size_t)n;
+  const int ok = (flags >> 8) & 3;
+  if (ok == 0) static_cast<__half*>(out)[idx] = __float2half_rn(v);
+  else if (ok == 1) static_cast<__nv_bfloat16*>(out)[idx] = __float2bfloat16_rn(v);
+  else static_cast<float*>(out)[idx] = v;
+}
+
+// Split-K: write this CTA's partial, the last CTA of the tile sums all of them (fixed order) into acc.
+// Returns false for the CTAs that must stop. acc is a flat register array of NACC values per thread.
+template <int NACC, int NT, typename Acc>
+__device__ __forceinline__ bool splitk_reduce(Acc (&acc)[NACC], void* ws, int* counters) {
+  const int nsplit = gridDim.z;
+  if (nsplit == 1) return true;
+  __shared__ int s_last;
+  const int tid = threadIdx.x;
+  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+  Acc* base = static_cast<Acc*>(ws) + (size_t)tile * nsplit * NACC * NT;
+  Acc* mine = base + (size_t)blockIdx.z * NACC * NT;
+#pragma unroll
+  for (int r = 0; r < NACC; ++r) mine[r * NT + tid] = acc[r];
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(&counters[tile], 1) == nsplit - 1;
+  __syncthreads();
+  if (!s_last) return false;
+  __threadfence();
+#pragma unroll
+  for (int r = 0; r < NACC; ++r) acc[r] = 0;
+  for (int z = 0; z < nsplit; ++z) {  // own partial re-read too: one fixed order, deterministic
+    const Acc* p = base + (size_t)z * NACC * NT + tid;
+#pragma unroll
+    for (int r = 0; r < NACC; ++r) acc[r] += __ldcg(p + r * NT);
+  }
+  if (tid == 0) counters[tile] = 0;  // ready for the next launch on this stream
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------- prepare
+// One thread per (row group, k atom, lane): writes the lane's 16 bytes; lanes with t == 0 write row g's and
+// row g+8's scale bytes. SIR mode stores the multiplier code (see sir_h) and zeroes blocks whose scale is 0
+// or outside the code range (gemm.py only picks SIR when no such block holds a nonzero element).
+template <int BLK>
+__device__ __forceinline__ int sir_code(u32 code, int c) {
+  int e;
+  u32 mant;
+  if (BLK == 16) {
+    const float s = vbw::e4m3_decode(code);
+    if (!(s > 0.f)) return -1;
+    const u32 bits = __float_as_uint(s);
+    e = (int)((bits >> 23) & 0xFFu) - 127;
+    mant = (bits >> 20) & 7u;
+  } else {
+    if (code == 255u) return -1;
+    e = (int)code - 127;
+    mant = 0;
+  }
+  const int eb = e - c + 29;
+  if (eb < 0 || eb > 30) return -1;
+  return (eb << 3) | (int)mant;
+}
+
+template <int BLK, int MODE>
+__global__ void fp4_gemm_prepare(const u8* __restrict__ data, const u8* __restrict__ scales, u8* __restrict__ Wp,
+                                 int N, int Dk, int Sk, int katoms, int n_rg, int cshift) {
+  constexpr int ATOM = atom_bytes(BLK);
+  constexpr int NB = BLK == 16 ? 4 : 2;  // scale blocks per atom and row
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (long long)n_rg * katoms * 32) return;
+  const int lane = (int)(idx & 31);
+  const long long at = idx >> 5;
+  const int ka = (int)(at % katoms), rg = (int)(at / katoms);
+  const int g = lane >> 2, t = lane & 3;
+  const int r0 = rg * 16 + g, r1 = r0 + 8;
+  auto byte_at = [&](int row, int col) -> u32 {
+    if (row >= N || col >= Dk) return 0u;
+    if (MODE == MODE_SIR && sir_code<BLK>(scales[(size_t)row * Sk + (col * 2) / BLK], cshift) < 0) return 0u;
+    return data[(size_t)row * Dk + col];
+  };
+  u32 w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int kb = ka * 32 + j * 8 + t;  // byte column of k = ka*64 + j*16 + 2t
+    const u32 bg0 = byte_at(r0, kb), bg1 = byte_at(r0, kb + 4), bh0 = byte_at(r1, kb), bh1 = byte_at(r1, kb + 4);
+    w[j] = (bh1 & 15u) | ((bg1 & 15u) << 4) | ((bh0 & 15u) << 8) | ((bg0 & 15u) << 12) |
+           ((bh1 >> 4) << 16) | ((bg1 >> 4) << 20) | ((bh0 >> 4) << 24) | ((bg0 >> 4) << 28);
+  }
+  u8* dst = Wp + (size_t)at * ATOM;
+  *reinterpret_cast<uint4*>(dst + lane * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+  if (t == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = h ? r1 : r0;
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        const int blk = ka * NB + b;
+        const u32 code = (row < N && blk < Sk) ? scales[(size_t)row * Sk + blk] : 0u;
+        u32 outc = code;
+        if (MODE == MODE_SIR) {
+          const int s = sir_code<BLK>(code, cshift);
+          outc = s < 0 ? 232u : (u32)s;  // 232: u = 1 (its data was zeroed)
+        }
+        dst[512 + g * 2 * NB + h * NB + b] = (u8)outc;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- mma.sync
+template <typename T, int BLK, int MODE, int BR, int BC, int BK, int WARPS_R, int WARPS_C, int STAGES>
+__global__ void __launch_bounds__(32 * WARPS_R * WARPS_C)
+fp4_gemm_mma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restrict__ out,
+             const void* __restrict__ bias, void* __restrict__ ws, int* __restrict__ counters,
+             int M, int N, int K, int lda, int katoms, int kt_per_split, float out_scale, int flags) {
+  using OT = typename OpT<T>::type;
+  using Acc = typename AccT<T>::type;
+  constexpr bool F32 = same<T, float>::value;
+  constexpr int NP = F32 ? 3 : 1;  // B pieces per fragment (hi, mid, lo for float32)
+  constexpr int NT = 32 * WARPS_R * WARPS_C;
+  constexpr int WR = BR / WARPS_R, WC = BC / WARPS_C, FR = WR / 16, FC = WC / 8;
+  constexpr int ATOM = atom_bytes(BLK), KA = BK / 64;
+  constexpr int W_STAGE = (BR / 16) * KA * ATOM;
+  constexpr int ROWB = BK * (int)sizeof(T);
+  constexpr int STAGE = W_STAGE + BC * ROWB;
+  static_assert(!F32 || MODE == MODE_FPP, "float32 activations use fp32 partials");
+  static_assert(WR % 16 == 0 && WC % 8 == 0 && BK % 64 == 0 && FR >= 1 && FC >= 1, "tile shape");
+  static_assert(STAGES >= 2, "stages");
+
+  extern __shared__ __align__(128) u8 smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wr = warp % WARPS_R, wc = warp / WARPS_R;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_rg = (N + 15) >> 4;
+  const int rg0 = blockIdx.x * (BR / 16);
+  const int m0 = blockIdx.y * BC;
+  const int nkt = (katoms + KA - 1) / KA;
+  const int kt0 = blockIdx.z * kt_per_split;
+  const int nk = max(0, min(nkt, kt0 + kt_per_split) - kt0);
+
+  // Per-thread copy plan, fixed over the k-tiles (so the k-loop only adds kt offsets).
+  constexpr int CPA = ATOM / 16, CPR = KA * CPA, WCH = (BR / 16) * CPR, WIT = (WCH + NT - 1) / NT;
+  constexpr int EPC = 16 / (int)sizeof(T), ACPR = ROWB / 16, ACH = BC * ACPR, AIT = (ACH + NT - 1) / NT;
+  static_assert(NT % ACPR == 0, "activation copy plan");
+  size_t w_off[WIT];
+  int w_atom[WIT];
+  unsigned w_ok = 0u;
+#pragma unroll
+  for (int i = 0; i < WIT; ++i) {
+    const int c = tid + i * NT;
+    const int r = c / CPR, rem = c % CPR;
+    w_off[i] = (size_t)(rg0 + r) * katoms * ATOM + rem * 16;
+    w_atom[i] = rem / CPA;
+    if (c < WCH && rg0 + r < n_rg) w_ok |= 1u << i;
+  }
+  const int a_ch = tid % ACPR, a_r0 = tid / ACPR;
+  const T* a_base = A + (size_t)(m0 + a_r0) * lda + a_ch * EPC;
+  auto load_stage = [&](int kt, int buf) {
+    u8* sw = smem + buf * STAGE;
+    u8* sa = sw + W_STAGE;
+#pragma unroll
+    for (int i = 0; i < WIT; ++i) {
+      const int c = tid + i * NT;
+      if (WCH % NT == 0 || c < WCH) {
+        const bool ok = ((w_ok >> i) & 1u) && kt * KA + w_atom[i] < katoms;
+        const u8* src = Wp + w_off[i] + (size_t)kt * KA * ATOM;
+        vbw::cp_async_16(vbw::smem_addr(sw + c * 16), ok ? (const void*)src : (const void*)Wp, ok);
+      }
+    }
+    const bool k_ok = kt * BK + a_ch * EPC < K;
+#pragma unroll
+    for (int i = 0; i < AIT; ++i) {
+      const int r = a_r0 + i * (NT / ACPR);
+      if (ACH % NT == 0 || r < BC) {
+        const bool ok = k_ok && m0 + r < M;
+        const T* src = a_base + (size_t)i * (NT / ACPR) * lda + (size_t)kt * BK;
+        vbw::cp_async_16(vbw::smem_addr(sa + r * ROWB + ((a_ch ^ (r & 7)) << 4)), ok ? (const void*)src : (const void*)A, ok);
+      }
+    }
+  };
+
+  Acc acc[FR][FC][4];
+  float part[FR][FC][4];
+#pragma unroll
+  for (int i = 0; i < FR; ++i)
+#pragma unroll
+    for (int c = 0; c < FC; ++c)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) { acc[i][c][r] = 0; part[i][c][r] = 0.f; }
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nk) load_stage(kt0 + s, s);
+    vbw::cp_async_commit();
+  }
+
+  for (int it = 0; it < nk; ++it) {
+    vbw::cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    {
+      const int pf = it + STAGES - 1;
+      if (pf < nk) load_stage(kt0 + pf, pf % STAGES);
+      vbw::cp_async_commit();
+    }
+    const u8* sw = smem + (it % STAGES) * STAGE;
+    const u8* sa = sw + W_STAGE;
+#pragma unroll
+    for (int a = 0; a < KA; ++a) {
+      uint4 wq[FR];
+      u32 s0[FR], s1[FR];
+#pragma unroll
+      for (int i = 0; i < FR; ++i) {
+        const u8* ap = sw + ((wr * FR + i) * KA + a) * ATOM;
+        wq[i] = *reinterpret_cast<const uint4*>(ap + lane * 16);
+        if (BLK == 16) {
+          const uint2 s = *reinterpret_cast<const uint2*>(ap + 512 + g * 8);
+          s0[i] = s.x; s1[i] = s.y;
+        } else {
+          const u32 s = *reinterpret_cast<const u32*>(ap + 512 + g * 4);
+          s0[i] = s; s1[i] = s >> 16;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int kk = a * 4 + j;  // k16 step inside the stage
+        u32 bf[FC][NP][2];
+        if constexpr (!F32) {
+#pragma unroll
+          for (int c = 0; c < FC; c += 2) {
+            if (c + 1 < FC) {
+              const int r = wc * WC + (c + (lane >> 4)) * 8 + (lane & 7);
+              const int ch = kk * 2 + ((lane >> 3) & 1);
+              vbw::ldsm_x4(bf[c][0][0], bf[c][0][1], bf[c + 1][0][0], bf[c + 1][0][1],
+                           vbw::smem_addr(sa + r * ROWB + ((ch ^ (r & 7)) << 4)));
+            } else {
+              const int l = lane & 15;
+              const int r = wc * WC + c * 8 + (l & 7);
+              const int ch = kk * 2 + (l >> 3);
+              vbw::ldsm_x2(bf[c][0][0], bf[c][0][1], vbw::smem_addr(sa + r * ROWB + ((ch ^ (r & 7)) << 4)));
+            }
+          }
+        } else {
+#pragma unroll
+          for (int c = 0; c < FC; ++c) {
+            const int r = wc * WC + c * 8 + g;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int ch = kk * 4 + h * 2 + (t >> 1);
+              const float2 v = *reinterpret_cast<const float2*>(sa + r * ROWB + ((ch ^ (r & 7)) << 4) + (t & 1) * 8);
+              u32 h0, m0_, l0, h1, m1, l1;
+              split3(v.x, h0, m0_, l0);
+              split3(v.y, h1, m1, l1);
+              bf[c][0][h] = h0 | (h1 << 16);
+              bf[c][1][h] = m0_ | (m1 << 16);
+              bf[c][2][h] = l0 | (l1 << 16);
+            }
+          }
+        }
+        const int byte = BLK == 16 ? j : (j >> 1);
+#pragma unroll
+        for (int i = 0; i < FR; ++i) {
+          const u32 q = j == 0 ? wq[i].x : j == 1 ? wq[i].y : j == 2 ? wq[i].z : wq[i].w;
+          u32 af[4];
+          decode_word<OT>(q, af);
+          if constexpr (MODE == MODE_SIR) {
+            const u32 sel = (u32)byte | 0x40u | ((u32)byte << 8) | 0x4000u;  // [b, 0, b, 0]
+            const u32 hg = sir_h<OT>(__byte_perm(s0[i], 0u, sel)), hg8 = sir_h<OT>(__byte_perm(s1[i], 0u, sel));
+            af[0] = mul2<OT>(af[0], hg); af[2] = mul2<OT>(af[2], hg);
+            af[1] = mul2<OT>(af[1], hg8); af[3] = mul2<OT>(af[3], hg8);
+#pragma unroll
+            for (int c = 0; c < FC; ++c) mma<OT>(acc[i][c], af, bf[c][0][0], bf[c][0][1]);
+          } else {
+            const u32 k2 = exact_k2<OT>();
+#pragma unroll
+            for (int r = 0; r < 4; ++r) af[r] = mul2<OT>(af[r], k2);
+            const bool first = BLK == 16 || (j & 1) == 0, last = BLK == 16 || (j & 1) == 1;
+#pragma unroll
+            for (int c = 0; c < FC; ++c) {
+              if (first) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) part[i][c][r] = 0.f;
+              }
+#pragma unroll
+              for (int p = NP - 1; p >= 0; --p) mma<OT>(part[i][c], af, bf[c][p][0], bf[c][p][1]);
+            }
+            if (last) {
+              const Acc sg = (Acc)scale_value<BLK>((s0[i] >> (8 * byte)) & 0xFFu);
+              const Acc sg8 = (Acc)scale_value<BLK>((s1[i] >> (8 * byte)) & 0xFFu);
+#pragma unroll
+              for (int c = 0; c < FC; ++c) {
+                acc[i][c][0] += (Acc)part[i][c][0] * sg;
+                acc[i][c][1] += (Acc)part[i][c][1] * sg;
+                acc[i][c][2] += (Acc)part[i][c][2] * sg8;
+                acc[i][c][3] += (Acc)part[i][c][3] * sg8;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  vbw::cp_async_wait<0>();
+
+  constexpr int NACC = FR * FC * 4;
+  Acc flat[NACC];
+#pragma unroll
+  for (int i = 0; i < FR; ++i)
+#pragma unroll
+    for (int c = 0; c < FC; ++c)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) flat[(i * FC + c) * 4 + r] = acc[i][c][r];
+  if (!splitk_reduce<NACC, NT>(flat, ws, counters)) return;
+#pragma unroll
+  for (int i = 0; i < FR; ++i)
+#pragma unroll
+    for (int c = 0; c < FC; ++c)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int n = (rg0 + wr * FR + i) * 16 + g + ((r & 2) ? 8 : 0);
+        const int m = m0 + wc * WC + c * 8 + 2 * t + (r & 1);
+        if (n < N && m < M) {
+          const float v = (float)(flat[(i * FC + c) * 4 + r] * (Acc)out_scale);
+          store_out(out, bias, flags, n, m, N, v);
+        }
+      }
+}
+
+// ---------------------------------------------------------------------------------------------- wgmma (sm_90a)
+template <typename OT, int N_> struct WgmmaSS;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <> struct WgmmaSS<__half, 64> {
+  static __device__ __forceinline__ void run(float (&d)[32], u64 da, u64 db) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(1));
+  }
+};
+
+template <> struct WgmmaSS<__nv_bfloat16, 64> {
+  static __device__ __forceinline__ void run(float (&d)[32], u64 da, u64 db) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(1));
+  }
+};
+
+template <> struct WgmmaSS<__half, 128> {
+  static __device__ __forceinline__ void run(float (&d)[64], u64 da, u64 db) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(1));
+  }
+};
+
+template <> struct WgmmaSS<__nv_bfloat16, 128> {
+  static __device__ __forceinline__ void run(float (&d)[64], u64 da, u64 db) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(1));
+  }
+};
+
+template <> struct WgmmaSS<__half, 256> {
+  static __device__ __forceinline__ void run(float (&d)[128], u64 da, u64 db) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(1));
+  }
+};
+
+template <> struct WgmmaSS<__nv_bfloat16, 256> {
+  static __device__ __forceinline__ void run(float (&d)[128], u64 da, u64 db) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(1));
+  }
+};
+
+#endif
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N_> __device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N_) : "memory");
+}
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void named_bar(int id, int n) { asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory"); }
+// K-major operand, 128-byte swizzle, rows of 128 B, 8-row groups 1024 B apart (SBO); LBO unused.
+__device__ __forceinline__ u64 desc_sw128(u32 saddr) {
+  return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+template <int R> __device__ __forceinline__ void keep_acc(float (&r)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+
+// CTA = WGS warpgroups x 64 weight rows, BC tokens, BK = 64 (one atom per warp per k-tile). cp.async ring of
+// STAGES (activation tile in 128B-swizzled rows + the raw FP4 atoms); each warp decodes its atom (SIR) into a
+// double-buffered, 128B-swizzled f16/bf16 A tile in shared memory, then wgmma SS (A and B from smem). Decode
+// of tile it+1 overlaps wgmma of tile it (wait_group 1). Prefetch distance STAGES-2 tiles.
+template <typename T, int BLK, int BC, int WGS, int STAGES>
+__global__ void __launch_bounds__(128 * WGS, 1)
+fp4_gemm_wgmma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restrict__ out,
+               const void* __restrict__ bias, void* __restrict__ ws, int* __restrict__ counters,
+               int M, int N, int K, int lda, int katoms, int kt_per_split, float out_scale, int flags) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(!same<T, float>::value, "wgmma path: float16 / bfloat16 activations");
+  static_assert(STAGES >= 4 && (BC == 64 || BC == 128 || BC == 256), "wgmma config");
+  using OT = T;
+  constexpr int NT = 128 * WGS, BR = 64 * WGS, ATOM = atom_bytes(BLK);
+  constexpr int B_BYTES = BC * 128, W_BYTES = (BR / 16) * ATOM;
+  constexpr int STAGE = (B_BYTES + W_BYTES + 1023) / 1024 * 1024;
+  constexpr int A_BYTES = BR * 128;
+  constexpr int NACC = BC / 2;
+  extern __shared__ __align__(128) u8 smem_raw[];
+  const u32 raw = vbw::smem_addr(smem_raw);
+  u8* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
+  const u32 sbase = vbw::smem_addr(smem);
+  u8* abuf = smem + STAGES * STAGE;  // 2 x A_BYTES
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_rg = (N + 15) >> 4;
+  const int rg0 = blockIdx.x * (BR / 16);
+  const int m0 = blockIdx.y * BC;
+  const int kt0 = blockIdx.z * kt_per_split;
+  const int nk = max(0, min(katoms, kt0 + kt_per_split) - kt0);
+
+  // Per-thread copy plan, fixed over the k-tiles.
+  constexpr int ACH = BC * 8, AIT = (ACH + NT - 1) / NT;
+  constexpr int CPA = ATOM / 16, WCH = (BR / 16) * CPA, WIT = (WCH + NT - 1) / NT;
+  const int a_ch = tid & 7, a_r0 = tid >> 3;
+  const T* a_base = A + (size_t)(m0 + a_r0) * lda + a_ch * 8;
+  size_t w_off[WIT];
+  unsigned w_ok = 0u;
+#pragma unroll
+  for (int i = 0; i < WIT; ++i) {
+    const int c = tid + i * NT;
+    const int r = c / CPA, rem = c % CPA;
+    w_off[i] = (size_t)(rg0 + r) * katoms * ATOM + rem * 16;
+    if (c < WCH && rg0 + r < n_rg) w_ok |= 1u << i;
+  }
+  auto load_stage = [&](int kt, int buf) {
+    u8* sb = smem + buf * STAGE;
+    u8* sw = sb + B_BYTES;
+    const bool k_ok = kt * 64 + a_ch * 8 < K;
+#pragma unroll
+    for (int i = 0; i < AIT; ++i) {
+      const int r = a_r0 + i * (NT / 8);
+      if (ACH % NT == 0 || r < BC) {
+        const bool ok = k_ok && m0 + r < M;
+        const T* src = a_base + (size_t)i * (NT / 8) * lda + (size_t)kt * 64;
+        vbw::cp_async_16(vbw::smem_addr(sb + r * 128 + ((a_ch ^ (r & 7)) << 4)), ok ? (const void*)src : (const void*)A, ok);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < WIT; ++i) {
+      const int c = tid + i * NT;
+      if (WCH % NT == 0 || c < WCH) {
+        const bool ok = (w_ok >> i) & 1u;
+        const u8* src = Wp + w_off[i] + (size_t)kt * ATOM;
+        vbw::cp_async_16(vbw::smem_addr(sw + c * 16), ok ? (const void*)src : (const void*)Wp, ok);
+      }
+    }
+  };
+  // This warp's atom of tile `buf` -> its 16 rows of A buffer `ab` (f16/bf16, exact e2m1 * u, swizzled).
+  auto decode_atom = [&](int buf, int ab) {
+    const u8* ap = smem + buf * STAGE + B_BYTES + warp * ATOM;
+    const uint4 wq = *reinterpret_cast<const uint4*>(ap + lane * 16);
+    u32 s0, s1;
+    if (BLK == 16) {
+      const uint2 s = *reinterpret_cast<const uint2*>(ap + 512 + g * 8);
+      s0 = s.x; s1 = s.y;
+    } else {
+      s0 = *reinterpret_cast<const u32*>(ap + 512 + g * 4);
+      s1 = s0 >> 16;
+    }
+    u8* arow0 = abuf + ab * A_BYTES + (warp * 16 + g) * 128;
+    u8* arow1 = arow0 + 8 * 128;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const u32 q = j == 0 ? wq.x : j == 1 ? wq.y : j == 2 ? wq.z : wq.w;
+      u32 f[4];
+      decode_word<OT>(q, f);
+      const u32 byte = BLK == 16 ? j : (j >> 1);
+      const u32 sel = byte | 0x40u | (byte << 8) | 0x4000u;
+      const u32 hg = sir_h<OT>(__byte_perm(s0, 0u, sel)), hg8 = sir_h<OT>(__byte_perm(s1, 0u, sel));
+      const int c0 = ((2 * j) ^ g) << 4, c1 = ((2 * j + 1) ^ g) << 4;
+      *reinterpret_cast<u32*>(arow0 + c0 + 4 * t) = mul2<OT>(f[0], hg);
+      *reinterpret_cast<u32*>(arow1 + c0 + 4 * t) = mul2<OT>(f[1], hg8);
+      *reinterpret_cast<u32*>(arow0 + c1 + 4 * t) = mul2<OT>(f[2], hg);
+      *reinterpret_cast<u32*>(arow1 + c1 + 4 * t) = mul2<OT>(f[3], hg8);
+    }
+    fence_async_smem();
+    named_bar(1 + wg, 128);  // the warpgroup's 64 rows are written before its wgmma reads them
+  };
+
+  float acc[NACC];
+#pragma unroll
+  for (int r = 0; r < NACC; ++r) acc[r] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 2; ++s) {
+    if (s < nk) load_stage(kt0 + s, s);
+    vbw::cp_async_commit();
+  }
+  if (nk > 0) {
+    vbw::cp_async_wait<STAGES - 3>();
+    fence_async_smem();
+    __syncthreads();
+    decode_atom(0, 0);
+  }
+  const u32 a_wg = vbw::smem_addr(abuf) + wg * 64 * 128;
+  for (int it = 0; it < nk; ++it) {
+    const int buf = it % STAGES;
+    keep_acc(acc);
+    wg_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      WgmmaSS<OT, BC>::run(acc, desc_sw128(a_wg + (it & 1) * A_BYTES + j * 32),
+                           desc_sw128(sbase + buf * STAGE + j * 32));
+    wg_commit();
+    if (it + 1 < nk) {
+      vbw::cp_async_wait<STAGES - 4>();  // tile it+1 landed (this thread's copies)
+      fence_async_smem();
+      __syncthreads();                   // ... everyone's; every warpgroup finished wgmma of tile it-1
+      const int pf = it + STAGES - 2;    // refills the buffer of tile it-2
+      if (pf < nk) load_stage(kt0 + pf, pf % STAGES);
+      vbw::cp_async_commit();
+      wg_wait<1>();                      // this warpgroup's wgmma of tile it-1 done: A buffer (it+1)&1 is free
+      keep_acc(acc);
+      decode_atom((it + 1) % STAGES, (it + 1) & 1);
+    }
+  }
+  wg_wait<0>();
+  keep_acc(acc);
+  vbw::cp_async_wait<0>();
+
+  if (!splitk_reduce<NACC, NT>(acc, ws, counters)) return;
+  const int nbase = (rg0 + warp) * 16 + g;
+#pragma unroll
+  for (int i = 0; i < BC / 8; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int n = nbase + ((r & 2) ? 8 : 0);
+      const int m = m0 + i * 8 + 2 * t + (r & 1);
+      if (n < N && m < M) store_out(out, bias, flags, n, m, N, acc[4 * i + r] * out_scale);
+    }
+#else
+  __trap();  // Hopper only: gemm.py never launches it elsewhere
+#endif
+}
+
+
+// ---------------------------------------------------------------------------------------------- wgmma, A in registers
+template <typename OT, int N_> struct WgmmaRS;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <> struct WgmmaRS<__half, 64> {
+  static __device__ __forceinline__ void run(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+  }
+};
+
+template <> struct WgmmaRS<__nv_bfloat16, 64> {
+  static __device__ __forceinline__ void run(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+  }
+};
+
+template <> struct WgmmaRS<__half, 128> {
+  static __device__ __forceinline__ void run(float (&d)[64], u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+  }
+};
+
+template <> struct WgmmaRS<__nv_bfloat16, 128> {
+  static __device__ __forceinline__ void run(float (&d)[64], u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+  }
+};
+
+template <> struct WgmmaRS<__half, 256> {
+  static __device__ __forceinline__ void run(float (&d)[128], u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+  }
+};
+
+template <> struct WgmmaRS<__nv_bfloat16, 256> {
+  static __device__ __forceinline__ void run(float (&d)[128], u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+  }
+};
+
+#endif
+
+template <int R> __device__ __forceinline__ void keep_regs(u32 (&r)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
+}
+
+// Register-A variant (Machete-like): each warp's decoded fragments feed wgmma straight from registers, B (the
+// activations) from 128B-swizzled smem; KSUB 64-k sub-tiles per stage. ptxas serializes wgmma when an A
+// register is written while any wgmma is in flight, so every k-tile drains (wait_group 0) before the next
+// decode; the two warpgroups overlap each other, and KSUB = 2 halves the drains per FLOP.
+template <typename T, int BLK, int BC, int WGS, int STAGES, int KSUB>
+__global__ void __launch_bounds__(128 * WGS, 1)
+fp4_gemm_wgrs(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restrict__ out,
+              const void* __restrict__ bias, void* __restrict__ ws, int* __restrict__ counters,
+              int M, int N, int K, int lda, int katoms, int kt_per_split, float out_scale, int flags) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(!same<T, float>::value, "wgmma path: float16 / bfloat16 activations");
+  static_assert(STAGES >= 3 && (BC == 64 || BC == 128 || BC == 256) && (KSUB == 1 || KSUB == 2), "wgmma config");
+  using OT = T;
+  constexpr int NT = 128 * WGS, BR = 64 * WGS, ATOM = atom_bytes(BLK);
+  constexpr int SUB = BC * 128;                               // one 64-k activation sub-tile
+  constexpr int B_BYTES = KSUB * SUB, W_BYTES = (BR / 16) * KSUB * ATOM;
+  constexpr int STAGE = (B_BYTES + W_BYTES + 1023) / 1024 * 1024;
+  constexpr int NACC = BC / 2;
+  extern __shared__ __align__(128) u8 smem_raw[];
+  const u32 raw = vbw::smem_addr(smem_raw);
+  u8* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
+  const u32 sbase = vbw::smem_addr(smem);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_rg = (N + 15) >> 4;
+  const int rg0 = blockIdx.x * (BR / 16);
+  const int m0 = blockIdx.y * BC;
+  const int nkt = (katoms + KSUB - 1) / KSUB;
+  const int kt0 = blockIdx.z * kt_per_split;
+  const int nk = max(0, min(nkt, kt0 + kt_per_split) - kt0);
+
+  // Per-thread copy plan, fixed over the k-tiles.
+  constexpr int ACH = BC * 8, AIT = (ACH + NT - 1) / NT;
+  constexpr int CPA = ATOM / 16, CPR = KSUB * CPA, WCH = (BR / 16) * CPR, WIT = (WCH + NT - 1) / NT;
+  const int a_ch = tid & 7, a_r0 = tid >> 3;
+  const T* a_base = A + (size_t)(m0 + a_r0) * lda + a_ch * 8;
+  size_t w_off[WIT];
+  int w_atom[WIT];
+  unsigned w_ok = 0u;
+#pragma unroll
+  for (int i = 0; i < WIT; ++i) {
+    const int c = tid + i * NT;
+    const int r = c / CPR, rem = c % CPR;
+    w_off[i] = (size_t)(rg0 + r) * katoms * ATOM + rem * 16;
+    w_atom[i] = rem / CPA;
+    if (c < WCH && rg0 + r < n_rg) w_ok |= 1u << i;
+  }
+  auto load_stage = [&](int kt, int buf) {
+    u8* sb = smem + buf * STAGE;
+    u8* sw = sb + B_BYTES;
+#pragma unroll
+    for (int u = 0; u < KSUB; ++u) {
+      const int kb = (kt * KSUB + u) * 64;
+      const bool k_ok = kb + a_ch * 8 < K;
+#pragma unroll
+      for (int i = 0; i < AIT; ++i) {
+        const int r = a_r0 + i * (NT / 8);
+        if (ACH % NT == 0 || r < BC) {
+          const bool ok = k_ok && m0 + r < M;
+          const T* src = a_base + (size_t)i * (NT / 8) * lda + kb;
+          vbw::cp_async_16(vbw::smem_addr(sb + u * SUB + r * 128 + ((a_ch ^ (r & 7)) << 4)),
+                           ok ? (const void*)src : (const void*)A, ok);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < WIT; ++i) {
+      const int c = tid + i * NT;
+      if (WCH % NT == 0 || c < WCH) {
+        const bool ok = ((w_ok >> i) & 1u) && kt * KSUB + w_atom[i] < katoms;
+        const u8* src = Wp + w_off[i] + (size_t)kt * KSUB * ATOM;
+        vbw::cp_async_16(vbw::smem_addr(sw + c * 16), ok ? (const void*)src : (const void*)Wp, ok);
+      }
+    }
+  };
+
+  float acc[NACC];
+#pragma unroll
+  for (int r = 0; r < NACC; ++r) acc[r] = 0.f;
+
+  // Per k-tile: decode this warp's KSUB atoms into A registers -> 4*KSUB wgmma (B from smem) -> while they
+  // run: wait for the next stage, barrier, refill the freed buffer, load the next raw words -> drain.
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nk) load_stage(kt0 + s, s);
+    vbw::cp_async_commit();
+  }
+  uint4 wq[KSUB];
+  u32 s0[KSUB], s1[KSUB];
+  auto load_words = [&](int buf) {
+#pragma unroll
+    for (int u = 0; u < KSUB; ++u) {
+      const u8* ap = smem + buf * STAGE + B_BYTES + (warp * KSUB + u) * ATOM;
+      wq[u] = *reinterpret_cast<const uint4*>(ap + lane * 16);
+      if (BLK == 16) {
+        const uint2 s = *reinterpret_cast<const uint2*>(ap + 512 + g * 8);
+        s0[u] = s.x; s1[u] = s.y;
+      } else {
+        s0[u] = *reinterpret_cast<const u32*>(ap + 512 + g * 4);
+        s1[u] = s0[u] >> 16;
+      }
+    }
+  };
+  if (nk > 0) {
+    vbw::cp_async_wait<STAGES - 2>();
+    fence_async_smem();
+    __syncthreads();
+    load_words(0);
+  }
+  for (int it = 0; it < nk; ++it) {
+    const int buf = it % STAGES;
+    u32 af[16 * KSUB];
+#pragma unroll
+    for (int u = 0; u < KSUB; ++u)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u32 q = j == 0 ? wq[u].x : j == 1 ? wq[u].y : j == 2 ? wq[u].z : wq[u].w;
+        u32 f[4];
+        decode_word<OT>(q, f);
+        const u32 byte = BLK == 16 ? j : (j >> 1);
+        const u32 sel = byte | 0x40u | (byte << 8) | 0x4000u;
+        const u32 hg = sir_h<OT>(__byte_perm(s0[u], 0u, sel)), hg8 = sir_h<OT>(__byte_perm(s1[u], 0u, sel));
+        af[16 * u + 4 * j + 0] = mul2<OT>(f[0], hg);
+        af[16 * u + 4 * j + 1] = mul2<OT>(f[1], hg8);
+        af[16 * u + 4 * j + 2] = mul2<OT>(f[2], hg);
+        af[16 * u + 4 * j + 3] = mul2<OT>(f[3], hg8);
+      }
+    u64 desc[4 * KSUB];
+#pragma unroll
+    for (int u = 0; u < KSUB; ++u)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        desc[4 * u + j] = desc_sw128(sbase + buf * STAGE + u * SUB + j * 32);
+        asm volatile("" : "+l"(desc[4 * u + j]) :: "memory");
+      }
+    keep_regs(af);
+    keep_acc(acc);
+    wg_fence();
+#pragma unroll
+    for (int x = 0; x < 4 * KSUB; ++x)
+      WgmmaRS<OT, BC>::run(acc, af[4 * x], af[4 * x + 1], af[4 * x + 2], af[4 * x + 3], desc[x]);
+    wg_commit();
+    if (it + 1 < nk) {
+      vbw::cp_async_wait<STAGES - 3>();  // groups committed: STAGES-1 + it; tile it+1 is group it+1
+      fence_async_smem();
+      __syncthreads();  // tile it+1 landed everywhere; every warpgroup drained tile it-1 (its buffer is free)
+      const int pf = it + STAGES - 1;
+      if (pf < nk) load_stage(kt0 + pf, pf % STAGES);
+      vbw::cp_async_commit();
+      load_words((it + 1) % STAGES);
+    }
+    wg_wait<0>();
+    keep_regs(af);
+    keep_acc(acc);
+  }
+  vbw::cp_async_wait<0>();
+
+  if (!splitk_reduce<NACC, NT>(acc, ws, counters)) return;
+  const int nbase = (rg0 + warp) * 16 + g;
+#pragma unroll
+  for (int i = 0; i < BC / 8; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int n = nbase + ((r & 2) ? 8 : 0);
+      const int m = m0 + i * 8 + 2 * t + (r & 1);
+      if (n < N && m < M) store_out(out, bias, flags, n, m, N, acc[4 * i + r] * out_scale);
+    }
+#else
+  __trap();  // Hopper only: gemm.py never launches it elsewhere
+#endif
+}
+
+
+}  // namespace vbw_fp4gemm

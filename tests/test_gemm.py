@@ -1,0 +1,281 @@
+"""fp4_matmul (vbw_cupy.gemm): argument checks on the CPU; on the GPU every kernel config, both formats, both
+16-bit dtypes, float32, every activation, bias, awkward shapes and the benchmark shapes against the float64
+reference with the SPEC 7 bound (2x the error of the float64 result rounded once to the output dtype, + 1e-6)."""
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from vbw_cupy import _runtime as rt
+from vbw_cupy import gemm, reference as ref
+from vbw_cupy.fp4 import FP4Tensor, quantize
+
+BF16 = ml_dtypes.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _untuned(monkeypatch):
+    """Per-arch default configs (tuning is tested in test_autotune; every config is tested below)."""
+    monkeypatch.setenv("VBW_CUPY_AUTOTUNE", "0")
+
+
+def _host_w(N=24, K=40, fmt="nvfp4", seed=0):
+    rng = np.random.default_rng(seed)
+    return quantize(rng.standard_normal((N, K)).astype(np.float32), fmt)
+
+
+# ------------------------------------------------------------------------------------------------- CPU
+def test_numpy_path_is_the_reference():
+    rng = np.random.default_rng(1)
+    for fmt in ("nvfp4", "mxfp4"):
+        w = _host_w(24, 40, fmt)
+        a = rng.standard_normal((2, 3, 40)).astype(np.float16)
+        b = rng.standard_normal(24).astype(np.float32)
+        got = gemm.fp4_matmul(a, w, b, "gelu")
+        want = ref.fp4_matmul(a.reshape(6, 40), w, b, "gelu").reshape(2, 3, 24)
+        assert got.dtype == np.float16 and got.shape == (2, 3, 24)
+        np.testing.assert_array_equal(got, want)
+    got = gemm.fp4_matmul(a, w, out_dtype=np.float32)
+    assert got.dtype == np.float32
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda w, a: gemm.fp4_matmul(a[:, :39], w), ValueError, r"a: expected shape \[\.\.\., K\] with K = 40"),
+    (lambda w, a: gemm.fp4_matmul(a, np.zeros((24, 40), np.float32)), TypeError, r"w: expected an FP4Tensor"),
+    (lambda w, a: gemm.fp4_matmul(a, w, bias=np.zeros(23, np.float16)), ValueError, r"bias: expected shape \[24\]"),
+    (lambda w, a: gemm.fp4_matmul(a, w, bias=np.zeros(24, BF16)), TypeError, r"bias: expected dtype float16"),
+    (lambda w, a: gemm.fp4_matmul(a, w, bias=np.zeros(24, np.float64)), TypeError, r"bias: expected dtype"),
+    (lambda w, a: gemm.fp4_matmul(a, w, activation="tanh"), ValueError, r"activation: expected one of"),
+    (lambda w, a: gemm.fp4_matmul(a.astype(np.float64), w), TypeError, r"a: expected dtype float16"),
+    (lambda w, a: gemm.fp4_matmul(a.astype(np.int8), w), TypeError, r"a: expected dtype"),
+    (lambda w, a: gemm.fp4_matmul(a, w, out_dtype=np.int32), TypeError, r"out_dtype"),
+    (lambda w, a: gemm.fp4_matmul(a[:0], w), ValueError, r"empty dimension"),
+    (lambda w, a: gemm.fp4_matmul([[1.0] * 40], w), TypeError, r"a: expected a NumPy or CuPy array"),
+    (lambda w, a: gemm.fp4_matmul(a, w, bias=[0.0] * 24), TypeError, r"bias: expected an array"),
+])
+def test_bad_input_raises_before_any_launch(call, exc, match):
+    w = _host_w()
+    a = np.ones((3, 40), np.float16)
+    with pytest.raises(exc, match=match):
+        call(w, a)
+
+
+def test_bad_w_rank():
+    w = quantize(np.ones((2, 3, 40), np.float32), "nvfp4")
+    with pytest.raises(ValueError, match=r"w: expected logical shape \[N, K\]"):
+        gemm.fp4_matmul(np.ones((3, 40), np.float16), w)
+
+
+def test_instances_cover_every_config():
+    names = {n for _, n in gemm.kernel_instances()}
+    src = (rt.SOURCE_DIR / "fp4_gemm.cu").read_text()
+    for n in names:
+        assert re.search(n.split("<")[0].split("::")[1] + r"\s*\(", src), n
+    for blk in (16, 32):
+        for T in ("__half", "__nv_bfloat16"):
+            for cfg in gemm.TILES.values():
+                assert gemm._kernel_name(T, blk, 0, cfg) in names
+    for t in (t for _, t in gemm._TUNABLES):
+        for c in list(t.candidates) + list(t.defaults.values()):
+            assert gemm._tile_key(c) in gemm._TILE_BY_KEY, c
+
+
+def test_configs_fit_the_architectures():
+    hopper = {"arch": 90, "smem_optin": 232448, "max_threads": 1024}
+    ampere86 = {"arch": 86, "smem_optin": 101376, "max_threads": 1024}
+    for name, cfg in gemm.TILES.items():
+        assert gemm._fits(cfg, hopper), name
+        assert gemm._fits(cfg, ampere86) == (cfg["KIND"] == "mma"), name
+    for _, t in gemm._TUNABLES:
+        for arch in (80, 86, 89):
+            assert t.defaults[arch]["KIND"] == "mma"
+    assert gemm.smem_bytes(gemm.F32_TILE, 16, 4) <= ampere86["smem_optin"]
+
+
+def test_regimes():
+    assert gemm._regime(1).name == "fp4_gemm_m8" and gemm._regime(16).name == "fp4_gemm_m16"
+    assert gemm._regime(17).name == "fp4_gemm_m64" and gemm._regime(100).name == "fp4_gemm_m128"
+    assert gemm._regime(4096).name == "fp4_gemm_big"
+    assert gemm.default_config(4096, 90)["KIND"] != "mma" and gemm.default_config(4096, 80)["KIND"] == "mma"
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+def _gpu_case(M, N, K, fmt, dtype, seed=0, scale_rows=False):
+    cp = rt.require_cupy()
+    rs = cp.random.RandomState(seed)
+    wf = rs.standard_normal((N, K), dtype=cp.float32)
+    if scale_rows:  # rows spanning 2^-16 .. 2^2: float16 needs the fp32-partial mode
+        wf *= cp.exp2(cp.linspace(-16, 2, N, dtype=cp.float32))[:, None]
+    w = quantize(wf, fmt)
+    a = rs.standard_normal((M, K), dtype=cp.float32).astype(dtype)
+    return a, w
+
+
+def _check(got, a, w, bias=None, act=None, out_dtype=None):
+    """Relative Frobenius error vs float64 (computed on the GPU in float64) and the SPEC 7 bound."""
+    cp = rt.require_cupy()
+    from vbw_cupy.fp4 import dequantize
+    a64 = (dequantize(a) if isinstance(a, FP4Tensor) else a).astype(cp.float64)
+    z = a64.reshape(-1, a64.shape[-1]) @ dequantize(w).astype(cp.float64).T
+    if bias is not None:
+        z += bias.astype(cp.float64)
+    if act == "relu":
+        z = cp.maximum(z, 0)
+    elif act == "gelu":
+        import cupyx.scipy.special as sp
+        z = 0.5 * z * (1 + sp.erf(z / np.sqrt(2.0)))
+    elif act == "gelu_tanh":
+        z = 0.5 * z * (1 + cp.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+    elif act == "silu":
+        z = z / (1 + cp.exp(-z))
+    odt = np.dtype(out_dtype) if out_dtype is not None else got.dtype
+    g = got.reshape(z.shape).astype(cp.float64)
+    nz = float(cp.linalg.norm(z))
+    assert bool(cp.isfinite(g).all()), "non-finite output"
+    err = float(cp.linalg.norm(g - z)) / nz
+    bound = 2 * float(cp.linalg.norm(z.astype(odt).astype(cp.float64) - z)) / nz + 1e-6
+    return err, bound
+
+
+def _run_nan_poisoned(a, w, cfg=None, act=None, bias=None, out_dtype=None):
+    """fp4_matmul through the internal launcher into a NaN-filled output; every element must be written."""
+    cp = rt.require_cupy()
+    M, K = a.shape
+    out_dtype = np.dtype(out_dtype or a.dtype)
+    a2 = a
+    epc = 16 // a.itemsize
+    if K % epc:
+        a2 = cp.zeros((M, -(-K // epc) * epc), a.dtype)
+        a2[:, :K] = a
+    out = cp.full((M, w.shape[0]), np.nan, dtype=out_dtype)
+    gemm._matmul_gpu(a2, w, bias, act, out_dtype, cfg=cfg, out=out)
+    return out
+
+
+SHAPES = [(1, 8192, 8192), (16, 8192, 8192), (3, 1000, 4095), (64, 14336, 4096), (256, 4096, 14336),
+          (4096, 8192, 8192)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["f16", "bf16"])
+def test_shapes_default_config(M, N, K, fmt, dtype):
+    a, w = _gpu_case(M, N, K, fmt, dtype, seed=M + K)
+    got = gemm.fp4_matmul(a, w)
+    assert got.shape == (M, N) and got.dtype == np.dtype(dtype)
+    err, bound = _check(got, a, w)
+    assert err <= bound, (err, bound, gemm.chosen_config(a, w))
+
+
+_CFGS = [(name, split) for name in gemm.TILES for split in (0, 1, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,split", _CFGS, ids=[f"{n}-s{s}" for n, s in _CFGS])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_every_config_tails_nan_poisoned(name, split, fmt):
+    cfg = dict(gemm.TILES[name], SPLIT=split)
+    if cfg["KIND"] != "mma" and rt.device_arch() != 90:
+        pytest.skip("wgmma configs run on sm_90 only")
+    for dtype in (np.float16, BF16):
+        a, w = _gpu_case(203, 1000, 1000, fmt, dtype, seed=split)  # M, N, K all off the tile grid
+        got = _run_nan_poisoned(a, w, cfg)
+        err, bound = _check(got, a, w)
+        assert err <= bound, (name, split, dtype, err, bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", [None, "relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("bias_dtype", ["same", "float32"])
+def test_activations_bias(act, bias_dtype):
+    cp = rt.require_cupy()
+    for dtype, fmt in ((np.float16, "nvfp4"), (BF16, "mxfp4")):
+        a, w = _gpu_case(3, 1000, 4095, fmt, dtype, seed=5)
+        bias = cp.random.standard_normal(1000, dtype=cp.float32).astype(dtype if bias_dtype == "same" else np.float32)
+        got = gemm.fp4_matmul(a, w, bias, act)
+        err, bound = _check(got, a, w, bias, act)
+        assert err <= bound, (act, dtype, err, bound)
+        a, w = _gpu_case(300, 520, 768, fmt, dtype, seed=6)
+        got = gemm.fp4_matmul(a, w, bias[:520], act, out_dtype=np.float32)
+        err, bound = _check(got, a, w, bias[:520], act, np.float32)
+        assert err <= bound, (act, dtype, err, bound)  # float32 output: the tight end of SPEC 7
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(3, 1000, 4095), (64, 512, 8192), (20, 130, 100)])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_float32_activations(M, N, K, fmt):
+    a, w = _gpu_case(M, N, K, fmt, np.float32, seed=K)
+    got = _run_nan_poisoned(a, w)
+    err, bound = _check(got, a, w)
+    assert err <= bound, (err, bound)
+
+
+@pytest.mark.gpu
+def test_fp32_partial_mode_for_wide_scale_ranges():
+    for fmt in ("nvfp4", "mxfp4"):
+        a, w = _gpu_case(40, 1024, 2048, fmt, np.float16, scale_rows=True)
+        c, f16ok, bf16ok = gemm._scale_info(w)
+        assert not f16ok and bf16ok
+        for dtype in (np.float16, BF16):
+            a2 = a.astype(dtype)
+            for cfg in (None, dict(gemm.TILES["mma_s"], SPLIT=2)):
+                got = _run_nan_poisoned(a2, w, cfg)
+                err, bound = _check(got, a2, w)
+                assert err <= bound, (fmt, dtype, cfg, err, bound)
+
+
+@pytest.mark.gpu
+def test_mxfp4_nan_block_propagates():
+    cp = rt.require_cupy()
+    x = cp.random.standard_normal((64, 256), dtype=cp.float32)
+    x[5, 40] = np.nan
+    w = quantize(x, "mxfp4")
+    a = cp.random.standard_normal((4, 256), dtype=cp.float32).astype(cp.float16)
+    got = gemm.fp4_matmul(a, w).get()
+    assert np.isnan(got[:, 5]).all()
+    assert np.isfinite(np.delete(got, 5, axis=1)).all()
+
+
+@pytest.mark.gpu
+def test_w4a4_and_batched_input():
+    cp = rt.require_cupy()
+    a, w = _gpu_case(24, 256, 320, "nvfp4", np.float32)
+    qa = quantize(a, "nvfp4")
+    got = gemm.fp4_matmul(qa, w)
+    assert got.dtype == np.float16
+    err, bound = _check(got, qa, w)
+    assert err <= bound
+    a3 = cp.random.standard_normal((2, 5, 320), dtype=cp.float32).astype(cp.float16)
+    got = gemm.fp4_matmul(a3, w)
+    assert got.shape == (2, 5, 256)
+    err, bound = _check(got.reshape(10, 256), a3.reshape(10, 320), w)
+    assert err <= bound
+
+
+@pytest.mark.gpu
+def test_split_k_is_deterministic_and_non_contiguous_input():
+    cp = rt.require_cupy()
+    a, w = _gpu_case(1, 4096, 8192, "nvfp4", np.float16)
+    r1 = gemm.fp4_matmul(a, w, _config=dict(gemm.TILES["mma_s"], SPLIT=8))
+    r2 = gemm.fp4_matmul(a, w, _config=dict(gemm.TILES["mma_s"], SPLIT=8))
+    assert bool((r1 == r2).all())
+    big = cp.random.standard_normal((8, 2 * 8192), dtype=cp.float32).astype(cp.float16)
+    view = big[:, ::2]
+    got = gemm.fp4_matmul(view, w)
+    err, bound = _check(got, cp.ascontiguousarray(view), w)
+    assert err <= bound
+
+
+@pytest.mark.gpu
+def test_bad_gpu_input_raises_before_launch():
+    cp = rt.require_cupy()
+    a, w = _gpu_case(4, 64, 96, "nvfp4", np.float16)
+    with pytest.raises(ValueError, match="a and w"):
+        gemm.fp4_matmul(a.get(), w)
+    with pytest.raises(ValueError, match="bias"):
+        gemm.fp4_matmul(a, w, bias=np.zeros(64, np.float16))
+    with pytest.raises(ValueError, match="K = 96"):
+        gemm.fp4_matmul(cp.zeros((4, 95), cp.float16), w)

@@ -1,0 +1,584 @@
+"""fp4_matmul: W4A16 GEMM with FP4 (NVFP4 / MXFP4) weights on tensor cores (SPEC 2, issue 3).
+
+``fp4_matmul(a, w, bias=None, activation=None, out_dtype=None)`` computes
+``activation(a @ dequantize(w).T + bias)`` with float32 accumulation, the FP4 weights decoded in registers
+(``cuda_src/fp4_gemm.cu``; its header describes the kernels, the weight layout and the measured history).
+
+- ``a``: ``[..., K]`` float16 / bfloat16 (tensor-core operands of that type) or float32. float32 runs an
+  exact split path (each value = three bfloat16 pieces, per-block partials summed in float64) so a float32
+  output meets SPEC 7; it is several times slower than the 16-bit paths. ``a`` may also be an FP4Tensor
+  (W4A4): it is dequantized to float32 (exact) and takes the float32 path; the output defaults to float16.
+- ``w``: an FP4Tensor of logical shape ``[N, K]``. On first use the weight is re-laid out once for the kernel
+  and kept in ``w._cache`` (as much memory again as ``w``); ``dequantize`` and the reference still see the
+  SPEC layout.
+- Block scales are applied exactly: by default inside the 16-bit operands (a per-tensor power-of-two shift
+  keeps every ``e2m1 * scale`` a normal float16 / bfloat16, which is exact); tensors whose scale range does not
+  fit (over ~2^15 between the smallest and largest live block scale for float16, 2^30 for bfloat16, or MXFP4
+  NaN blocks) use per-block float32 partials instead (slower, same accuracy).
+- Output: ``[..., N]`` of ``out_dtype`` (float16 / bfloat16 / float32; default ``a``'s dtype), every element
+  written exactly once. ``bias`` ``[N]`` of ``a``'s dtype or float32.
+
+NumPy inputs (``a`` and ``w`` on the host) run ``vbw_cupy.reference.fp4_matmul``.
+
+Autotuning (issue 5): five tunables by token count, ``fp4_gemm_m8``, ``fp4_gemm_m16``, ``fp4_gemm_m64``,
+``fp4_gemm_m128`` (M up to 8, 16, 64, 128) and ``fp4_gemm_big``; the bucket is (pow2(M), pow2(N), pow2(K),
+format). A config is ``KIND`` ("mma": mma.sync, any sm_80+; "wgmma": Hopper, decoded weights staged in shared
+memory; "wgrs": Hopper, decoded weights as register operands), the tile (``BR`` weight rows, ``BC`` tokens, ``BK``),
+the warps (``WR`` x ``WC``; warpgroups for wgmma), ``STAGES`` and ``SPLIT`` (split-K factor, 0 = automatic).
+Only configs listed by ``kernel_instances`` exist. The float32 path and the fp32-partial mode use fixed
+configs.
+
+>>> import cupy as cp, vbw_cupy
+>>> w = vbw_cupy.quantize(cp.random.standard_normal((4096, 4096), dtype=cp.float32), "nvfp4")
+>>> a = cp.random.standard_normal((16, 4096), dtype=cp.float32).astype(cp.float16)
+>>> y = vbw_cupy.fp4_matmul(a, w, activation="silu")        # [16, 4096] float16
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import ml_dtypes
+import numpy as np
+
+from . import _runtime as rt
+from . import autotune
+from . import reference as ref
+
+_SOURCE = "fp4_gemm.cu"
+_NS = "vbw_fp4gemm::"
+ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
+_IN_DTYPES = ("float16", "bfloat16", "float32")
+_OUT_KIND = {"float16": 0, "bfloat16": 1, "float32": 2}
+_BIAS_KIND = {"float16": 1, "bfloat16": 2, "float32": 3}
+_ATOM = {16: 576, 32: 544}
+_SIR, _FPP = 0, 1
+_MAX_DIM = 2**31 - 1
+
+# ------------------------------------------------------------------------------------------------ configs
+_PARAMS = ("KIND", "BR", "BC", "BK", "WR", "WC", "STAGES", "SPLIT")
+
+
+def _cfg(kind, br, bc, bk, wr, wc, stages, split=0):
+    return dict(KIND=kind, BR=br, BC=bc, BK=bk, WR=wr, WC=wc, STAGES=stages, SPLIT=split)
+
+
+TILES = {  # every tile that has compiled instances (kernel_instances); SPLIT is free
+    "mma_s": _cfg("mma", 64, 16, 256, 4, 1, 4),     # decode: M <= 16, memory-bound, split-K fills the SMs
+    "mma_s8": _cfg("mma", 64, 8, 256, 4, 1, 4),     # M <= 8
+    "mma_sk": _cfg("mma", 64, 16, 128, 4, 1, 4),    # smaller stages: more CTAs (warps) per SM
+    "mma_s8k": _cfg("mma", 64, 8, 128, 4, 1, 4),
+    "mma_t": _cfg("mma", 128, 16, 128, 8, 1, 4),    # 8 warps, activations shared by 128 rows
+    "mma_m": _cfg("mma", 64, 64, 128, 2, 2, 4),
+    "mma_l": _cfg("mma", 128, 128, 64, 2, 4, 4),
+    "wg64": _cfg("wgmma", 128, 64, 64, 2, 1, 8),   # Hopper: 2 warpgroups x 64 weight rows, BC tokens
+    "wg128": _cfg("wgmma", 128, 128, 64, 2, 1, 6),
+    "wg256": _cfg("wgmma", 128, 256, 64, 2, 1, 5),
+    "wgrs256": _cfg("wgrs", 128, 256, 64, 2, 1, 4),  # A (decoded weights) from registers, drained per k-tile
+    "wgrs256k": _cfg("wgrs", 128, 256, 128, 2, 1, 3),  # same, two 64-k sub-tiles per stage
+    "wgrs128k": _cfg("wgrs", 128, 128, 128, 2, 1, 4),
+}
+_FPP_TILES = ("mma_s", "mma_m")   # fp32-partial mode (16-bit activations)
+F32_TILE = _cfg("mma", 64, 16, 128, 4, 1, 4)    # float32 activations (any M): correctness path, 51 KB smem
+
+
+def _tile_key(cfg) -> tuple:
+    return tuple(cfg[k] for k in _PARAMS[:-1])
+
+
+_TILE_BY_KEY = {_tile_key(c): n for n, c in TILES.items()}
+_F32_KEY = _tile_key(F32_TILE)
+
+
+def _with_split(name, split=0):
+    return {**TILES[name], "SPLIT": split}
+
+
+def smem_bytes(cfg, blk: int, itemsize: int = 2) -> int:
+    atom = _ATOM[blk]
+    if cfg["KIND"] == "mma":
+        return cfg["STAGES"] * ((cfg["BR"] // 16) * (cfg["BK"] // 64) * atom + cfg["BC"] * cfg["BK"] * itemsize)
+    ksub = cfg["BK"] // 64
+    stage = -(-ksub * (cfg["BC"] * 128 + (cfg["BR"] // 16) * atom) // 1024) * 1024
+    if cfg["KIND"] == "wgrs":
+        return cfg["STAGES"] * stage + 1024
+    return cfg["STAGES"] * stage + 2 * cfg["BR"] * 128 + 1024  # ring + double-buffered decoded A tile + align
+
+
+def _threads(cfg) -> int:
+    return 32 * cfg["WR"] * cfg["WC"] if cfg["KIND"] == "mma" else 128 * cfg["WR"]
+
+
+def _fits(cfg, lim) -> bool:
+    if _tile_key(cfg) not in _TILE_BY_KEY:
+        return False
+    if cfg["KIND"] != "mma" and lim.get("arch") != 90:
+        return False
+    return smem_bytes(cfg, 16) <= lim["smem_optin"] and _threads(cfg) <= lim["max_threads"]
+
+
+_SMALL = ("mma_s", "mma_sk", "mma_t")
+_SMALL8 = _SMALL + ("mma_s8", "mma_s8k")
+_REGIMES = (  # (tunable name, largest M, per-arch defaults, candidates)
+    ("fp4_gemm_m8", 8,
+     {80: _with_split("mma_s8k"), 90: _with_split("mma_s8k")},
+     [_with_split(n) for n in _SMALL8] + [_with_split("mma_s8", s) for s in (1, 2, 4, 8)]),
+    ("fp4_gemm_m16", 16,
+     {80: _with_split("mma_sk"), 90: _with_split("mma_sk")},
+     [_with_split(n) for n in _SMALL] + [_with_split("mma_s", s) for s in (1, 2, 4, 8)] + [_with_split("wg64")]),
+    ("fp4_gemm_m64", 64,
+     {80: _with_split("mma_m"), 90: _with_split("wg64")},
+     [_with_split("mma_s"), _with_split("mma_m"), _with_split("mma_m", 2), _with_split("wg64"),
+      _with_split("wg64", 1), _with_split("wg64", 2), _with_split("wg128")]),
+    ("fp4_gemm_m128", 128,
+     {80: _with_split("mma_m"), 90: _with_split("wg128")},
+     [_with_split("mma_m"), _with_split("mma_l"), _with_split("wg64"), _with_split("wg128"),
+      _with_split("wg128", 1), _with_split("wg256"), _with_split("wgrs128k"), _with_split("wgrs256")]),
+    ("fp4_gemm_big", None,
+     {80: _with_split("mma_l"), 90: _with_split("wgrs256")},
+     [_with_split("mma_m"), _with_split("mma_l"), _with_split("wg128"), _with_split("wg256"),
+      _with_split("wgrs256"), _with_split("wgrs256k"), _with_split("wgrs128k")]),
+)
+
+
+def _bucket(s):
+    return (autotune.pow2_bucket(s["M"], hi=8192), autotune.pow2_bucket(s["N"]), autotune.pow2_bucket(s["K"]),
+            s.get("format", "nvfp4"))
+
+
+def _bench_factory(shape, dtype):
+    cp = rt.require_cupy()
+    from .fp4 import quantize
+    M, N, K = shape["M"], shape["N"], shape["K"]
+    w = quantize(cp.random.standard_normal((N, K), dtype=cp.float32), shape.get("format", "nvfp4"))
+    a = cp.random.standard_normal((M, K), dtype=cp.float32).astype(dtype)
+    out = cp.empty((M, N), dtype=dtype)
+    return lambda cfg: _matmul_gpu(a, w, None, None, np.dtype(dtype), cfg=cfg, out=out)[0]
+
+
+_STD = {
+    "fp4_gemm_m8": [({"M": 1, "N": 8192, "K": 8192}, "float16")],
+    "fp4_gemm_m16": [({"M": 16, "N": 8192, "K": 8192}, "float16")],
+    "fp4_gemm_m64": [({"M": 64, "N": 8192, "K": 8192}, "float16")],
+    "fp4_gemm_m128": [({"M": 128, "N": 8192, "K": 8192}, "float16")],
+    "fp4_gemm_big": [({"M": 4096, "N": 8192, "K": 8192}, "float16")],
+}
+
+_TUNABLES = []
+for _name, _mmax, _defs, _cands in _REGIMES:
+    _defaults = {80: _defs[80], 86: _defs[80], 89: _defs[80], 90: _defs[90], 100: _defs[80]}
+    _TUNABLES.append((_mmax, autotune.register(autotune.Tunable(
+        name=_name, params=_PARAMS, candidates=tuple(_cands), defaults=_defaults, bucket=_bucket,
+        fits=_fits, source=_SOURCE, standard_shapes=tuple(_STD[_name]), bench=_bench_factory))))
+
+
+def _regime(M: int):
+    for mmax, t in _TUNABLES:
+        if mmax is None or M <= mmax:
+            return t
+    return _TUNABLES[-1][1]
+
+
+def default_config(M: int, arch: int) -> dict:
+    """The untuned config for M tokens on sm_<arch>."""
+    return autotune.default_config(_regime(M).name, arch)
+
+
+# -------------------------------------------------------------------------------------------- instances
+def _mma_name(T, blk, mode, cfg):
+    return (f"{_NS}fp4_gemm_mma<{T}, {blk}, {mode}, {cfg['BR']}, {cfg['BC']}, {cfg['BK']}, {cfg['WR']}, "
+            f"{cfg['WC']}, {cfg['STAGES']}>")
+
+
+def _wg_name(T, blk, cfg):
+    if cfg["KIND"] == "wgmma":
+        return f"{_NS}fp4_gemm_wgmma<{T}, {blk}, {cfg['BC']}, {cfg['WR']}, {cfg['STAGES']}>"
+    return f"{_NS}fp4_gemm_wgrs<{T}, {blk}, {cfg['BC']}, {cfg['WR']}, {cfg['STAGES']}, {cfg['BK'] // 64}>"
+
+
+def _kernel_name(T, blk, mode, cfg):
+    return _mma_name(T, blk, mode, cfg) if cfg["KIND"] == "mma" else _wg_name(T, blk, cfg)
+
+
+def kernel_instances() -> list[tuple[str, str]]:
+    """Every (file, template instance) fp4_matmul can launch."""
+    out = []
+    for blk in (16, 32):
+        for mode in (_SIR, _FPP):
+            out.append((_SOURCE, f"{_NS}fp4_gemm_prepare<{blk}, {mode}>"))
+        for T in ("__half", "__nv_bfloat16"):
+            for name, cfg in TILES.items():
+                out.append((_SOURCE, _kernel_name(T, blk, _SIR, cfg)))
+            for name in _FPP_TILES:
+                out.append((_SOURCE, _mma_name(T, blk, _FPP, TILES[name])))
+        out.append((_SOURCE, _mma_name("float", blk, _FPP, F32_TILE)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def _scale_info(w):
+    """(c, fp16_ok, bf16_ok): c = floor(log2(largest live block scale)) - 1; *_ok: every live block's
+    scale * 2^-c has a code for the scale-in-register mode of that dtype (see fp4_gemm.cu)."""
+    cp = rt.require_cupy()
+    key = "gemm_v1_info"
+    if key in w._cache:
+        return w._cache[key]
+    N, blk = w.shape[0], w.block_size
+    sc = w.scales.reshape(N, -1)
+    live = ((w.data.reshape(N, sc.shape[1], blk // 2) & 0x77) != 0).any(axis=2)
+    if w.format == "mxfp4":
+        if bool((sc == 255).any()):
+            info = (0, False, False)
+            w._cache[key] = info
+            return info
+        e = sc.astype(cp.int32) - 127
+    else:
+        if bool((sc & 0x80).any()):  # negative E4M3 scales: only the fp32-partial mode handles them
+            info = (0, False, False)
+            w._cache[key] = info
+            return info
+        lut = cp.asarray(ref.e4m3_decode(np.arange(256)).astype(np.float32))
+        s = lut[sc]
+        live &= s > 0
+        e = cp.frexp(cp.where(s > 0, s, 1).astype(cp.float32))[1].astype(cp.int32) - 1
+    if not bool(live.any()):
+        info = (0, True, True)
+    else:
+        emax = int(cp.where(live, e, -10**6).max())
+        emin = int(cp.where(live, e, 10**6).min())
+        c = emax - 1
+        info = (c, emin - c >= -13, emin - c >= -29)
+    w._cache[key] = info
+    return info
+
+
+def _prepared(w, mode):
+    """The kernel layout of w (atoms of 16 rows x 64 k), built once and cached in w._cache."""
+    key = f"gemm_v1_{'sir' if mode == _SIR else 'fpp'}"
+    hit = w._cache.get(key)
+    if hit is not None:
+        return hit
+    cp = rt.require_cupy()
+    N, K = w.shape
+    blk = w.block_size
+    c = _scale_info(w)[0] if mode == _SIR else 0
+    data = rt.ensure_contiguous(w.data.reshape(N, -1))
+    scales = rt.ensure_contiguous(w.scales.reshape(N, -1))
+    katoms, n_rg = rt.cdiv(K, 64), rt.cdiv(N, 16)
+    wp = cp.empty(n_rg * katoms * _ATOM[blk], dtype=cp.uint8)
+    total = n_rg * katoms * 32
+    k = rt.get_kernel(_SOURCE, f"{_NS}fp4_gemm_prepare<{blk}, {mode}>")
+    rt.launch(k, (rt.cdiv(total, 256),), (256,),
+              (data, scales, wp, np.int32(N), np.int32(data.shape[1]), np.int32(scales.shape[1]),
+               np.int32(katoms), np.int32(n_rg), np.int32(c)))
+    out_scale = float(np.float32(w.global_scale) * np.float32(2.0 ** c)) if mode == _SIR else float(w.global_scale)
+    res = (wp, katoms, np.float32(out_scale))
+    w._cache[key] = res
+    return res
+
+
+# -------------------------------------------------------------------------------------------- workspace
+_ws_lock = threading.Lock()
+_workspaces: dict = {}
+
+
+def _workspace(nbytes: int, ntiles: int):
+    """Split-K scratch (partials) and self-resetting tile counters, one set per (device, stream)."""
+    cp = rt.require_cupy()
+    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    with _ws_lock:
+        ws, cnt = _workspaces.get(key, (None, None))
+        if ws is None or ws.nbytes < nbytes:
+            ws = cp.empty(max(nbytes, 1 << 20), dtype=cp.uint8)
+        if cnt is None or cnt.size < ntiles:
+            cnt = cp.zeros(max(ntiles, 4096), dtype=cp.int32)
+        _workspaces[key] = (ws, cnt)
+        return ws, cnt
+
+
+def _auto_split(cfg, ntiles, nkt, blk, itemsize, limits) -> int:
+    if cfg["SPLIT"]:
+        return max(1, min(int(cfg["SPLIT"]), nkt))
+    smem = smem_bytes(cfg, blk, itemsize)
+    per_sm = max(1, min(limits["smem_per_sm"] // max(smem + 1024, 1), 2048 // _threads(cfg)))
+    if cfg["KIND"] != "mma":
+        per_sm = 1
+    slots = limits["num_sms"] * per_sm
+    if ntiles >= 0.5 * slots:
+        return 1
+    return max(1, min(slots // ntiles, max(1, nkt // 4), 32))
+
+
+# ------------------------------------------------------------------------------------------------ launch
+def _mode(w, adt: str) -> int:
+    if adt == "float32":
+        return _FPP
+    _, f16ok, bf16ok = _scale_info(w)
+    return _SIR if (f16ok if adt == "float16" else bf16ok) else _FPP
+
+
+def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
+    """Everything a launch needs except the arrays a, out, bias: (kernel, grid, block, smem, fixed args)."""
+    N, blk = w.shape[0], w.block_size
+    mode = _mode(w, adt)
+    wp, katoms, out_scale = _prepared(w, mode)
+    limits = autotune.device_limits()
+    if adt == "float32":
+        if _tile_key(cfg) != _F32_KEY:
+            raise ValueError(f"config {cfg}: float32 activations run the F32_TILE config only")
+    elif mode == _FPP:
+        if _TILE_BY_KEY.get(_tile_key(cfg)) not in _FPP_TILES:
+            raise ValueError(f"config {cfg}: not available in fp32-partial mode (tiles {_FPP_TILES})")
+    elif _tile_key(cfg) not in _TILE_BY_KEY:
+        raise ValueError(f"config {cfg}: no compiled instance with this tile")
+    if cfg["KIND"] != "mma" and limits.get("arch") != 90:
+        raise ValueError("wgmma configs need an sm_90 (Hopper) device")
+    itemsize = np.dtype(adt).itemsize
+    kern = rt.get_kernel(_SOURCE, _kernel_name(rt.ctype(adt), blk, mode, cfg))
+    smem = smem_bytes(cfg, blk, itemsize)
+    if smem > 48 * 1024 and kern.max_dynamic_shared_size_bytes < smem:
+        kern.max_dynamic_shared_size_bytes = smem
+    BR, BC, BK = cfg["BR"], cfg["BC"], cfg["BK"]
+    gx, gy = rt.cdiv(rt.cdiv(N, 16) * 16, BR), rt.cdiv(M, BC)
+    if gy > 65535:
+        raise ValueError(f"a: {M} rows is too many for config {cfg} (at most {65535 * BC})")
+    nkt = rt.cdiv(katoms, BK // 64)
+    split = _auto_split(cfg, gx * gy, nkt, blk, itemsize, limits)
+    kps = rt.cdiv(nkt, split)
+    split = rt.cdiv(nkt, kps)
+    ws = cnt = None
+    if split > 1:
+        ws, cnt = _workspace(gx * gy * split * BR * BC * (8 if adt == "float32" else 4), gx * gy)
+    flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
+    tail = (np.int32(M), np.int32(N), np.int32(K), np.int32(lda), np.int32(katoms), np.int32(kps),
+            out_scale, np.int32(flags))
+    return (kern, (gx, gy, split), (_threads(cfg),), smem, wp, ws, cnt, tail, cfg)
+
+
+def _launch(plan, a2, out, bias):
+    kern, grid, block, smem, wp, ws, cnt, tail, _ = plan  # launches on the current stream
+    kern(grid, block, (a2, wp, out, out if bias is None else bias, out if ws is None else ws,
+                       out if cnt is None else cnt) + tail, shared_mem=smem)
+
+
+def _matmul_gpu(a2, w, bias, act, out_dtype, cfg=None, out=None):
+    """a2: [M, K] CuPy array (16-byte aligned rows, K a multiple of 16 bytes / itemsize). Returns out [M, N]."""
+    cp = rt.require_cupy()
+    M, lda = a2.shape
+    K, N = w.shape[1], w.shape[0]
+    adt = a2.dtype.name
+    bias_kind = 0 if bias is None else _BIAS_KIND[bias.dtype.name]
+    out_dtype = np.dtype(out_dtype)
+    if out is None:
+        out = cp.empty((M, N), dtype=out_dtype)
+    if cfg is not None:
+        plan = _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, dict(cfg))
+        _launch(plan, a2, out, bias)
+        return out, plan
+    tuned = autotune.enabled()
+    key = (M, K, lda, adt, bias_kind, act, out_dtype.name, cp.cuda.Device().id, cp.cuda.get_current_stream().ptr,
+           tuned)
+    plans = w._cache.setdefault("gemm_v1_plans", {})
+    plan = plans.get(key)
+    if plan is None:
+        mode = _mode(w, adt)
+        if mode == _SIR:
+            shape = {"M": M, "N": N, "K": K, "format": w.format}
+            run = lambda cc: _launch(_plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cc), a2, out, bias)  # noqa: E731
+            cfg = autotune.pick(_regime(M).name, shape, a2.dtype, run)
+        else:
+            cfg = dict(F32_TILE, SPLIT=0) if adt == "float32" else _with_split("mma_s" if M <= 16 else "mma_m")
+        plan = _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg)
+        if len(plans) > 256:
+            plans.clear()
+        plans[key] = plan
+    _launch(plan, a2, out, bias)
+    return out, plan
+
+
+def chosen_config(a, w) -> dict | None:
+    """The config the last fp4_matmul of this a-shape/dtype on w used (for benchmarks and tests)."""
+    M = math.prod(a.shape[:-1])
+    for key, plan in w._cache.get("gemm_v1_plans", {}).items():
+        if key[0] == M and key[3] == np.dtype(a.dtype).name:
+            return dict(plan[-1])
+    return None
+
+
+def _is_fp4(x) -> bool:
+    from .fp4 import FP4Tensor
+    return isinstance(x, FP4Tensor)
+
+
+def _fast_key(a, bias, activation, out_dtype):
+    cp = rt.cupy
+    return (a.shape, a.dtype.char, activation, out_dtype,
+            None if bias is None else (bias.shape, bias.dtype.char, bias.flags.c_contiguous, bias.data.device_id),
+            cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr, autotune.enabled())
+
+
+def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None):
+    """activation(a @ dequantize(w).T + bias): a [..., K] (float16 / bfloat16 / float32, or an FP4Tensor),
+    w an FP4Tensor [N, K], bias [N] (a's dtype or float32), activation None / "relu" / "gelu" (erf) /
+    "gelu_tanh" / "silu"; float32 accumulation; returns [..., N] of out_dtype (default a's dtype; float16 when
+    a is an FP4Tensor). NumPy inputs run the float64 reference. See the module docstring for the numerics."""
+    # Fast path: a call identical in shapes, dtypes, device and stream to an earlier one that was checked in
+    # full below; only the properties that can differ between such calls are re-checked (a few us saved).
+    cp = rt.cupy
+    if cp is not None and _config is None and type(a) is cp.ndarray:
+        fast = getattr(w, "_cache", None)
+        fast = fast.get("gemm_v1_fast") if type(fast) is dict else None
+        if fast and (bias is None or type(bias) is cp.ndarray):
+            hit = fast.get(_fast_key(a, bias, activation, out_dtype))
+            if hit is not None and a.flags.c_contiguous and a.data.ptr % 16 == 0 and \
+                    a.data.device_id == hit[3]:
+                plan, out_shape, odt, _ = hit
+                out = cp.empty(out_shape, dtype=odt)
+                _launch(plan, a, out, bias)
+                return out
+    if not _is_fp4(w):
+        raise TypeError(f"w: expected an FP4Tensor (vbw_cupy.quantize(...)), got {type(w).__name__}")
+    if len(w.shape) != 2:
+        raise ValueError(f"w: expected logical shape [N, K], got {tuple(w.shape)}")
+    N, K = w.shape
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of None, 'relu', 'gelu', 'gelu_tanh', 'silu', got {activation!r}")
+    a_fp4 = _is_fp4(a)
+    if a_fp4:
+        if a.shape[-1] != K:
+            raise ValueError(f"a: FP4Tensor of shape {tuple(a.shape)} does not match w's K = {K} (w is {tuple(w.shape)})")
+        if a.is_gpu != w.is_gpu:
+            raise ValueError("a and w: both must be on the host (NumPy) or both on the GPU")
+        a_shape, a_dtype = tuple(a.shape), np.dtype(np.float32)
+    else:
+        if isinstance(a, (list, tuple, int, float)) or not hasattr(a, "dtype"):
+            if not (hasattr(a, "__dlpack__") or hasattr(a, "__cuda_array_interface__")):
+                raise TypeError(f"a: expected a NumPy or CuPy array, got {type(a).__name__}")
+        if not isinstance(a, np.ndarray):
+            a = rt.as_gpu_array(a, "a")
+        a_dtype = np.dtype(a.dtype)
+        if a_dtype.name not in _IN_DTYPES:
+            raise TypeError(f"a: expected dtype float16, bfloat16 or float32, got {a_dtype}")
+        a_shape = tuple(a.shape)
+        if len(a_shape) < 1 or a_shape[-1] != K:
+            raise ValueError(f"a: expected shape [..., K] with K = {K} (w is {tuple(w.shape)}), got {a_shape}")
+    M = math.prod(a_shape[:-1])
+    if M == 0 or N == 0 or K == 0:
+        raise ValueError(f"a, w: empty dimension (a {a_shape}, w {tuple(w.shape)})")
+    if max(M, N, K) > _MAX_DIM or M * max(N, K) >= 2**62:
+        raise ValueError(f"a, w: dimensions too large (a {a_shape}, w {tuple(w.shape)}; each must be < 2^31)")
+    out_dtype_arg = out_dtype
+    if out_dtype is None:
+        out_dtype = np.dtype(np.float16) if a_fp4 else a_dtype
+    else:
+        try:
+            out_dtype = np.dtype(out_dtype)
+        except TypeError:
+            raise TypeError(f"out_dtype: expected float16, bfloat16 or float32, got {out_dtype!r}") from None
+        if out_dtype.name not in _OUT_KIND:
+            raise TypeError(f"out_dtype: expected float16, bfloat16 or float32, got {out_dtype}")
+    host = not w.is_gpu
+    a_host = a.is_gpu is False if a_fp4 else isinstance(a, np.ndarray)
+    if a_host != host:
+        raise ValueError(f"a and w: both must be NumPy (reference) or both on the GPU; got a on "
+                         f"{'host' if a_host else 'GPU'}, w on {'host' if host else 'GPU'}")
+    if bias is not None:
+        if not hasattr(bias, "dtype") or not hasattr(bias, "shape"):
+            raise TypeError(f"bias: expected an array [N], got {type(bias).__name__}")
+        if not isinstance(bias, np.ndarray):
+            bias = rt.as_gpu_array(bias, "bias")
+        if tuple(bias.shape) != (N,):
+            raise ValueError(f"bias: expected shape [{N}] (w's N), got {tuple(bias.shape)}")
+        bdt = np.dtype(bias.dtype)
+        if bdt != a_dtype and bdt.name != "float32":
+            raise TypeError(f"bias: expected dtype {a_dtype} (a's) or float32, got {bdt}")
+        if isinstance(bias, np.ndarray) != host:
+            raise ValueError("bias: must live where a and w do (NumPy with NumPy, GPU with GPU)")
+    if host:
+        return ref.fp4_matmul(a, w, bias, activation, out_dtype)
+
+    cp = rt.require_cupy()
+    dev = w.data.device
+    if a_fp4:
+        rt.check_same_device(a=a.data, w=w.data, **({} if bias is None else {"bias": bias}))
+    else:
+        rt.check_same_device(a=a, w=w.data, **({} if bias is None else {"bias": bias}))
+    with dev:
+        if a_fp4:
+            from .fp4 import dequantize
+            a2 = dequantize(a, np.float32).reshape(M, K)
+        else:
+            a2 = a.reshape(M, K)
+        a2 = rt.ensure_contiguous(a2)
+        epc = 16 // a2.itemsize
+        if K % epc or a2.data.ptr % 16:
+            kp = rt.cdiv(K, epc) * epc
+            padded = cp.zeros((M, kp), dtype=a2.dtype)
+            padded[:, :K] = a2
+            a2 = padded
+        bias_in = bias
+        if bias is not None:
+            bias = rt.ensure_contiguous(bias)
+        out, plan = _matmul_gpu(a2, w, bias, activation, out_dtype, cfg=_config)
+        out = out.reshape(a_shape[:-1] + (N,))
+        if (_config is None and not a_fp4 and type(a) is cp.ndarray and a2.data.ptr == a.data.ptr and
+                a.flags.c_contiguous and (bias is None or bias is bias_in) and
+                cp.cuda.runtime.getDevice() == dev.id):
+            fast = w._cache.setdefault("gemm_v1_fast", {})
+            if len(fast) > 256:
+                fast.clear()
+            fast[_fast_key(a, bias_in, activation, None if out_dtype_arg is None else out_dtype_arg)] = \
+                (plan, out.shape, out.dtype, dev.id)
+        return out
+
+
+# --------------------------------------------------------------------------------------------- selftest
+def _case(M, N, K, fmt, dtype, act=None, with_bias=False):
+    def case():
+        cp = rt.require_cupy()
+        from .fp4 import quantize
+        rng = np.random.default_rng(M * 7 + N * 3 + K)
+        w = quantize(cp.asarray(rng.standard_normal((N, K), dtype=np.float32)), fmt)
+        a = cp.asarray(rng.standard_normal((M, K), dtype=np.float32)).astype(dtype)
+        bias = cp.asarray(rng.standard_normal(N, dtype=np.float32)).astype(dtype) if with_bias else None
+        got = fp4_matmul(a, w, bias, act)
+        err, bound = error_vs_reference(got, a, w, bias, act)
+        ms = rt.time_ms(lambda: fp4_matmul(a, w, bias, act))
+        a16 = a.astype(cp.float16)
+        wd = cp.asarray(ref.dequantize(w.to_cpu(), np.float16))
+        peer = lambda: cp.matmul(a16, wd.T)  # noqa: E731
+        pms = rt.time_ms(peer)
+        return {"op": f"fp4_matmul {fmt} {np.dtype(dtype).name}" + (f" {act}" if act else "") + (" +bias" if with_bias else ""),
+                "shape": f"M={M} N={N} K={K}", "error": err, "bound": bound, "ok": bool(err <= bound),
+                "time_ms": ms, "peer": "cupy.matmul fp16", "peer_ms": pms}
+    case.__qualname__ = f"fp4_matmul[{M}x{N}x{K} {fmt}]"
+    return case
+
+
+def error_vs_reference(got, a, w, bias=None, act=None, out_dtype=None):
+    """(relative Frobenius error of `got` vs the float64 reference, SPEC 7 bound for it)."""
+    from .fp4 import dequantize
+    a64 = (dequantize(a.to_cpu()) if _is_fp4(a) else rt.require_cupy().asnumpy(a).astype(np.float64)).astype(np.float64)
+    w64 = dequantize(w.to_cpu()).astype(np.float64)
+    z = a64.reshape(-1, a64.shape[-1]) @ w64.T
+    if bias is not None:
+        z = z + rt.require_cupy().asnumpy(bias).astype(np.float64)
+    z = ref.apply_activation(z, act)
+    odt = np.dtype(out_dtype) if out_dtype is not None else np.dtype(got.dtype)
+    g = rt.require_cupy().asnumpy(got).astype(np.float64).reshape(z.shape)
+    nz = np.linalg.norm(z)
+    if not np.all(np.isfinite(g)):
+        return float("inf"), 0.0
+    rounded = z.astype(odt).astype(np.float64)
+    base = np.linalg.norm(rounded - z) / nz if nz else 0.0
+    err = np.linalg.norm(g - z) / nz if nz else float(np.linalg.norm(g))
+    return float(err), float(2 * base + 1e-6)
+
+
+def selftest_cases():
+    return [
+        _case(1, 8192, 8192, "nvfp4", np.float16),
+        _case(16, 8192, 8192, "mxfp4", ml_dtypes.bfloat16, "silu", True),
+        _case(4096, 8192, 8192, "nvfp4", np.float16),
+        _case(3, 1000, 4095, "nvfp4", np.float16, "gelu", True),
+    ]
