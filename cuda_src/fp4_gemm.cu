@@ -49,6 +49,12 @@
 //      M=1 19.9 us (mma_s8k, 1895 GB/s, 2.0x), M=16 24.0 us (1.5x): flat across tiles, splits and occupancy, so
 //      bound by instructions per weight (decode 15 + scale 8 ops per 8 weights); M=4096 wgrs256 1050 us
 //      524 TFLOP/s (0.67x), wg256 (SS) 437, wg128 330, mma.sync 128x128 222.
+//   v4 KSUB = 2 for the RS kernel (wgrs256k 478 TFLOP/s: fewer drains did not pay, 3 stages are too shallow).
+//      Final run, autotuned (VBW_CUPY_AUTOTUNE=1), same-run cuBLAS: M=1 21 us vs 40 (1.9x), M=16 25 us vs 37
+//      (1.5x), M=64 50 us vs 40 (0.8x, mma 64x64), M=256 80-86 us vs 50-54 (0.63x), M=4096 1059-1147 us,
+//      480-520 TFLOP/s vs cuBLAS 717-767 us (0.67-0.70x). Errors 2.1e-4 against a SPEC 7 bound of 4.2e-4.
+//   Left: decode-path instructions per weight (bars: 3x at M <= 16) and the per-k-tile wgmma drain of the RS
+//   kernel (bar: 0.8x at M = 4096): warp-specialized loads (TMA + mbarriers) and ping-pong warpgroups next.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
