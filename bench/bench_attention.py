@@ -1,0 +1,356 @@
+"""flash_attention forward: vbw_cupy against torch SDPA (FLASH = FlashAttention-2, CUDNN backends) in one run.
+
+pytest-benchmark:  python -m pytest bench/bench_attention.py --benchmark-only
+    D in {64, 128, 256}, S in {1024, 4096, 16384}, causal and not, float16 and bfloat16; B x H keeps
+    B * S = 32768 tokens and H * D = 2048 (TARGETS.md's shapes at D = 64 / 128). extra_info holds TFLOP/s
+    (4 B H S^2 D / t, halved when causal) of ours and each peer, and ratios = peer time / our time. Without
+    torch the peer is a CuPy matmul-softmax-matmul.
+
+Standalone (one device call can test and benchmark):
+    python bench/bench_attention.py --quick        TFLOP/s table for the same grid, ours vs FLASH / CUDNN
+    python bench/bench_attention.py --sweep        every tile config of vbw_cupy.attention at D 64/128/256
+    python bench/bench_attention.py --precompile   compile every kernel instance in parallel (disk cache)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vbw_cupy import _runtime as rt  # noqa: E402
+
+try:
+    import pytest
+except ImportError:  # the standalone modes need no pytest
+    pytest = None
+
+GRID_D = (64, 128, 256)
+GRID_S = (1024, 4096, 16384)
+
+
+def shape_for(D, S):
+    """(B, H): B * S = 32768 tokens, H * D = 2048 (32 heads at D=64, 16 at 128, 8 at 256)."""
+    return max(1, 32768 // S), max(1, 2048 // D)
+
+
+def flops(B, H, S, D, causal):
+    f = 4.0 * B * H * S * S * D
+    return f / 2 if causal else f
+
+
+def _torch():
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+        return torch
+    except Exception:
+        return None
+
+
+def cuda_ms(fn, warmup=3, rep=10):
+    """Median ms of fn() over `rep` runs, CUDA events on the current stream, after warm-up."""
+    return rt.time_ms(fn, warmup=warmup, rep=rep)
+
+
+class Case:
+    def __init__(self, D, S, causal, dtype, B=None, H=None, seed=0):
+        import cupy as cp
+        import ml_dtypes
+        self.cp = cp
+        B0, H0 = shape_for(D, S)
+        self.B, self.H = B or B0, H or H0
+        self.D, self.S, self.causal = D, S, causal
+        self.dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+        self.dtype_name = dtype
+        rng = cp.random.default_rng(seed)
+        shape = (self.B, S, self.H, D)
+        self.q, self.k, self.v = (rng.standard_normal(shape, dtype=cp.float32).astype(self.dtype) for _ in range(3))
+        self.flops = flops(self.B, self.H, S, D, causal)
+
+    def ours(self, config=None):
+        from vbw_cupy import attention as A
+        if config is None:
+            return lambda: A.flash_attention(self.q, self.k, self.v, causal=self.causal)
+        o = self.cp.empty_like(self.q)
+        return lambda: A._flash_gpu(self.q, self.k, self.v, causal=self.causal, softmax_scale=None,
+                                    window=(-1, -1), softcap=0.0, return_lse=False, out=o, config=config)
+
+    def torch_peer(self, backend):
+        torch = _torch()
+        if torch is None:
+            return None
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        be = {"FLASH": SDPBackend.FLASH_ATTENTION, "CUDNN": SDPBackend.CUDNN_ATTENTION}[backend]
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (self.q, self.k, self.v))
+        F = torch.nn.functional
+
+        def run():
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(tq, tk, tv, is_causal=self.causal)
+        try:
+            run()
+            torch.cuda.synchronize()
+        except Exception:
+            return None
+        return run
+
+    def cupy_peer(self):
+        from vbw_cupy.attention import _peer_attention
+        scale = 1.0 / math.sqrt(self.D)
+        return lambda: _peer_attention(self.q, self.k, self.v, self.causal, scale)
+
+    def tflops(self, ms):
+        return self.flops / ms / 1e9 if ms else None
+
+
+def _time_peer(case, name, rep):
+    torch = _torch()
+    if name in ("FLASH", "CUDNN"):
+        fn = case.torch_peer(name)
+        if fn is None:
+            return None
+        # torch runs on its own current stream; synchronize around the CuPy-event timing by timing in torch.
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(rep):
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        return float(np.median(times))
+    if case.B * case.H * case.S * case.S * 4 > (4 << 30):  # the plain path's S x S scores must fit
+        return None
+    return cuda_ms(case.cupy_peer(), warmup=1, rep=max(3, rep // 3))
+
+
+# ---------------------------------------------------------------------------------------------- pytest
+if pytest is not None:
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+    @pytest.mark.parametrize("causal", [False, True])
+    @pytest.mark.parametrize("S", GRID_S)
+    @pytest.mark.parametrize("D", GRID_D)
+    def test_attention_fwd(benchmark, D, S, causal, dtype):
+        cp = pytest.importorskip("cupy")
+        if not rt.gpu_available():
+            pytest.skip("no CUDA device")
+        case = Case(D, S, causal, dtype)
+        fn = case.ours()
+        stream = cp.cuda.get_current_stream()
+        ms = cuda_ms(fn, warmup=3, rep=10)
+
+        def timed():
+            fn()
+            stream.synchronize()
+        benchmark.pedantic(timed, rounds=10, iterations=1, warmup_rounds=2)
+        info = {"B": case.B, "H": case.H, "ours_ms": ms, "ours_tflops": case.tflops(ms)}
+        peers = ("FLASH", "CUDNN") if _torch() is not None else ("cupy",)
+        for peer in peers:
+            pms = _time_peer(case, peer, 10)
+            info[f"{peer}_ms"] = pms
+            info[f"{peer}_tflops"] = case.tflops(pms)
+            info[f"ratio_vs_{peer}"] = pms / ms if pms else None
+        benchmark.extra_info.update(info)
+
+
+# ---------------------------------------------------------------------------------------------- standalone
+def quick(Ds=(64, 128, 256), Ss=GRID_S, dtypes=("float16", "bfloat16"), rep=10, out=sys.stdout):
+    torch = _torch()
+    peers = ("FLASH", "CUDNN") if torch is not None else ("cupy",)
+    head = f"{'D':>4} {'S':>6} {'BxH':>6} {'causal':>6} {'dtype':>8} | {'ours ms':>8} {'TFLOP/s':>7} | " + \
+        " | ".join(f"{p:>6} TF/s  ratio" for p in peers)
+    print(head, file=out, flush=True)
+    rows = []
+    for D in Ds:
+        for S in Ss:
+            for causal in (False, True):
+                for dt in dtypes:
+                    case = Case(D, S, causal, dt)
+                    ms = cuda_ms(case.ours(), warmup=3, rep=rep)
+                    row = {"D": D, "S": S, "B": case.B, "H": case.H, "causal": causal, "dtype": dt, "ms": ms,
+                           "tflops": case.tflops(ms)}
+                    cells = []
+                    for p in peers:
+                        pms = _time_peer(case, p, rep)
+                        row[p] = case.tflops(pms)
+                        row[f"ratio_{p}"] = pms / ms if pms else None
+                        cells.append(f"{row[p]:>11.1f} {row[f'ratio_{p}']:>5.2f}x" if pms else f"{'-':>11} {'-':>6}")
+                    rows.append(row)
+                    print(f"{D:>4} {S:>6} {case.B:>3}x{case.H:<2} {str(causal):>6} {dt:>8} | {ms:>8.3f} "
+                          f"{row['tflops']:>7.1f} | " + " | ".join(cells), file=out, flush=True)
+                    del case
+    return rows
+
+
+def sweep(Ds=(64, 128, 256), Ss=(4096,), rep=10, out=sys.stdout):
+    from vbw_cupy import attention as A
+    arch = rt.device_arch()
+    for D in Ds:
+        hd = A.head_dim_bucket(D)
+        for S, causal in ((S, c) for S in Ss for c in (False, True)):
+            case = Case(D, S, causal, "float16")
+            best = None
+            for cfg in A._all_configs(hd, True):
+                k = rt.get_kernel(A.SOURCE, A.instance_name("float16", hd, cfg, True))
+                at = k.attributes
+                try:
+                    ms = cuda_ms(case.ours(cfg), warmup=2, rep=rep)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"D={D} causal={causal} {cfg}: FAILED {type(e).__name__}: {e}", file=out)
+                    continue
+                tf = case.tflops(ms)
+                tag = " (default)" if cfg == A.default_config(hd, arch) else ""
+                print(f"D={D:>3} S={S:>5} causal={str(causal):>5} BM={cfg['BLOCK_M']:>3} BN={cfg['BLOCK_N']:>3} "
+                      f"W={cfg['WARPS']} QR={cfg['Q_REGS']} ST={cfg['STAGES']} regs={at['num_regs']:>3} local={at['local_size_bytes']:>3}"
+                      f" : {ms:8.3f} ms {tf:7.1f} TFLOP/s{tag}", file=out, flush=True)
+                if best is None or tf > best[0]:
+                    best = (tf, cfg)
+            print(f"  best D={D} S={S} causal={causal}: {best[0]:.1f} {best[1]}", file=out, flush=True)
+            del case
+
+
+AB_VARIANTS = {"plain": (), "tid_volatile": ("-DVBW_ATTN_TID_VOLATILE",), "sel": ("-DVBW_ATTN_SEL",)}
+AB_CONFIGS = {64: ((128, 128, 4, 0, 2), (128, 128, 4, 0, 1), (128, 64, 4, 1, 2)),
+              128: ((128, 64, 4, 0, 2), (128, 64, 4, 0, 1), (128, 48, 4, 0, 2))}
+AB_SHAPES = ((64, 1024, False), (64, 4096, False), (64, 4096, True), (64, 16384, True), (128, 1024, False),
+             (128, 1024, True), (128, 4096, False), (128, 4096, True), (128, 16384, False), (128, 16384, True))
+
+
+def _ab_cfg(t):
+    return dict(zip(("BLOCK_M", "BLOCK_N", "WARPS", "Q_REGS", "STAGES"), t))
+
+
+def ab(rep=10, out=sys.stdout):
+    """Code variants (NVRTC -D switches of attention_fwd.cu) x tile configs, each shape timed next to torch's
+    FLASH backend in the same process; every (variant, config) is first checked against the reference.
+    Returns {D: (variant, config)} with the best geometric-mean ratio over the shapes."""
+    import json
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import test_attention as T
+    from vbw_cupy import attention as A
+    ok = {}
+    for vname, opts in AB_VARIANTS.items():
+        A._EXTRA_OPTIONS = opts
+        for D, cfgs in AB_CONFIGS.items():
+            for c in cfgs:
+                try:
+                    T.run_dense(1, 300, 517, 4, 2, D, "float16", causal=True, seed=1, config=_ab_cfg(c))
+                    T.run_dense(1, 200, 333, 4, 1, D, "bfloat16", window=(60, 7), softcap=20.0, seed=2,
+                                config=_ab_cfg(c))
+                    ok[(vname, D, c)] = True
+                except AssertionError as e:
+                    ok[(vname, D, c)] = False
+                    print(f"AB correctness FAILED {vname} D={D} {c}: {str(e)[:200]}", file=out, flush=True)
+    ratios = {}
+    for D, S, causal in AB_SHAPES:
+        case = Case(D, S, causal, "float16")
+        fl = [_time_peer(case, "FLASH", rep)]
+        cells = []
+        for vname, opts in AB_VARIANTS.items():
+            A._EXTRA_OPTIONS = opts
+            for c in AB_CONFIGS[D]:
+                if not ok[(vname, D, c)]:
+                    continue
+                ms = cuda_ms(case.ours(_ab_cfg(c)), warmup=2, rep=rep)
+                cells.append((vname, c, ms))
+        fl.append(_time_peer(case, "FLASH", rep))
+        fms = min(x for x in fl if x) if any(fl) else None
+        print(f"AB D={D} S={S} causal={causal}: FLASH {case.tflops(fms):.1f} TF/s (two timings "
+              f"{fl[0]:.3f} / {fl[1]:.3f} ms)", file=out, flush=True)
+        for vname, c, ms in cells:
+            r = fms / ms if fms else None
+            ratios.setdefault((vname, D, c), []).append(r)
+            print(f"   {vname:>12} {c}: {case.tflops(ms):6.1f} TF/s  x{r:.3f}", file=out, flush=True)
+        del case
+    best = {}
+    for (vname, D, c), rs in ratios.items():
+        g = float(np.exp(np.mean(np.log([x for x in rs if x]))))
+        print(f"AB geomean D={D} {vname:>12} {c}: x{g:.3f}", file=out, flush=True)
+        if D not in best or g > best[D][2]:
+            best[D] = (vname, c, g)
+    A._EXTRA_OPTIONS = ()
+    print("AB best " + json.dumps({str(D): v for D, v in best.items()}), file=out, flush=True)
+    return best
+
+
+def _compile_one(args):
+    name, arch, opts = args
+    from vbw_cupy import attention as A
+    t = time.perf_counter()
+    try:
+        cubin, lowered = rt.compile_cubin(A.SOURCE, [name], arch, opts)
+        d = rt.cache_dir() / "kernels"
+        d.mkdir(parents=True, exist_ok=True)
+        key = rt._disk_key(A.SOURCE, name, arch, opts)
+        rt._atomic_write(d / f"{key}.cubin", cubin)
+        rt._atomic_write(d / f"{key}.name", lowered[name].encode())
+        return name, time.perf_counter() - t, None
+    except Exception as e:  # noqa: BLE001
+        return name, time.perf_counter() - t, f"{type(e).__name__}: {e}"[:500]
+
+
+def precompile(jobs=None, ab_variants=False):
+    """Compile every instance of vbw_cupy.attention for this device in parallel, into the disk cache that
+    rt.get_kernel reads (so tests and benchmarks do not pay NVRTC time one instance at a time)."""
+    import multiprocessing as mp
+    from vbw_cupy import attention as A
+    arch = rt.device_arch()
+    jobs_list = [(n, arch, ()) for _, n in A.kernel_instances()]
+    if ab_variants:
+        for opts in AB_VARIANTS.values():
+            for D, cfgs in AB_CONFIGS.items():
+                for c in cfgs:
+                    n = A.instance_name("float16", D, _ab_cfg(c), True)
+                    if (n, arch, opts) not in jobs_list:
+                        jobs_list.append((n, arch, opts))
+    names = [j[0] for j in jobs_list]
+    t = time.perf_counter()
+    with mp.get_context("spawn").Pool(jobs or min(16, os.cpu_count() or 1)) as pool:
+        res = pool.map(_compile_one, jobs_list)
+    bad = [r for r in res if r[2]]
+    print(f"precompiled {len(names) - len(bad)}/{len(names)} instances for sm_{arch} in "
+          f"{time.perf_counter() - t:.1f}s" + "".join(f"\n  FAILED {n}: {e}" for n, _, e in bad), flush=True)
+    return not bad
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--precompile", action="store_true")
+    p.add_argument("--ab", action="store_true", help="A/B of code variants x tiles vs FLASH, then --quick with "
+                   "the best (in this process only)")
+    p.add_argument("--D", type=int, nargs="*")
+    p.add_argument("--S", type=int, nargs="*")
+    p.add_argument("--dtype", nargs="*")
+    p.add_argument("--rep", type=int, default=10)
+    a = p.parse_args(argv)
+    if a.precompile:
+        precompile(ab_variants=a.ab)
+    if a.ab:
+        from vbw_cupy import attention as A
+        best = ab(rep=a.rep)
+        # apply the winners in this process (defaults of sm_90 and the NVRTC switches) for the table below
+        for D, (vname, c, _) in best.items():
+            A._DEFAULTS[D][rt.device_arch()] = _ab_cfg(c)
+        A._EXTRA_OPTIONS = {D: AB_VARIANTS[v] for D, (v, _, _) in best.items()}
+    if a.sweep:
+        sweep(Ds=tuple(a.D or (64, 128, 256)), Ss=tuple(a.S or [4096]), rep=a.rep)
+    if a.quick:
+        quick(Ds=tuple(a.D or GRID_D), Ss=tuple(a.S or GRID_S), dtypes=tuple(a.dtype or ("float16", "bfloat16")),
+              rep=a.rep)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,491 @@
+// attention_fwd.cu: FlashAttention-2 style forward pass on tensor cores (mma.sync m16n8k16, sm_80+).
+//
+// Computes, per (batch b, query head h, query row i):
+//   s_j  = scale * q_i . k_j                  (or softcap * tanh(scale * q_i . k_j / softcap))
+//   o_i  = sum_j softmax(s)_j v_j,   lse_i = log sum_j exp(s_j)   over the keys j that row i sees
+// where row i sees key j iff j < Sk, and with diag = Sk - Sq (bottom-right alignment)
+//   j <= i + diag + win_right (win_right >= 0; causal is win_right = 0), j >= i + diag - win_left (win_left >= 0).
+// A row that sees no key gets o = 0 and lse = -inf.
+//
+// Operands (row-major, contiguous, element type T = __half or __nv_bfloat16):
+//   q, o  [tokens_q, H,   d]      k, v  [tokens_k, Hkv, d]       lse (float32)
+//   dense:  tokens = B * S, batch b starts at b * S;        lse [B, H, Sq]
+//   varlen: batch b spans cu_q[b] .. cu_q[b+1] (cu_k for keys); lse [H, total_q]
+//   kv head = h / group (group = H / Hkv: grouped-query / multi-query).
+//   d is the real head dim (1..256); HEAD_DIM is the compiled one (multiple of 32 >= d). Columns >= d are
+//   zero-filled in shared memory and never read from or written to global memory.
+//   VEC = true needs every row start 16-byte aligned (d % 8 == 0, aligned bases): 16-byte cp.async loads and
+//   16-byte stores; VEC = false falls back to element-wise loads/stores (any d, any alignment).
+//
+// Tiling: one CTA = BLOCK_M query rows of one (b, h); WARPS warps, warp w owns MT = BLOCK_M / (16 WARPS)
+//   m16 row tiles. Shared memory: Q [BLOCK_M][HEAD_DIM+8], K and V [STAGES][BLOCK_N][HEAD_DIM+8] (rows padded by
+//   16 bytes, so the 8 row addresses of every ldmatrix hit 8 distinct 16-byte bank groups).
+//   Pipeline per KV tile (keys iterate from the last visible tile down to the first), STAGES = 1:
+//     wait K(n) ; barrier ; issue cp.async V(n) ; S = Q K^T (ldmatrix Q / K, mma) ; mask ; online softmax
+//     wait V(n) ; barrier ; issue cp.async K(n-1) ; O += P V (P packed from the S accumulators, ldmatrix.trans V)
+//   so the load of V overlaps Q K^T and the load of the next K overlaps P V. STAGES = 2 double-buffers K and V:
+//     wait K(n), V(n) ; barrier ; issue cp.async K(n-1), V(n-1) into the other stage ; S ; softmax ; O += P V
+//   (one barrier per tile, and each load has a whole tile of compute to land).
+//   Online softmax in fp32 with exp2: p = 2^(s * scale*log2e - m * scale*log2e) (one FFMA + EX2 per score);
+//   row sums stay per-thread partial sums until the end; masks are applied only on tiles that straddle a
+//   boundary; tiles outside [first visible key, last visible key] of the CTA's rows are never loaded.
+//   Q_REGS keeps the Q fragments in registers for the whole CTA (small HEAD_DIM), otherwise they are re-read
+//   from shared memory for every KV tile. CTA order (1-D grid): the (b, h) pairs are cut into sections whose K
+//   and V fit in L2 (sect_heads pairs, chosen by the launcher); inside a section the longest Q tiles (largest
+//   m, most KV tiles under a causal mask) of all its heads go first. Output goes registers -> shared (Q's
+//   buffer) -> 16-byte coalesced stores.
+//
+// History (H100 80GB HBM3, TFLOP/s = 4 B H S^2 D / t, halved for causal; ratio vs torch SDPA FLASH same run):
+//   v1: this design, see vbw_cupy/attention.py for the per-head-dim tiles. (measurements below)
+#include "mma.cuh"
+
+namespace vbw_attn {
+
+constexpr int PAD = 8;  // elements of padding per shared-memory row (16 bytes)
+
+// Load a [ROWS][HEAD_DIM] tile (global rows `row_stride` elements apart, `rows_valid` real rows, `d` real
+// columns) into shared memory with row pitch HEAD_DIM + PAD; everything outside is zero-filled.
+template <int ROWS, int HEAD_DIM, int NT, bool VEC, typename T>
+__device__ __forceinline__ void load_tile(T* s, const T* g, long long row_stride, int rows_valid, int d,
+                                          int tid_arg) {
+#ifdef VBW_ATTN_TID_VOLATILE
+  // Re-read the thread index (volatile) so the per-thread offsets are recomputed at each call instead of being
+  // hoisted out of the KV loop into registers (an experiment; see the history in the header).
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+#else
+  const int tid = tid_arg;
+#endif
+  // Thread tid owns 16-byte column chunk tid % CPR of rows tid / CPR, tid / CPR + RPI, ... (when CPR does not
+  // divide NT the last NT % CPR threads idle). One pointer per thread, advanced by a constant: no per-chunk
+  // 64-bit address math for the compiler to hoist out of the KV loop into registers.
+  constexpr int CPR = HEAD_DIM / 8;
+  constexpr int LDS = HEAD_DIM + PAD;
+  constexpr int RPI = NT / CPR;
+  constexpr int ITERS = (ROWS + RPI - 1) / RPI;
+  static_assert(RPI >= 1, "too few threads for one row");
+  if ((NT % CPR) != 0 && tid >= RPI * CPR) return;
+  const int r0 = tid / CPR;
+  const int col = (tid % CPR) * 8;
+  const bool col_ok = col < d;
+  const T* src = g + r0 * row_stride + col;
+  const long long step = RPI * row_stride;
+  T* dst = s + r0 * LDS + col;
+  if constexpr (VEC) {
+    const vbw::u32 dst_a = vbw::smem_addr(dst);
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+      if ((ROWS % RPI) != 0 && r0 + i * RPI >= ROWS) break;
+      const bool ok = col_ok && r0 + i * RPI < rows_valid;
+#ifdef VBW_ATTN_SEL
+      vbw::cp_async_16(dst_a + 2 * i * RPI * LDS, ok ? src : g, ok);
+#else
+      vbw::cp_async_16(dst_a + 2 * i * RPI * LDS, src, ok);  // src-size 0 reads nothing when !ok
+#endif
+      src += step;
+    }
+  } else {
+    // Any alignment, any d: element-wise loads, zero-filled tail, one 16-byte shared store per chunk.
+#pragma unroll 1
+    for (int i = 0; i < ITERS; ++i) {
+      const int r = r0 + i * RPI;
+      if (r >= ROWS) break;
+      const bool ok = col_ok && r < rows_valid;
+      const unsigned short* s16 = reinterpret_cast<const unsigned short*>(src);
+      vbw::u32 w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const vbw::u32 lo = (ok && col + 2 * j < d) ? s16[2 * j] : 0u;
+        const vbw::u32 hi = (ok && col + 2 * j + 1 < d) ? s16[2 * j + 1] : 0u;
+        w[j] = lo | (hi << 16);
+      }
+      *reinterpret_cast<uint4*>(dst + i * RPI * LDS) = make_uint4(w[0], w[1], w[2], w[3]);
+      src += step;
+    }
+  }
+}
+
+// Where a CTA works: (b, h), its first query row m0, the sequence lengths, and the visible key range of its rows
+// (row m0 + r sees keys [r + lo_base, min(r + hi_base, sk))). Sequence lengths are < 2^30 (checked by the
+// launcher), so these and every tile-local offset fit in an int.
+// CTA order: (b, h) pairs are cut into sections of sect_heads consecutive pairs (sized by the launcher so a
+// section's K and V fit in L2); within a section the longest Q tiles (largest m) of all its heads go first.
+// The block index is read with a volatile move so that calling this again (in the rarely taken mask branch and
+// in the epilogue) recomputes the values instead of keeping them alive in registers across the KV loop.
+struct Cta {
+  int b, h, m0, sq, sk, lo_base, hi_base;
+  long long q_start, k_start;
+};
+
+template <int BLOCK_M>
+__device__ __forceinline__ Cta cta_info(const int* __restrict__ cu_q, const int* __restrict__ cu_k, int batch,
+                                        int seqlen_q, int seqlen_k, int heads, int num_m, int sect_heads,
+                                        int win_left, int win_right) {
+  unsigned bid;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bid));
+  Cta c;
+  const int total = batch * heads;
+  const int per_sec = sect_heads * num_m;
+  const int sec = (int)bid / per_sec;
+  const int r = (int)bid - sec * per_sec;
+  const int size = min(sect_heads, total - sec * sect_heads);
+  const int m_block = num_m - 1 - r / size;
+  const int hh = sec * sect_heads + r % size;
+  c.b = hh / heads;
+  c.h = hh - c.b * heads;
+  if (cu_q != nullptr) {
+    c.q_start = cu_q[c.b];
+    c.sq = cu_q[c.b + 1] - cu_q[c.b];
+    c.k_start = cu_k[c.b];
+    c.sk = cu_k[c.b + 1] - cu_k[c.b];
+  } else {
+    c.q_start = (long long)c.b * seqlen_q;
+    c.sq = seqlen_q;
+    c.k_start = (long long)c.b * seqlen_k;
+    c.sk = seqlen_k;
+  }
+  c.m0 = m_block * BLOCK_M;
+  constexpr long long BIG = 1LL << 30;
+  const long long diag = (long long)c.sk - c.sq;
+  c.lo_base = win_left >= 0 ? (int)max(-BIG, min(BIG, c.m0 + diag - win_left)) : -(int)BIG;
+  c.hi_base = win_right >= 0 ? (int)max(-BIG, min(BIG, c.m0 + diag + win_right + 1)) : (int)BIG;
+  return c;
+}
+
+}  // namespace vbw_attn
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool Q_REGS, int STAGES, bool VEC>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
+         float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+         int batch, int seqlen_q, int seqlen_k, int heads, int group, int d, int num_m, int sect_heads,
+         float scale_log2, int score_mode, float cap_prescale, int win_left, int win_right,
+         long long q_rs, long long kv_rs, long long lse_stride_h) {
+  using namespace vbw;
+  using vbw_attn::PAD;
+  constexpr int NT = WARPS * 32;
+  constexpr int MT = BLOCK_M / (16 * WARPS);
+  static_assert(MT >= 1 && MT * 16 * WARPS == BLOCK_M, "BLOCK_M must be a multiple of 16 * WARPS");
+  static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 32 == 0, "tile shape");
+  static_assert(STAGES == 1 || STAGES == 2, "STAGES");
+  constexpr int NN = BLOCK_N / 8;    // n8 tiles of S
+  constexpr int ND = HEAD_DIM / 8;   // n8 tiles of O
+  constexpr int KD = HEAD_DIM / 16;  // k16 steps of Q K^T
+  constexpr int KN = BLOCK_N / 16;   // k16 steps of P V
+  constexpr int LDS = HEAD_DIM + PAD;
+  const float NEG_INF = __int_as_float(0xff800000);
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + BLOCK_M * LDS;
+  T* sV = sK + STAGES * BLOCK_N * LDS;
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+#define VBW_CTA() vbw_attn::cta_info<BLOCK_M>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, sect_heads, \
+                                              win_left, win_right)
+  const vbw_attn::Cta cta = VBW_CTA();
+  if (cta.m0 >= cta.sq) return;
+  const int sk = cta.sk;
+  const int rows_q = min(BLOCK_M, cta.sq - cta.m0);
+  const T* kg = k + cta.k_start * kv_rs + (long long)(cta.h / group) * d;
+  const long long vk = v - k;  // V tile = K tile + vk (same layout)
+
+  // KV tiles that some row of this CTA sees: [n_lo, n_hi); tiles in [nm_lo, nm_hi) need no mask at all.
+  int n_lo = 0, n_hi = 0, nm_lo, nm_hi;
+  {
+    const int lo = max(0, cta.lo_base);
+    const int hi = min(sk, cta.hi_base + rows_q - 1);
+    if (hi > lo) {
+      n_lo = lo / BLOCK_N;
+      n_hi = (hi + BLOCK_N - 1) / BLOCK_N;
+    }
+    const int last_lo = cta.lo_base + rows_q - 1;  // the last row's first key
+    nm_lo = last_lo > 0 ? (last_lo + BLOCK_N - 1) / BLOCK_N : 0;
+    nm_hi = min(sk, cta.hi_base) >= 0 ? min(sk, cta.hi_base) / BLOCK_N : -1;
+  }
+
+  float acc_o[MT][ND][4];
+  float row_max[MT][2], row_sum[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int j = 0; j < ND; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][j][e] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = NEG_INF;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+
+  // Per-lane ldmatrix addresses. Every ldmatrix.x4 here reads a 16 x 16 block as the four 8 x 8 matrices
+  // (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15), lane l giving the
+  // address of row l % 8 of matrix l / 8. For Q (A operand) they are a0..a3; for K (B operand, rows = keys,
+  // cols = d) they are b0 of keys 0-7, b0 of keys 8-15, b1 of keys 0-7, b1 of keys 8-15; for V (transposed,
+  // rows = keys, cols = d) b0 / b1 of d 0-7, then b0 / b1 of d 8-15. One lane offset serves all three buffers.
+  const int warp_row = warp * MT * 16;
+  const vbw::u32 lane_a = smem_addr(smem_raw) + 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
+  const vbw::u32 sQ_a = lane_a + 2 * warp_row * LDS;
+  constexpr vbw::u32 K_BYTES = 2u * BLOCK_M * LDS;
+  constexpr vbw::u32 V_BYTES = K_BYTES + 2u * STAGES * BLOCK_N * LDS;
+
+  if (n_lo < n_hi) {
+    vbw_attn::load_tile<BLOCK_M, HEAD_DIM, NT, VEC>(sQ, q + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d,
+                                                    q_rs, rows_q, d, tid);
+    cp_async_commit();
+    int n = n_hi - 1;
+    vbw_attn::load_tile<BLOCK_N, HEAD_DIM, NT, VEC>(sK, kg + (long long)n * BLOCK_N * kv_rs, kv_rs,
+                                               sk - n * BLOCK_N, d, tid);
+    if constexpr (STAGES == 2)
+      vbw_attn::load_tile<BLOCK_N, HEAD_DIM, NT, VEC>(sV, kg + vk + (long long)n * BLOCK_N * kv_rs, kv_rs,
+                                                      sk - n * BLOCK_N, d, tid);
+    cp_async_commit();
+    vbw::u32 stage_off = 0;  // byte offset of the current K/V stage (STAGES == 2)
+    constexpr vbw::u32 STAGE_BYTES = 2u * BLOCK_N * LDS;
+
+    vbw::u32 qf[Q_REGS ? MT : 1][Q_REGS ? KD : 1][4];
+    if constexpr (Q_REGS) {
+      cp_async_wait<1>();
+      __syncthreads();
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk)
+          ldsm_x4(qf[mt][kk][0], qf[mt][kk][1], qf[mt][kk][2], qf[mt][kk][3],
+                  sQ_a + 2 * (mt * 16 * LDS + kk * 16));
+    }
+
+    for (; n >= n_lo; --n) {
+      cp_async_wait<0>();
+      if constexpr (STAGES == 2) {
+        __syncthreads();  // K(n), V(n) landed; every warp is done with tile n+1, whose stage is refilled now
+        if (n > n_lo) {
+          const vbw::u32 nxt = STAGE_BYTES - stage_off;
+          vbw_attn::load_tile<BLOCK_N, HEAD_DIM, NT, VEC>(sK + nxt / 2, kg + (long long)(n - 1) * BLOCK_N * kv_rs,
+                                                          kv_rs, sk - (n - 1) * BLOCK_N, d, tid);
+          vbw_attn::load_tile<BLOCK_N, HEAD_DIM, NT, VEC>(sV + nxt / 2, kg + vk + (long long)(n - 1) * BLOCK_N * kv_rs,
+                                                          kv_rs, sk - (n - 1) * BLOCK_N, d, tid);
+          cp_async_commit();
+        }
+      } else {
+        __syncthreads();  // K(n) landed; every warp is done with V(n+1)
+        vbw_attn::load_tile<BLOCK_N, HEAD_DIM, NT, VEC>(sV, kg + vk + (long long)n * BLOCK_N * kv_rs, kv_rs,
+                                                        sk - n * BLOCK_N, d, tid);
+        cp_async_commit();
+      }
+
+      float s[MT][NN][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NN; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
+
+      // S = Q K^T
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk) {
+        vbw::u32 af[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if constexpr (Q_REGS) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) af[mt][e] = qf[mt][kk][e];
+          } else {
+            ldsm_x4(af[mt][0], af[mt][1], af[mt][2], af[mt][3], sQ_a + 2 * (mt * 16 * LDS + kk * 16));
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < NN / 2; ++np) {
+          vbw::u32 b0, b1, b2, b3;
+          ldsm_x4(b0, b1, b2, b3, lane_a + K_BYTES + stage_off + 2 * (np * 16 * LDS + kk * 16));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<T>(s[mt][2 * np], af[mt], b0, b2);
+            mma_16816<T>(s[mt][2 * np + 1], af[mt], b1, b3);
+          }
+        }
+      }
+
+      // Score transform: softcap (mode 1: tanh(s * scale / softcap), scale_log2 = softcap * log2 e) or, for a
+      // scale <= 0 (mode 2: s *= -1 or 0, scale_log2 = |scale| log2 e or 1), so that scale_log2 > 0 always
+      // holds: the max of the transformed scores is then the max of the scaled ones, and -inf * scale_log2
+      // stays -inf (never NaN) for masked keys.
+      if (score_mode == 1) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int j = 0; j < NN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][j][e] = tanhf(s[mt][j][e] * cap_prescale);
+      } else if (score_mode == 2) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int j = 0; j < NN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][j][e] *= cap_prescale;
+      }
+
+      // Masks, only on tiles that straddle a boundary (everything they need is recomputed here).
+      if (n < nm_lo || n >= nm_hi) {
+        const vbw_attn::Cta c = VBW_CTA();
+        const int c0 = n * BLOCK_N;
+        const int lo_off = c.lo_base - c0;
+        const int hi_off = c.hi_base - c0;
+        const int hi_cap = min(BLOCK_N, c.sk - c0);
+        const int ln = threadIdx.x & 31;
+        const int wr = (threadIdx.x >> 5) * MT * 16;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int rl = wr + mt * 16 + (ln >> 2) + hf * 8;
+            const int lo_t = rl + lo_off;
+            const int hi_t = min(rl + hi_off, hi_cap);
+#pragma unroll
+            for (int j = 0; j < NN; ++j)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int col = j * 8 + (ln & 3) * 2 + e;
+                if (col < lo_t || col >= hi_t) s[mt][j][2 * hf + e] = NEG_INF;
+              }
+          }
+      }
+
+      // Online softmax (exp2, scale folded into one FFMA). The rescale of O is skipped when no row max moved
+      // (corr == 1 exactly for the whole warp), which is most tiles once the running max has settled.
+      {
+        float corr[MT][2], msc[MT][2];
+        bool moved = false;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            float mx = row_max[mt][hf];
+#pragma unroll
+            for (int j = 0; j < NN; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * hf], s[mt][j][2 * hf + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            msc[mt][hf] = (mx == NEG_INF) ? 0.f : mx * scale_log2;
+            corr[mt][hf] = (row_max[mt][hf] == NEG_INF) ? 0.f : fast_exp2(row_max[mt][hf] * scale_log2 - msc[mt][hf]);
+            moved |= corr[mt][hf] != 1.f;
+            row_max[mt][hf] = mx;
+          }
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < ND; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc_o[mt][j][e] *= corr[mt][e >> 1];
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            float sum = row_sum[mt][hf] * corr[mt][hf];
+            const float ms = msc[mt][hf];
+#pragma unroll
+            for (int j = 0; j < NN; ++j) {
+              const float p0 = fast_exp2(fmaf(s[mt][j][2 * hf], scale_log2, -ms));
+              const float p1 = fast_exp2(fmaf(s[mt][j][2 * hf + 1], scale_log2, -ms));
+              s[mt][j][2 * hf] = p0;
+              s[mt][j][2 * hf + 1] = p1;
+              sum += p0 + p1;
+            }
+            row_sum[mt][hf] = sum;
+          }
+      }
+
+      if constexpr (STAGES == 1) {
+        cp_async_wait<0>();
+        __syncthreads();  // V(n) landed; every warp is done with K(n)
+        if (n > n_lo) {
+          vbw_attn::load_tile<BLOCK_N, HEAD_DIM, NT, VEC>(sK, kg + (long long)(n - 1) * BLOCK_N * kv_rs, kv_rs,
+                                                          sk - (n - 1) * BLOCK_N, d, tid);
+          cp_async_commit();
+        }
+      }
+
+      // O += P V
+#pragma unroll
+      for (int t = 0; t < KN; ++t) {
+        vbw::u32 pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          pa[mt][0] = pack2<T>(s[mt][2 * t][0], s[mt][2 * t][1]);
+          pa[mt][1] = pack2<T>(s[mt][2 * t][2], s[mt][2 * t][3]);
+          pa[mt][2] = pack2<T>(s[mt][2 * t + 1][0], s[mt][2 * t + 1][1]);
+          pa[mt][3] = pack2<T>(s[mt][2 * t + 1][2], s[mt][2 * t + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < ND / 2; ++dp) {
+          vbw::u32 b0, b1, b2, b3;
+          ldsm_x4_t(b0, b1, b2, b3, lane_a + V_BYTES + stage_off + 2 * (t * 16 * LDS + dp * 16));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<T>(acc_o[mt][2 * dp], pa[mt], b0, b1);
+            mma_16816<T>(acc_o[mt][2 * dp + 1], pa[mt], b2, b3);
+          }
+        }
+      }
+      if constexpr (STAGES == 2) stage_off = STAGE_BYTES - stage_off;
+    }
+  }
+
+  // Epilogue: normalize, LSE, stage O through shared memory, store. Q's buffer is free: with STAGES == 1 every
+  // warp passed the barrier after its last Q K^T; with STAGES == 2 a warp only ever reads its own rows of Q,
+  // which are the rows it overwrites here.
+  const vbw_attn::Cta ce = VBW_CTA();
+#undef VBW_CTA
+  const int m0 = ce.m0;
+  const int rows_e = min(BLOCK_M, ce.sq - m0);
+  T* og = o + (ce.q_start + m0) * q_rs + (long long)ce.h * d;
+  const long long lse_base =
+      (long long)ce.h * lse_stride_h + (cu_q != nullptr ? ce.q_start : (long long)ce.b * heads * seqlen_q);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float sum = row_sum[mt][hf];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int r = warp_row + mt * 16 + (lane >> 2) + hf * 8;
+#pragma unroll
+      for (int j = 0; j < ND; ++j) {
+        const int col = j * 8 + (lane & 3) * 2;
+        *reinterpret_cast<vbw::u32*>(sQ + r * LDS + col) =
+            pack2<T>(acc_o[mt][j][2 * hf] * inv, acc_o[mt][j][2 * hf + 1] * inv);
+      }
+      if (lse != nullptr && (lane & 3) == 0 && r < rows_e) {
+        const float val = sum > 0.f ? (row_max[mt][hf] * scale_log2 + __log2f(sum)) * 0.69314718055994531f
+                                    : NEG_INF;
+        lse[lse_base + m0 + r] = val;
+      }
+    }
+  __syncthreads();
+  {
+    constexpr int CPR = HEAD_DIM / 8;
+    constexpr int TOTAL = BLOCK_M * CPR;
+    constexpr int ITERS = (TOTAL + NT - 1) / NT;
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+      const int c = tid + i * NT;
+      if ((TOTAL % NT) != 0 && c >= TOTAL) break;
+      const int r = c / CPR;
+      const int col = (c % CPR) * 8;
+      if (r < rows_e && col < d) {
+        const T* src = sQ + r * LDS + col;
+        T* dst = og + r * q_rs + col;
+        if constexpr (VEC) {
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+          const int nv = min(8, d - col);
+          for (int e = 0; e < nv; ++e) dst[e] = src[e];
+        }
+      }
+    }
+  }
+}

@@ -1,0 +1,501 @@
+"""Flash attention forward (SPEC section 3): `flash_attention`, `flash_attention_varlen`.
+
+NumPy inputs run `vbw_cupy.reference` (float64). CuPy inputs (or DLPack / CUDA-array-interface objects such as
+torch tensors) run the tensor-core kernel of ``cuda_src/attention_fwd.cu`` (FlashAttention-2 style: one CTA per
+BLOCK_M query rows of one head, K/V streamed through shared memory with cp.async, mma.sync m16n8k16 with fp32
+accumulation, online softmax in fp32) and return CuPy arrays.
+
+Head dims: any D from 1 to 256 runs the instance compiled for the next of HEAD_DIMS (32, 64, ..., 256); the
+kernel zero-fills the missing columns and never reads or writes past D. Tiles (BLOCK_M, BLOCK_N, WARPS, Q_REGS)
+are chosen per compiled head dim: a per-architecture default, or the autotuner's pick
+(``vbw_cupy.autotune``, one Tunable per head dim, named ``attention_fwd_d<HEAD_DIM>``; shape bucket =
+(pow2 of the longest query sequence, pow2 of the longest key sequence, 1 if a causal/window mask applies),
+each clamped to [64, 16384]).
+
+Extra device memory beyond q, k, v, o (and lse when asked): none, except contiguous copies of
+non-contiguous inputs.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from . import _runtime as rt
+from . import reference as ref
+
+try:
+    from . import autotune as _autotune
+except Exception:  # pragma: no cover - the tuner is optional
+    _autotune = None
+
+__all__ = ["flash_attention", "flash_attention_varlen", "HEAD_DIMS", "kernel_instances", "selftest_cases"]
+
+SOURCE = "attention_fwd.cu"
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+MAX_SEQLEN = (1 << 30) - 1      # the kernel's tile arithmetic is int32
+MAX_CTAS = (1 << 31) - 1        # 1-D grid
+_LOG2E = 1.4426950408889634
+_PARAMS = ("BLOCK_M", "BLOCK_N", "WARPS", "Q_REGS", "STAGES")
+
+
+def _cfg(m, n, w, qr=0, st=2):
+    return {"BLOCK_M": m, "BLOCK_N": n, "WARPS": w, "Q_REGS": qr, "STAGES": st}
+
+
+# Per compiled head dim: {arch: default config} and the candidates the tuner may time. Warp w owns
+# BLOCK_M / (16 WARPS) m16 row tiles; two tiles per warp halve the shared-memory reads of K and V per mma,
+# which is what the large head dims cannot afford in registers (O alone is HEAD_DIM/2 floats per m16 tile).
+# STAGES = 2 double-buffers K and V (one barrier per KV tile); STAGES = 1 is FlashAttention-2's single K and V
+# buffer (half the shared memory). Shared memory per block after opt-in: 227 KB on sm_90, 163 KB on sm_80,
+# 99 KB on sm_86 / sm_89 (where two CTAs per SM also want <= 50 KB each), hence the per-arch entries.
+_C = _cfg
+# sm_90 defaults measured on H200 (bench/bench_attention.py --sweep); sm_80 takes them where they fit its
+# 163 KB; sm_86 / sm_89 (no measurement here) use single-buffered tiles that fit 99 KB.
+_DEFAULTS = {
+    32: {90: _C(128, 128, 4, 1, 2), 80: _C(128, 128, 4, 1, 2), 86: _C(128, 64, 4, 1, 1)},
+    64: {90: _C(128, 128, 4, 0, 2), 80: _C(128, 128, 4, 0, 2), 86: _C(128, 64, 4, 1, 1)},
+    96: {90: _C(128, 64, 4, 0, 2), 80: _C(128, 64, 4, 0, 2), 86: _C(128, 64, 4, 0, 1)},
+    128: {90: _C(128, 64, 4, 0, 2), 80: _C(128, 64, 4, 0, 2), 86: _C(128, 32, 4, 0, 1)},
+    160: {90: _C(128, 64, 8, 0, 2), 80: _C(128, 64, 8, 0, 2), 86: _C(128, 64, 8, 0, 1)},
+    192: {90: _C(128, 64, 8, 0, 2), 80: _C(128, 64, 8, 0, 2), 86: _C(64, 64, 4, 0, 1)},
+    224: {90: _C(128, 64, 8, 0, 2), 80: _C(128, 64, 8, 0, 1), 86: _C(64, 64, 4, 0, 1)},
+    256: {90: _C(128, 64, 8, 0, 2), 80: _C(128, 64, 8, 0, 1), 86: _C(64, 32, 4, 0, 1)},
+}
+for _d in _DEFAULTS.values():
+    _d[89] = _d[86]
+_CANDIDATES = {
+    32: (_C(128, 128, 4, 1, 2), _C(128, 64, 4, 1, 2), _C(128, 128, 4, 1, 1)),
+    64: (_C(128, 128, 4, 0, 2), _C(128, 64, 4, 1, 2), _C(128, 128, 4, 0, 1), _C(128, 64, 4, 1, 1)),
+    96: (_C(128, 64, 4, 0, 2), _C(128, 64, 4, 0, 1), _C(64, 64, 4, 1, 2)),
+    128: (_C(128, 64, 4, 0, 2), _C(128, 64, 4, 0, 1), _C(128, 48, 4, 0, 2), _C(128, 32, 4, 0, 2),
+          _C(64, 64, 4, 0, 2)),
+    160: (_C(128, 64, 8, 0, 2), _C(128, 64, 8, 0, 1), _C(64, 64, 4, 0, 2)),
+    192: (_C(128, 64, 8, 0, 2), _C(128, 64, 8, 0, 1), _C(64, 64, 4, 0, 2)),
+    224: (_C(128, 64, 8, 0, 2), _C(128, 64, 8, 0, 1), _C(64, 64, 4, 0, 1)),
+    256: (_C(128, 64, 8, 0, 2), _C(128, 64, 8, 0, 1), _C(64, 64, 4, 0, 1), _C(64, 32, 4, 0, 1)),
+}
+
+
+def head_dim_bucket(D: int) -> int:
+    """The compiled HEAD_DIM that runs a real head dim D (1..256)."""
+    for hd in HEAD_DIMS:
+        if D <= hd:
+            return hd
+    raise ValueError(f"q: expected a head dimension D from 1 to 256, got {D}")
+
+
+def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
+    """Dynamic shared memory of one CTA: Q [BLOCK_M] + K, V [STAGES][BLOCK_N] rows of HEAD_DIM + 8 elements."""
+    return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize
+
+
+def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True) -> str:
+    b = lambda x: "true" if x else "false"
+    return (f"attn_fwd<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['WARPS']}, "
+            f"{b(cfg['Q_REGS'])}, {cfg['STAGES']}, {b(vec)}>")
+
+
+def _unique(cfgs) -> list[dict]:
+    out = []
+    for c in cfgs:
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _all_configs(head_dim: int, vec: bool = True) -> list[dict]:
+    """Configs that can be launched: the candidates and defaults on the 16-byte path (VEC), the per-arch
+    defaults only on the element-wise path (D % 8 != 0 or unaligned inputs are never tuned)."""
+    defaults = list(_DEFAULTS[head_dim].values())
+    return _unique((list(_CANDIDATES[head_dim]) if vec else []) + defaults)
+
+
+def kernel_instances() -> list[tuple[str, str]]:
+    """Every (file, template instance) this module can launch, fp16 and bf16."""
+    return [(SOURCE, instance_name(dt, hd, c, vec)) for dt in ("float16", "bfloat16") for hd in HEAD_DIMS
+            for vec in (True, False) for c in _all_configs(hd, vec)]
+
+
+def _bucket(shape: dict) -> tuple:
+    p2 = (lambda n: _autotune.pow2_bucket(n, lo=64, hi=16384))
+    return (p2(shape["Sq"]), p2(shape["Sk"]), int(bool(shape["masked"])))
+
+
+def _tunable_name(head_dim: int) -> str:
+    return f"attention_fwd_d{head_dim}"
+
+
+def _make_bench(head_dim: int):
+    def bench(shape: dict, dtype):
+        cp = rt.require_cupy()
+        B, S, H = shape.get("B", 4), shape["Sq"], shape.get("H", 16)
+        rng = cp.random.default_rng(0)
+        q, k, v = (rng.standard_normal((B, S, H, head_dim), dtype=cp.float32).astype(dtype) for _ in range(3))
+        o = cp.empty_like(q)
+        args = _Launch.dense(q, k, v, scale=1.0 / math.sqrt(head_dim), window=(-1, 0 if shape["masked"] else -1),
+                             softcap=0.0, out=o, lse=None)
+        return lambda cfg: args.run(cfg)
+    return bench
+
+
+def _fits(head_dim: int):
+    def fits(cfg, lim):
+        return (cfg["WARPS"] * 32 <= lim["max_threads"]
+                and smem_bytes(head_dim, cfg) <= lim["smem_optin"]
+                and cfg["BLOCK_M"] % (16 * cfg["WARPS"]) == 0)
+    return fits
+
+
+if _autotune is not None:
+    for _hd in HEAD_DIMS:
+        _autotune.register(_autotune.Tunable(
+            name=_tunable_name(_hd), params=_PARAMS, candidates=tuple(_CANDIDATES[_hd]),
+            defaults={a: dict(c) for a, c in _DEFAULTS[_hd].items()}, bucket=_bucket, fits=_fits(_hd),
+            source=SOURCE,
+            standard_shapes=tuple(({"Sq": s, "Sk": s, "masked": m, "B": 16384 // s, "H": 16}, dt)
+                                  for s in (1024, 4096) for m in (0, 1) for dt in ("float16",)) if _hd in (64, 128)
+            else (),
+            bench=_make_bench(_hd)))
+
+
+def default_config(head_dim: int, arch: int) -> dict:
+    d = _DEFAULTS[head_dim]
+    return dict(d[max([a for a in d if a <= arch] or [min(d)])])
+
+
+# ---------------------------------------------------------------------------------------------- checks
+_GPU_DTYPES = None
+
+
+def _gpu_dtypes():
+    global _GPU_DTYPES
+    if _GPU_DTYPES is None:
+        import ml_dtypes
+        _GPU_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+    return _GPU_DTYPES
+
+
+def _is_host(x) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+def _split_host_device(**arrays) -> bool:
+    """True when every array is NumPy (reference path), False when none is; TypeError when mixed."""
+    host = {n: _is_host(a) for n, a in arrays.items()}
+    if all(host.values()):
+        return True
+    if any(host.values()):
+        first_dev = next(n for n, h in host.items() if not h)
+        bad = next(n for n, h in host.items() if h)
+        raise TypeError(f"{bad}: expected a GPU array like {first_dev} (NumPy and GPU inputs cannot be mixed), "
+                        f"got numpy.ndarray")
+    return False
+
+
+def _check_gpu_common(q, k, v, *others):
+    rt.check_same_device(q=q, k=k, v=v, **{f"cu_seqlens_{'qk'[i]}": a for i, a in enumerate(others)})
+
+
+def _clamp_window(left: int, right: int, max_q: int, max_k: int) -> tuple[int, int]:
+    # A bound that no sequence can reach is the same as no bound; this keeps the kernel's int math in range.
+    if left >= max_k:
+        left = -1
+    if right >= max_q:
+        right = -1
+    return left, right
+
+
+def _check_grid(B, Hq, max_q):
+    if -(-max(1, max_q) // 64) * B * Hq > MAX_CTAS:
+        raise ValueError(f"q: {B} sequences x {Hq} heads x {max_q} tokens need more than {MAX_CTAS} thread blocks")
+
+
+def _check_seqlen(name, n):
+    if n > MAX_SEQLEN:
+        raise ValueError(f"{name}: expected sequence lengths up to {MAX_SEQLEN}, got {n}")
+
+
+# ---------------------------------------------------------------------------------------------- launch
+class _Launch:
+    """Everything one kernel launch needs except the tile config (so the tuner can re-run it)."""
+
+    def __init__(self, q, k, v, o, lse, cu_q, cu_k, B, seqlen_q, seqlen_k, max_q, max_k, Hq, Hkv, D,
+                 scale, left, right, softcap, lse_stride_h):
+        self.q, self.o = q, o
+        self.B, self.max_q, self.max_k, self.Hq, self.Hkv, self.D = B, max_q, max_k, Hq, Hkv, D
+        self.head_dim = head_dim_bucket(D)
+        left, right = _clamp_window(left, right, max_q, max_k)
+        # The kernel needs scale_log2 > 0 (see the score transform in attention_fwd.cu).
+        if softcap > 0:
+            mode, scale_log2, pre = 1, softcap * _LOG2E, scale / softcap
+        elif scale < 0:
+            mode, scale_log2, pre = 2, -scale * _LOG2E, -1.0
+        elif scale == 0:
+            mode, scale_log2, pre = 2, 1.0, 0.0
+        else:
+            mode, scale_log2, pre = 0, scale * _LOG2E, 0.0
+        ptrs = [q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr]
+        self.vec = bool(D % 8 == 0 and all(p % 16 == 0 for p in ptrs))
+        self.masked = left >= 0 or right >= 0
+        null = np.uint64(0)
+        self.head_args = (q, k, v, o, null if lse is None else lse, null if cu_q is None else cu_q,
+                          null if cu_k is None else cu_k, np.int32(B), np.int32(seqlen_q), np.int32(seqlen_k),
+                          np.int32(Hq), np.int32(Hq // Hkv), np.int32(D))
+        self.tail_args = (np.float32(scale_log2), np.int32(mode), np.float32(pre), np.int32(left),
+                          np.int32(right), np.int64(Hq * D), np.int64(Hkv * D), np.int64(lse_stride_h))
+        # CTA order: sections of (b, h) pairs whose K and V (max_k keys each) fit in half of L2.
+        kv_bytes = 2 * max_k * D * q.dtype.itemsize
+        per_sec = max(1, _l2_bytes() // 2 // max(1, kv_bytes)) * (Hq // Hkv)
+        self.sect_heads = int(min(B * Hq, per_sec))
+
+    @classmethod
+    def dense(cls, q, k, v, *, scale, window, softcap, out, lse):
+        B, Sq, Hq, D = q.shape
+        Sk, Hkv = k.shape[1], k.shape[2]
+        return cls(q, k, v, out, lse, None, None, B, Sq, Sk, Sq, Sk, Hq, Hkv, D, scale, window[0], window[1],
+                   softcap, Sq)
+
+    def kernel(self, cfg):
+        opts = _EXTRA_OPTIONS.get(self.head_dim, ()) if isinstance(_EXTRA_OPTIONS, dict) else _EXTRA_OPTIONS
+        return rt.get_kernel(SOURCE, instance_name(self.q.dtype, self.head_dim, cfg, self.vec), tuple(opts))
+
+    def run(self, cfg):
+        if cfg["BLOCK_M"] % (16 * cfg["WARPS"]) != 0:
+            raise ValueError(f"attention config {cfg}: BLOCK_M must be a multiple of 16 * WARPS")
+        kern = self.kernel(cfg)
+        num_m = rt.cdiv(self.max_q, cfg["BLOCK_M"])
+        args = self.head_args + (np.int32(num_m), np.int32(self.sect_heads)) + self.tail_args
+        rt.launch(kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), args,
+                  shared_mem=smem_bytes(self.head_dim, cfg))
+
+    def pick(self, config=None):
+        if config is not None:
+            return dict(config)
+        if _autotune is None or not self.vec:
+            return default_config(self.head_dim, rt.device_arch())
+        shape = {"Sq": self.max_q, "Sk": self.max_k, "masked": int(self.masked)}
+        return _autotune.pick(_tunable_name(self.head_dim), shape, self.q.dtype, self.run)
+
+
+# NVRTC options (a tuple, or {HEAD_DIM: tuple}) for A/B experiments (bench/bench_attention.py --ab); empty in use
+_EXTRA_OPTIONS = ()
+_L2 = {}
+
+
+def _l2_bytes() -> int:
+    cp = rt.require_cupy()
+    dev = cp.cuda.Device().id
+    if dev not in _L2:
+        _L2[dev] = int(cp.cuda.Device(dev).attributes.get("L2CacheSize", 0)) or (40 << 20)
+    return _L2[dev]
+
+
+def _prepare_gpu(q, k, v):
+    q, k, v = rt.as_gpu_array(q, "q"), rt.as_gpu_array(k, "k"), rt.as_gpu_array(v, "v")
+    return q, k, v
+
+
+def _check_dense(q, k, v, *, causal, softmax_scale, window, softcap, return_lse):
+    """Every check of the GPU path that needs only .shape / .dtype (so it also runs on NumPy arrays, with no
+    GPU). Returns (shape, (left, right), scale, softcap, return_lse)."""
+    shape = ref.check_attention_args(q, k, v, window, softcap, causal=causal, softmax_scale=softmax_scale,
+                                     dtypes=_gpu_dtypes())
+    return_lse = ref.check_flag("return_lse", return_lse)
+    _check_seqlen("q", shape.Sq)
+    _check_seqlen("k", shape.Sk)
+    _check_grid(shape.B, shape.Hq, shape.Sq)
+    left, right = ref.effective_window(window, causal)
+    return (shape, (left, right), ref.effective_scale(softmax_scale, shape.D), ref.check_softcap(softcap),
+            return_lse)
+
+
+def _check_varlen(q, k, v, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, softcap,
+                  return_lse):
+    """The varlen counterpart of `_check_dense` (reads the offsets on the host)."""
+    shape = ref.check_varlen_args(q, k, v, cu_q, cu_k, window, softcap, max_seqlen_q=max_seqlen_q,
+                                  max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                  dtypes=_gpu_dtypes(), check_values=True)
+    return_lse = ref.check_flag("return_lse", return_lse)
+    _check_seqlen("cu_seqlens_q", shape.max_seqlen_q)
+    _check_seqlen("cu_seqlens_k", shape.max_seqlen_k)
+    _check_grid(shape.B, shape.Hq, shape.max_seqlen_q)
+    left, right = ref.effective_window(window, causal)
+    return (shape, (left, right), ref.effective_scale(softmax_scale, shape.D), ref.check_softcap(softcap),
+            return_lse)
+
+
+def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, out=None, lse_out=None,
+               config=None):
+    cp = rt.require_cupy()
+    q, k, v = _prepare_gpu(q, k, v)
+    shape, win, scale, softcap, return_lse = _check_dense(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                                          window=window, softcap=softcap, return_lse=return_lse)
+    _check_gpu_common(q, k, v)
+    B, Sq, Sk, Hq, Hkv, D = shape
+    with q.device:
+        q, k, v = rt.ensure_contiguous(q), rt.ensure_contiguous(k), rt.ensure_contiguous(v)
+        o = _check_out(out, q.shape, q.dtype, "out") if out is not None else cp.empty(q.shape, dtype=q.dtype)
+        lse = None
+        if return_lse:
+            lse = (_check_out(lse_out, (B, Hq, Sq), np.float32, "lse_out") if lse_out is not None
+                   else cp.empty((B, Hq, Sq), dtype=cp.float32))
+        launch = _Launch.dense(q, k, v, scale=scale, window=win, softcap=softcap, out=o, lse=lse)
+        launch.run(launch.pick(config))
+    return (o, lse) if return_lse else o
+
+
+def _check_out(buf, shape, dtype, name):
+    cp = rt.require_cupy()
+    if not isinstance(buf, cp.ndarray) or tuple(buf.shape) != tuple(shape) or buf.dtype != np.dtype(dtype) \
+            or not buf.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a contiguous CuPy array of shape {tuple(shape)} and dtype "
+                         f"{np.dtype(dtype)}, got {getattr(buf, 'shape', None)} {getattr(buf, 'dtype', None)}")
+    return buf
+
+
+def _varlen_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                window, softcap, return_lse, out=None, lse_out=None, config=None):
+    cp = rt.require_cupy()
+    q, k, v = _prepare_gpu(q, k, v)
+    cu_q = cu_seqlens_q if _is_host(cu_seqlens_q) else rt.as_gpu_array(cu_seqlens_q, "cu_seqlens_q")
+    cu_k = cu_seqlens_k if _is_host(cu_seqlens_k) else rt.as_gpu_array(cu_seqlens_k, "cu_seqlens_k")
+    shape, win, scale, softcap, return_lse = _check_varlen(
+        q, k, v, cu_q, cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+        softmax_scale=softmax_scale, window=window, softcap=softcap, return_lse=return_lse)
+    _check_gpu_common(q, k, v, *[a for a in (cu_q, cu_k) if not _is_host(a)])
+    with q.device:
+        q, k, v = rt.ensure_contiguous(q), rt.ensure_contiguous(k), rt.ensure_contiguous(v)
+        cu_q_d = cp.ascontiguousarray(cp.asarray(cu_q, dtype=cp.int32))
+        cu_k_d = cp.ascontiguousarray(cp.asarray(cu_k, dtype=cp.int32))
+        o = _check_out(out, q.shape, q.dtype, "out") if out is not None else cp.empty(q.shape, dtype=q.dtype)
+        lse = None
+        if return_lse:
+            lse = (_check_out(lse_out, (shape.Hq, shape.total_q), np.float32, "lse_out") if lse_out is not None
+                   else cp.empty((shape.Hq, shape.total_q), dtype=cp.float32))
+        max_q = max(1, shape.max_seqlen_q)
+        max_k = max(1, shape.max_seqlen_k)
+        launch = _Launch(q, k, v, o, lse, cu_q_d, cu_k_d, shape.B, 0, 0, max_q, max_k, shape.Hq, shape.Hkv,
+                         shape.D, scale, win[0], win[1], softcap, shape.total_q)
+        launch.run(launch.pick(config))
+    return (o, lse) if return_lse else o
+
+
+# ---------------------------------------------------------------------------------------------- public
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0,
+                    return_lse=False):
+    """Scaled dot-product attention, FlashAttention-2 style (SPEC section 3).
+
+    q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]; float16 or bfloat16 (NumPy inputs: also float32, via the
+    float64 reference); Hq % Hkv == 0 (query head h reads KV head h // (Hq // Hkv)); 1 <= D <= 256.
+    Scores are softmax_scale * q.k (default 1/sqrt(D)), then softcap * tanh(s / softcap) when softcap > 0.
+    Query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right, with (left, right) = window (-1 is
+    unbounded); causal=True sets right = 0 (bottom-right aligned). Softmax and accumulation in float32. A
+    query that sees no key gets output 0 and lse -inf.
+
+    Returns o [B, Sq, Hq, D] in q's dtype (a CuPy array for GPU inputs) and, with return_lse=True, also
+    lse float32 [B, Hq, Sq] (natural log of each row's softmax denominator).
+
+    >>> import cupy as cp
+    >>> q = cp.random.standard_normal((2, 1024, 8, 128)).astype(cp.float16)
+    >>> k = v = cp.random.standard_normal((2, 1024, 2, 128)).astype(cp.float16)
+    >>> o = flash_attention(q, k, v, causal=True)        # [2, 1024, 8, 128] float16
+    """
+    if _split_host_device(q=q, k=k, v=v):
+        return ref.flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                   softcap=softcap, return_lse=return_lse)
+    return _flash_gpu(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                      return_lse=return_lse)
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
+                           causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+    """`flash_attention` over packed sequences of different lengths.
+
+    q [total_q, Hq, D], k and v [total_k, Hkv, D]; sequence b holds q rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+    and k / v rows cu_seqlens_k[b]:cu_seqlens_k[b+1] (int32 [B + 1], starting at 0, non-decreasing, ending at
+    total_q / total_k; on the GPU or the host). Masks are per sequence (causal aligned bottom-right within each
+    sequence); a sequence with no keys gives output 0 and lse -inf. The offsets are read on the host to check
+    them (one device-to-host copy). max_seqlen_q / max_seqlen_k, when given, must be at least the longest
+    sequence.
+
+    Returns o [total_q, Hq, D] and, with return_lse=True, lse float32 [Hq, total_q].
+    """
+    if _split_host_device(q=q, k=k, v=v):
+        if not (_is_host(cu_seqlens_q) and _is_host(cu_seqlens_k)):
+            raise TypeError("cu_seqlens_q: expected NumPy offsets with NumPy q, k, v (NumPy and GPU inputs "
+                            f"cannot be mixed), got {type(cu_seqlens_q).__name__} / {type(cu_seqlens_k).__name__}")
+        return ref.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                          max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                          window=window, softcap=softcap, return_lse=return_lse)
+    return _varlen_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                       causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                       return_lse=return_lse)
+
+
+# ---------------------------------------------------------------------------------------------- selftest
+def _rel_err(x, ref64):
+    x = np.asarray(x, dtype=np.float64)
+    den = np.linalg.norm(ref64)
+    return float(np.linalg.norm(x - ref64) / den) if den > 0 else float(np.linalg.norm(x))
+
+
+def _peer_attention(q, k, v, causal, scale):
+    """CuPy matmul-softmax-matmul with float32 softmax (the plain path this kernel replaces)."""
+    cp = rt.require_cupy()
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    qt = q.transpose(0, 2, 1, 3).astype(cp.float32)
+    kt = cp.repeat(k.transpose(0, 2, 1, 3), g, axis=1).astype(cp.float32)
+    vt = cp.repeat(v.transpose(0, 2, 1, 3), g, axis=1).astype(cp.float32)
+    s = cp.matmul(qt, kt.transpose(0, 1, 3, 2)) * scale
+    if causal:
+        i = cp.arange(Sq)[:, None] + (Sk - Sq)
+        s = cp.where(cp.arange(Sk)[None, :] <= i, s, -cp.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    p = cp.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return cp.matmul(p, vt).astype(q.dtype).transpose(0, 2, 1, 3)
+
+
+def _selftest_case(B, S, Hq, Hkv, D, dtype, causal):
+    def case():
+        import ml_dtypes
+        cp = rt.require_cupy()
+        dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+        rng = np.random.default_rng(1234)
+        qh = rng.standard_normal((B, S, Hq, D)).astype(dt)
+        kh = rng.standard_normal((B, S, Hkv, D)).astype(dt)
+        vh = rng.standard_normal((B, S, Hkv, D)).astype(dt)
+        q, k, v = cp.asarray(qh), cp.asarray(kh), cp.asarray(vh)
+        o = flash_attention(q, k, v, causal=causal)
+        o64 = ref.flash_attention(qh.astype(np.float32), kh.astype(np.float32), vh.astype(np.float32),
+                                  causal=causal)
+        low = ref.sdpa_lowp(qh, kh, vh, causal=causal)
+        err = _rel_err(cp.asnumpy(o).astype(np.float32), o64.astype(np.float64))
+        base = _rel_err(low.astype(np.float32), o64.astype(np.float64))
+        cap = 2e-3 if dtype == "float16" else 1e-2
+        bound = min(2 * base, cap) if base > 0 else cap
+        ms = rt.time_ms(lambda: flash_attention(q, k, v, causal=causal), warmup=3, rep=10)
+        peer_ms = None
+        try:
+            scale = 1.0 / math.sqrt(D)
+            peer_ms = rt.time_ms(lambda: _peer_attention(q, k, v, causal, scale), warmup=1, rep=3)
+        except Exception:
+            pass
+        flops = 4.0 * B * Hq * S * S * D / (2 if causal else 1)
+        return {"op": "flash_attention", "shape": f"B{B} S{S} H{Hq}/{Hkv} D{D} {dtype}{' causal' if causal else ''} "
+                f"({flops / ms / 1e9:.0f} TFLOP/s)", "error": err, "bound": bound, "ok": bool(err <= bound),
+                "time_ms": ms, "peer": "cupy matmul-softmax-matmul" if peer_ms else None, "peer_ms": peer_ms}
+    case.__qualname__ = f"flash_attention[D{D},{dtype},{'causal' if causal else 'full'}]"
+    return case
+
+
+def selftest_cases() -> list:
+    """Selftest rows: real sizes, error against the float64 reference (computed on the host), time against
+    the CuPy matmul-softmax-matmul peer."""
+    return [_selftest_case(1, 2048, 8, 2, 128, "float16", True),
+            _selftest_case(1, 2048, 8, 8, 64, "bfloat16", False),
+            _selftest_case(1, 1024, 4, 1, 256, "float16", False)]
