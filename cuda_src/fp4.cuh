@@ -36,6 +36,35 @@ __device__ __forceinline__ unsigned e2m1_encode(float x) {
     return e2m1_encode_mag(fabsf(x)) | ((__float_as_uint(x) >> 28) & 8u);
 }
 
+// Branch-free E2M1 magnitude codes for the quantize kernels (same rounding as e2m1_encode_mag).
+//
+// e2m1_code_biased(a), a >= 0 any float: returns code + E2M1_CODE_BIAS. Codes >= 2 come from the bits as
+// above; min(a, 1) + 2^22 rounds to the 0.5 grid (ties to even) in one addition, giving bits
+// E2M1_CODE_BIAS + {0, 1, 2}, and the larger of the two is the code (the bit formula is <= that below 1,
+// and >= 2 = the addition's code from 1 up). Packing sum(code_i << 4i) subtracts
+// E2M1_CODE_BIAS * 0x11111111 once per 8 codes (mod 2^32). Checked exhaustively on [0, 8].
+constexpr unsigned E2M1_CODE_BIAS = 0x4A800000u;  // bits of 2^22
+__device__ __forceinline__ unsigned e2m1_code_biased(float a) {
+    const unsigned b = __float_as_uint(fminf(a, 6.0f));
+    const unsigned hi = ((b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22) + (E2M1_CODE_BIAS - 252u);
+    const unsigned lo = __float_as_uint(fminf(a, 1.0f) + 0x1p22f);
+    return max(hi, lo);
+}
+
+// e2m1_code_sub(y) with y = a * 2^-126: E2M1's subnormal step 0.5 then lands on float32's subnormal grid,
+// so one round-to-nearest-even of the bits at bit 22 gives all 8 codes. Exact whenever y was formed
+// without rounding near a tie, e.g. a = x * 2^-e for a float16/bfloat16 x (11 or 8 significant bits) and
+// any e <= 23 (2^(-e-126) must be a float); not for float32 x (the scaling would round twice).
+__device__ __forceinline__ unsigned e2m1_code_sub(float y) {
+    const unsigned b = __float_as_uint(fminf(y, 0x1.8p-124f));  // saturate at 6 * 2^-126
+    return (b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22;
+}
+
+// 2^(-e-126) for e in [-127, 23] (the e2m1_code_sub scale), built from bits.
+__device__ __forceinline__ float e2m1_sub_scale(int e) {
+    return e <= 0 ? __int_as_float((1 - e) << 23) : __int_as_float(1 << (23 - e));
+}
+
 __device__ __forceinline__ float e2m1_decode(unsigned c) {
     // magnitude from a packed table of the 8 values in units of 0.5: 0,1,2,3,4,6,8,12
     const unsigned long long tab = 0x0C08060403020100ull;
@@ -65,6 +94,19 @@ __device__ __forceinline__ unsigned e4m3_encode_pos(float x) {
     if (x < 0.015625f) return (unsigned)rintf(x * 512.0f);
     unsigned b = __float_as_uint(x);
     return ((b + 0x7FFFFu + ((b >> 20) & 1u)) >> 20) - (120u << 3);
+}
+
+// e4m3_encode_pos and e4m3_decode in one rounding, for x already clamped to [2^-9, 448]: returns the code
+// and sets `value` to its E4M3 value. Normal range: the rounded bits with the 20 dropped bits cleared are
+// the value. Below 2^-6: x + 2^14 rounds to the 2^-9 grid (ties to even) in one addition. Checked
+// exhaustively against e4m3_encode_pos on the whole clamped range.
+__device__ __forceinline__ unsigned e4m3_round_pos(float x, float& value) {
+    const unsigned b = __float_as_uint(x);
+    const unsigned rb = b + 0x7FFFFu + ((b >> 20) & 1u);
+    const float u = x + 16384.0f;
+    const bool sub = x < 0.015625f;
+    value = sub ? u - 16384.0f : __uint_as_float(rb & 0xFFF00000u);
+    return sub ? __float_as_uint(u) - 0x46800000u : (rb >> 20) - (120u << 3);
 }
 
 // floor(log2(a)) for a finite a > 0, denormals included.

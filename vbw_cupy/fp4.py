@@ -165,19 +165,42 @@ def _quantize_gpu(x, fmt, gs):
     return FP4Tensor(data, scales, gs, fmt, x.shape)
 
 
+_Q_MX_CTAS_PER_SM = 3  # mxfp4_quantize: one resident wave (__launch_bounds__(256, 3)), grid-stride with prefetch
+_Q_MAX_UNITS = 1 << 30  # the kernels number 16-element units in 32 bits: larger tensors go in row chunks
+
+
+def _quantize_grid(fmt: str, units: int, itemsize: int) -> int:
+    """CTAs for `units` 16-element units. A thread step reads 64 bytes (2 units of a 16-bit type, 1 of float32).
+    MXFP4: one resident wave, every thread the same number of steps. NVFP4: one step per thread."""
+    steps = rt.cdiv(units, 64 // itemsize // 16)
+    if fmt == "nvfp4":
+        return max(1, rt.cdiv(steps, _THREADS))
+    iters = rt.cdiv(steps, rt.num_sms() * _Q_MX_CTAS_PER_SM * _THREADS)
+    return max(1, rt.cdiv(steps, iters * _THREADS))
+
+
 def _launch_quantize(x, data, scales, fmt, gs=None, flag=None):
     """The quantize kernel alone, into preallocated outputs (the benchmark times this too)."""
     block = FORMATS[fmt]
     K = x.shape[-1]
     R = x.size // K
     Kp = rt.cdiv(K, block) * block
-    flat = "true" if K % block == 0 else "false"
-    # quantize loops grid-stride over 16-element groups: a few waves of CTAs are enough
-    grid = (min(rt.cdiv(R * (Kp // 16), _THREADS), rt.num_sms() * 8),)
-    args = (x, data, scales, np.int64(R), np.int64(K), np.int64(Kp))
-    if fmt == "nvfp4":
-        args += (np.float32(gs), flag)
-    rt.launch(rt.get_kernel(_SOURCE, f"{fmt}_quantize<{rt.ctype(x.dtype)}, {flat}>"), grid, (_THREADS,), args)
+    upr = Kp // 16  # 16-element units per row
+    kern = rt.get_kernel(_SOURCE, f"{fmt}_quantize<{rt.ctype(x.dtype)}, {'true' if K % block == 0 else 'false'}>")
+    extra = (np.float32(gs), flag) if fmt == "nvfp4" else ()
+    if R * upr <= _Q_MAX_UNITS:
+        grid = (_quantize_grid(fmt, R * upr, x.dtype.itemsize),)
+        rt.launch(kern, grid, (_THREADS,), (x, data, scales, np.int64(R), np.int64(K), np.int64(Kp)) + extra)
+        return
+    if upr > _Q_MAX_UNITS:
+        raise ValueError(f"x: rows of {K} elements are too long for the quantize kernels")
+    rows = max(2, _Q_MAX_UNITS // upr // 2 * 2)  # even, so chunks keep the 16-byte store alignment
+    x, data, scales = x.reshape(R, K), data.reshape(R, Kp // 2), scales.reshape(R, Kp // block)
+    for r0 in range(0, R, rows):
+        n = min(rows, R - r0)
+        grid = (_quantize_grid(fmt, n * upr, x.dtype.itemsize),)
+        rt.launch(kern, grid, (_THREADS,), (x[r0:r0 + n], data[r0:r0 + n], scales[r0:r0 + n], np.int64(n),
+                                            np.int64(K), np.int64(Kp)) + extra)
 
 
 def _global_scale_gpu(x) -> np.float32:
