@@ -35,8 +35,19 @@
 //   m, most KV tiles under a causal mask) of all its heads go first. Output goes registers -> shared (Q's
 //   buffer) -> 16-byte coalesced stores.
 //
-// History (H100 80GB HBM3, TFLOP/s = 4 B H S^2 D / t, halved for causal; ratio vs torch SDPA FLASH same run):
-//   v1: this design, see vbw_cupy/attention.py for the per-head-dim tiles. (measurements below)
+// History. Lent H200 (1980 MHz), CuPy 14.2 / NVRTC 13.0, torch 2.11; TFLOP/s = 4 B H S^2 D / t (halved when
+// causal), B*S = 32768 tokens, H*D = 2048; ratio = our TFLOP/s / torch SDPA FLASH (FlashAttention-2) in the same
+// run. Run-to-run noise on this machine is 5-10% (FLASH's own back-to-back timings differed by up to 11%).
+//   v1: FA2 pipeline (STAGES = 1), reversed Q-tile order per head, 3-D grid. D=64 128x64 Q in registers:
+//       0.86-1.00x (S=1024..16384); D=128 128x64: 0.83-0.97x (326 vs 353 TFLOP/s at S=4096).
+//   v2: + STAGES = 2 (one barrier per KV tile) + L2-sized head sections, longest Q tiles first. D=64 128x128
+//       2-stage: 284 / 323 / 320 TFLOP/s at S=1024 / 4096 / 16384 (1.01-1.05x; causal 1.01-1.13x) in one run.
+//       D=128: 2-stage 128x64 spilled 56 B (-9%); best 128x64 1-stage 0.84-0.95x.
+//   v3: register trimming (per-CTA state recomputed in the mask branch and the epilogue, one ldmatrix lane
+//       address for Q/K/V, volatile thread index in the loaders) so 2-stage D=64/128 do not spill; exp fused
+//       into the P V k-loop. A/B in one run, fp16, geomean over S=1024..16384 of ratio vs FLASH: D=64 0.93
+//       (128x128 2-stage, no spill) / 0.97 (1-stage, 16 B spill); D=128 0.86 (128x64 2-stage) / 0.91
+//       (1-stage, 24 B spill). Not yet at FLASH for D=128: the next step is the sm_90a wgmma path.
 #include "mma.cuh"
 
 namespace vbw_attn {
@@ -48,14 +59,11 @@ constexpr int PAD = 8;  // elements of padding per shared-memory row (16 bytes)
 template <int ROWS, int HEAD_DIM, int NT, bool VEC, typename T>
 __device__ __forceinline__ void load_tile(T* s, const T* g, long long row_stride, int rows_valid, int d,
                                           int tid_arg) {
-#ifdef VBW_ATTN_TID_VOLATILE
-  // Re-read the thread index (volatile) so the per-thread offsets are recomputed at each call instead of being
-  // hoisted out of the KV loop into registers (an experiment; see the history in the header).
+  // The thread index is re-read (volatile) so the per-thread offsets below are recomputed at each call (a few
+  // integer ops) instead of being hoisted out of the KV loop into registers that the accumulators need.
+  (void)tid_arg;
   int tid;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-#else
-  const int tid = tid_arg;
-#endif
   // Thread tid owns 16-byte column chunk tid % CPR of rows tid / CPR, tid / CPR + RPI, ... (when CPR does not
   // divide NT the last NT % CPR threads idle). One pointer per thread, advanced by a constant: no per-chunk
   // 64-bit address math for the compiler to hoist out of the KV loop into registers.
@@ -77,11 +85,7 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, long long row_stride
     for (int i = 0; i < ITERS; ++i) {
       if ((ROWS % RPI) != 0 && r0 + i * RPI >= ROWS) break;
       const bool ok = col_ok && r0 + i * RPI < rows_valid;
-#ifdef VBW_ATTN_SEL
-      vbw::cp_async_16(dst_a + 2 * i * RPI * LDS, ok ? src : g, ok);
-#else
       vbw::cp_async_16(dst_a + 2 * i * RPI * LDS, src, ok);  // src-size 0 reads nothing when !ok
-#endif
       src += step;
     }
   } else {
@@ -355,8 +359,9 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
       // Online softmax (exp2, scale folded into one FFMA). The rescale of O is skipped when no row max moved
       // (corr == 1 exactly for the whole warp), which is most tiles once the running max has settled.
+      float msc[MT][2];
       {
-        float corr[MT][2], msc[MT][2];
+        float corr[MT][2];
         bool moved = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -383,19 +388,7 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {
-            float sum = row_sum[mt][hf] * corr[mt][hf];
-            const float ms = msc[mt][hf];
-#pragma unroll
-            for (int j = 0; j < NN; ++j) {
-              const float p0 = fast_exp2(fmaf(s[mt][j][2 * hf], scale_log2, -ms));
-              const float p1 = fast_exp2(fmaf(s[mt][j][2 * hf + 1], scale_log2, -ms));
-              s[mt][j][2 * hf] = p0;
-              s[mt][j][2 * hf + 1] = p1;
-              sum += p0 + p1;
-            }
-            row_sum[mt][hf] = sum;
-          }
+          for (int hf = 0; hf < 2; ++hf) row_sum[mt][hf] *= corr[mt][hf];
       }
 
       if constexpr (STAGES == 1) {
@@ -412,6 +405,17 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 #pragma unroll
       for (int t = 0; t < KN; ++t) {
         vbw::u32 pa[MT][4];
+        // p = 2^(s scale log2e - m scale log2e) for this k-step's 16 keys right before their mmas, so the EX2s of
+        // step t + 1 overlap the mmas of step t; the row sums stay per-thread partial sums.
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int j = 2 * t; j < 2 * t + 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              s[mt][j][e] = fast_exp2(fmaf(s[mt][j][e], scale_log2, -msc[mt][e >> 1]));
+              row_sum[mt][e >> 1] += s[mt][j][e];
+            }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           pa[mt][0] = pack2<T>(s[mt][2 * t][0], s[mt][2 * t][1]);
