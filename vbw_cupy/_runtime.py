@@ -324,9 +324,16 @@ def time_ms(fn, warmup: int = 3, rep: int = 20, inner: int = 1) -> float:
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written, for a copy that
+    moves `nbytes` in all (at least 256 MB, so the copy cannot run from the L2 cache)."""
     cp = require_cupy()
-    a = cp.empty(nbytes // 2, dtype=cp.uint8)
+    a = cp.empty(max(nbytes, 256 << 20) // 2, dtype=cp.uint8)
     b = cp.empty_like(a)
     ms = time_ms(lambda: b.__setitem__(Ellipsis, a), warmup=2, rep=10, inner=10)
     return 2 * a.nbytes / ms / 1e6
+
+
+def copy_time_ms(nbytes: int) -> float:
+    """What moving `nbytes` (read + written) costs at the device's copy bandwidth: the peer of a
+    memory-bound kernel in the self-check."""
+    return nbytes / copy_bandwidth_gbs(nbytes) / 1e6
