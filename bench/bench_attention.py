@@ -17,7 +17,6 @@ import argparse
 import math
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -288,43 +287,16 @@ def ab(rep=10, out=sys.stdout):
     return best
 
 
-def _compile_one(args):
-    name, arch, opts = args
+def precompile(ab_variants=False):
+    """Compile every instance of vbw_cupy.attention (and, with ab_variants, the A/B code variants) for this
+    device in parallel into the disk cache, so tests and benchmarks do not pay NVRTC time one at a time."""
     from vbw_cupy import attention as A
-    t = time.perf_counter()
-    try:
-        cubin, lowered = rt.compile_cubin(A.SOURCE, [name], arch, opts)
-        d = rt.cache_dir() / "kernels"
-        d.mkdir(parents=True, exist_ok=True)
-        key = rt._disk_key(A.SOURCE, name, arch, opts)
-        rt._atomic_write(d / f"{key}.cubin", cubin)
-        rt._atomic_write(d / f"{key}.name", lowered[name].encode())
-        return name, time.perf_counter() - t, None
-    except Exception as e:  # noqa: BLE001
-        return name, time.perf_counter() - t, f"{type(e).__name__}: {e}"[:500]
-
-
-def precompile(jobs=None, ab_variants=False):
-    """Compile every instance of vbw_cupy.attention for this device in parallel, into the disk cache that
-    rt.get_kernel reads (so tests and benchmarks do not pay NVRTC time one instance at a time)."""
-    import multiprocessing as mp
-    from vbw_cupy import attention as A
-    arch = rt.device_arch()
-    jobs_list = [(n, arch, ()) for _, n in A.kernel_instances()]
+    bad = rt.precompile(A.kernel_instances())
     if ab_variants:
         for opts in AB_VARIANTS.values():
-            for D, cfgs in AB_CONFIGS.items():
-                for c in cfgs:
-                    n = A.instance_name("float16", D, _ab_cfg(c), True)
-                    if (n, arch, opts) not in jobs_list:
-                        jobs_list.append((n, arch, opts))
-    names = [j[0] for j in jobs_list]
-    t = time.perf_counter()
-    with mp.get_context("spawn").Pool(jobs or min(16, os.cpu_count() or 1)) as pool:
-        res = pool.map(_compile_one, jobs_list)
-    bad = [r for r in res if r[2]]
-    print(f"precompiled {len(names) - len(bad)}/{len(names)} instances for sm_{arch} in "
-          f"{time.perf_counter() - t:.1f}s" + "".join(f"\n  FAILED {n}: {e}" for n, _, e in bad), flush=True)
+            names = {(A.SOURCE, A.instance_name("float16", D, _ab_cfg(c), True))
+                     for D, cfgs in AB_CONFIGS.items() for c in cfgs}
+            bad += rt.precompile(sorted(names), extra_options=opts)
     return not bad
 
 

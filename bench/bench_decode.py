@@ -138,7 +138,6 @@ class Case:
         """flash_attention with Sq = 1 on a contiguous cache (None when unavailable or too large)."""
         if importlib.util.find_spec("vbw_cupy.attention") is None or self.kv_bytes > (4 << 30):
             return None
-        import cupy as cp
         from vbw_cupy import attention
         if not hasattr(attention, "flash_attention"):
             return None
@@ -233,23 +232,11 @@ if pytest is not None:
             cp.get_default_memory_pool().free_all_blocks()
 
 
-def _compile_one(name):
-    from vbw_cupy import _runtime as rt_
-    t = time.time()
-    rt_.get_kernel(paged._SOURCE, name)
-    return name, time.time() - t
-
-
-def precompile(workers=8):
-    """Compile every paged_attention instance into the disk cache, in parallel processes."""
-    import multiprocessing as mp
-    names = [n for _, n in paged.kernel_instances()]
-    names += [paged._kernel_name("__half", 128, w, s) for (w, s) in paged._EXPLORE_CONFIGS]
-    t0 = time.time()
-    with mp.get_context("spawn").Pool(workers) as pool:
-        done = pool.map(_compile_one, names)
-    print(f"precompiled {len(done)} instances in {time.time() - t0:.1f}s "
-          f"(slowest {max(t for _, t in done):.1f}s)", flush=True)
+def precompile():
+    """Compile every paged_attention instance (and the sweep's extra configs) into the disk cache, in parallel."""
+    names = list(paged.kernel_instances())
+    names += [(paged._SOURCE, paged._kernel_name("__half", 128, w, s)) for (w, s) in paged._EXPLORE_CONFIGS]
+    rt.precompile(names)
 
 
 SWEEP_CASES = (((1, 32768, (32, 8), 16), (0, 24, 32, 40, 48, 56, 64)),

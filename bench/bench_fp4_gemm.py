@@ -17,7 +17,6 @@ import pytest
 
 cp = pytest.importorskip("cupy") if __name__ != "__main__" else __import__("cupy")
 
-from vbw_cupy import _runtime as rt  # noqa: E402
 from vbw_cupy import gemm  # noqa: E402
 from vbw_cupy.fp4 import dequantize, quantize  # noqa: E402
 

@@ -7,7 +7,6 @@ element fails. CPU tests check the argument errors (raised before any launch, al
 dispatch to the reference and the tile tables.
 """
 import json
-import math
 import os
 import subprocess
 import sys
@@ -213,7 +212,6 @@ def test_public_api_and_dlpack():
 
 @gpu
 def test_default_instances_do_not_spill():
-    cp = pytest.importorskip("cupy")
     arch = rt.device_arch()
     for hd in A.HEAD_DIMS:
         cfg = A.default_config(hd, arch)

@@ -5,7 +5,6 @@ import pytest
 
 import vbw_cupy as vc
 from vbw_cupy import reference as ref
-from vbw_cupy import _runtime as rt
 
 BF16 = ml_dtypes.bfloat16
 DTYPES = [np.float16, BF16, np.float32]

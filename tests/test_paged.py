@@ -15,7 +15,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from vbw_cupy import _runtime as rt
 from vbw_cupy import paged
 from vbw_cupy import reference as ref
 

@@ -20,6 +20,7 @@ import os
 import pathlib
 import tempfile
 import threading
+import time
 
 import numpy as np
 
@@ -196,25 +197,58 @@ def get_kernel(filename: str, name: str, extra_options: tuple[str, ...] = ()):
         fn = _modules.get(key)
         if fn is not None:
             return fn
-        arch = device_arch(dev)
-        dkey = _disk_key(filename, name, arch, extra_options)
-        d = cache_dir() / "kernels"
-        cubin_path, name_path = d / f"{dkey}.cubin", d / f"{dkey}.name"
-        if cubin_path.is_file() and name_path.is_file():
-            lowered = name_path.read_text()
-        else:
-            cubin, lowered_map = compile_cubin(filename, [name], arch, extra_options)
-            lowered = lowered_map[name]
-            try:
-                d.mkdir(parents=True, exist_ok=True)
-                _atomic_write(cubin_path, cubin)
-                _atomic_write(name_path, lowered.encode())
-            except OSError:  # a read-only home still works, just without the disk cache
-                pass
-        mod = cp.RawModule(path=str(cubin_path)) if cubin_path.is_file() else _module_from_bytes(cubin)
+        cubin, lowered = _cached_cubin(filename, name, device_arch(dev), tuple(extra_options))
+        mod = cp.RawModule(path=str(cubin)) if isinstance(cubin, pathlib.Path) else _module_from_bytes(cubin)
         fn = mod.get_function(lowered)
         _modules[key] = fn
         return fn
+
+
+def _cached_cubin(filename, name, arch, extra_options):
+    """(path of the cached cubin, or its bytes where the cache cannot be written; lowered name)."""
+    dkey = _disk_key(filename, name, arch, extra_options)
+    d = cache_dir() / "kernels"
+    cubin_path, name_path = d / f"{dkey}.cubin", d / f"{dkey}.name"
+    if cubin_path.is_file() and name_path.is_file():
+        return cubin_path, name_path.read_text()
+    cubin, lowered_map = compile_cubin(filename, [name], arch, extra_options)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        _atomic_write(cubin_path, cubin)
+        _atomic_write(name_path, lowered_map[name].encode())
+    except OSError:  # a read-only home still works, just without the disk cache
+        return cubin, lowered_map[name]
+    return cubin_path, lowered_map[name]
+
+
+def _precompile_one(job):
+    filename, name, arch, extra = job
+    t0 = time.perf_counter()
+    try:
+        _cached_cubin(filename, name, arch, extra)
+        return name, time.perf_counter() - t0, None
+    except Exception as e:  # reported by precompile(), never fatal there
+        return name, time.perf_counter() - t0, f"{type(e).__name__}: {str(e)[:2000]}"
+
+
+def precompile(instances, arch: int | None = None, extra_options: tuple[str, ...] = (), workers: int | None = None,
+               progress: bool = True) -> list[tuple[str, str]]:
+    """Compile (filename, instance) pairs into the disk cache in parallel processes, so later
+    get_kernel calls load instead of compiling one at a time. Returns [(instance, error)] for failures.
+    Needs no GPU when `arch` is given."""
+    import multiprocessing as mp
+    arch = device_arch() if arch is None else arch
+    jobs = sorted({(f, n, arch, tuple(extra_options)) for f, n in instances})
+    t0 = time.perf_counter()
+    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs), 16))
+    with mp.get_context("spawn").Pool(workers) as pool:
+        res = pool.map(_precompile_one, jobs)
+    bad = [(n, e) for n, _, e in res if e]
+    if progress:
+        print(f"precompiled {len(jobs) - len(bad)}/{len(jobs)} kernel instances for sm_{arch} in "
+              f"{time.perf_counter() - t0:.1f} s ({workers} processes)" +
+              "".join(f"\n  FAILED {n}: {e}" for n, e in bad), flush=True)
+    return bad
 
 
 def _module_from_bytes(cubin: bytes):

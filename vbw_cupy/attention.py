@@ -18,7 +18,6 @@ non-contiguous inputs.
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 
