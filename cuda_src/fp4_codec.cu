@@ -20,7 +20,8 @@
 // Denormals: compiled without -ftz (see _runtime.py), so float32 denormal inputs and the 2^-127
 // MXFP4 scale are exact, as the reference requires.
 //
-// History (H100, 64M fp16 elements, % of the device-to-device copy bandwidth in the same run):
+// History (all on an H200: no H100 was lent; 8192x8192 inputs; % of the device-to-device copy bandwidth
+// in the same run, read + written bytes):
 //   v1 (H200): 8 elements per thread, 64-bit row division, ldexpf: quantize 23-50%, dequantize 56-70%.
 //   v2 (H200): FLAT path without division, exp2 by bits, 16 elements per dequantize thread:
 //       MXFP4 quantize 42-66%, NVFP4 24-37% (instruction-bound: ~530 Gelem/s whatever the dtype),
@@ -43,6 +44,11 @@
 //       fp32 89 -> 82; NVFP4 fp16 84 -> 65, bf16 85 -> 66, fp32 90 -> 84 (copy 3.3-3.75 TB/s that run:
 //       MXFP4 95-99%, NVFP4 77-79% 16-bit, 97% fp32). Without prefetch MXFP4 took 56 us (warps load and
 //       compute in lockstep); with prefetch NVFP4 took 69 us (80 registers, 3 CTAs/SM).
+//   v6, bench/gpu_check.sh (10 back-to-back launches between events, copy timed the same way, 3.7-3.96 TB/s):
+//       quantize MXFP4 101% fp16, 96% bf16, 102% fp32; NVFP4 78% / 78% / 98%; dequantize 86-95%.
+//       With global_scale=None the public NVFP4 call was 0.21 ms (22% of copy): the abs_max pass did a
+//       float max per element and was compute-bound like v1.
+//   v7: abs_max on raw bits with the quantize kernels' amax_bits (integer max on packed lanes).
 //       bench_fp4_codec.py (its events also time the Python launch, ~5-10 us), run with prefetch in
 //       both: quantize MXFP4 87% fp16, 84% bf16, 93% fp32; NVFP4 67% / 64% / 92%; dequantize 75-88%.
 //       The committed NVFP4 (no prefetch, a step per thread) was timed by direct launch only. 99 GPU
@@ -339,28 +345,21 @@ __global__ void __launch_bounds__(256, 4) nvfp4_quantize(const T* __restrict__ x
     });
 }
 
-// Tensor amax for the NVFP4 global scale: max of |x| as float bits (order-preserving for x >= 0;
-// NaN's bits exceed Inf's, so a NaN anywhere makes the result NaN and the caller raises).
+// Tensor amax for the NVFP4 global scale, as float32 bits of max |x| (order-preserving for x >= 0; NaN's
+// bits exceed Inf's, so a NaN anywhere makes the result NaN and the caller raises). Integer maxima on the
+// raw (packed) bits, as in the quantize kernels: a float max per element made this pass compute-bound.
 template <typename T>
 __global__ void __launch_bounds__(256) abs_max(const T* __restrict__ x, long long n, unsigned* __restrict__ out) {
-    float m = 0.0f;
-    bool nan = false;
-    long long stride = (long long)gridDim.x * blockDim.x;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    // 8 elements a step when the base is 16 B aligned (CuPy allocations are), scalar tail.
-    long long n8 = n / 8;
-    for (long long j = i; j < n8; j += stride) {
-        float f[8];
-        load8<T, true>(x + j * 8, 0, 8, f);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) { nan |= isnan(f[q]); m = fmaxf(m, fabsf(f[q])); }
+    constexpr int PER = 16 / sizeof(T);  // elements per 16-byte load (the base is 16 B aligned)
+    const long long stride = (long long)gridDim.x * blockDim.x, nv = n / PER;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned b = 0;
+    for (long long j = i; j < nv; j += stride) {
+        uint4 v = __ldg(reinterpret_cast<const uint4*>(x) + j);
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+        b = max(b, amax_bits<T>(w, 4));
     }
-    for (long long j = n8 * 8 + i; j < n; j += stride) {
-        float f = to_float(x[j]);
-        nan |= isnan(f);
-        m = fmaxf(m, fabsf(f));
-    }
-    unsigned b = nan ? 0x7fc00000u : __float_as_uint(m);
+    for (long long j = nv * PER + i; j < n; j += stride) b = max(b, __float_as_uint(fabsf(to_float(x[j]))));
 #pragma unroll
     for (int o = 16; o; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
     if ((threadIdx.x & 31) == 0) atomicMax(out, b);

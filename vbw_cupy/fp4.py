@@ -207,7 +207,7 @@ def _global_scale_gpu(x) -> np.float32:
     cp = rt.require_cupy()
     out = cp.zeros(1, dtype=cp.uint32)
     n = x.size
-    grid = (max(1, min(rt.cdiv(n // 8 + 1, _THREADS), rt.num_sms() * 8)),)
+    grid = (max(1, min(rt.cdiv(n * x.itemsize // 16 + 1, _THREADS), rt.num_sms() * 8)),)
     rt.launch(rt.get_kernel(_SOURCE, f"abs_max<{rt.ctype(x.dtype)}>"), grid, (_THREADS,), (x, np.int64(n), out))
     amax = out.get().view(np.float32)[0]
     if not np.isfinite(amax):
