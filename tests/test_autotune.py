@@ -403,3 +403,20 @@ def test_gpu_unlaunchable_candidate_is_unusable_not_a_crash(tmp_path, monkeypatc
         cp.testing.assert_allclose(y, 2.0 * x + 1.0, rtol=1e-6)
     finally:
         at._registry.pop("autotune_probe_bad", None)
+
+
+def test_cached_config_this_version_does_not_declare_is_retuned(env):
+    shape = {"M": 256, "K": 64}
+    at.pick("t_fake", shape, "float16", noop)
+    path = at.cache_path()
+    data = json.loads(path.read_text())
+    (key, entry), = data["entries"].items()
+    entry["config"] = {"BM": 999, "W": 4}  # e.g. a tile removed from the candidate table since it was tuned
+    path.write_text(json.dumps(data))
+    at.reset()
+    env.calls.clear()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cfg = at.pick("t_fake", shape, "float16", noop)
+    assert cfg in CANDS and cfg == {"BM": 64, "W": 4} and env.calls  # re-tuned, not handed the stale tile
+    assert sum("does not declare it" in str(x.message) for x in w) == 1

@@ -37,9 +37,9 @@ def test_precompile_fills_the_disk_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("VBW_CUPY_CACHE_DIR", str(tmp_path))
     some = [(f, n) for f, n in INSTANCES if f == "fp4_codec.cu"][:3]
     assert rt.precompile(some, arch=80, workers=2, progress=False) == []
-    cached = sorted(p.name for p in (tmp_path / "kernels").iterdir())
-    assert len(cached) == 2 * len(some)  # a cubin and its lowered name per instance
+    stamp = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "kernels").iterdir()}
+    assert len(stamp) == 2 * len(some)  # a cubin and its lowered name per instance
     assert rt.precompile(some, arch=80, workers=2, progress=False) == []  # second time: all cache hits
-    assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == cached
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "kernels").iterdir()} == stamp  # nothing rewritten
     bad = rt.precompile([("fp4_codec.cu", "no_such_kernel<int>")], arch=80, workers=1, progress=False)
     assert len(bad) == 1 and "no_such_kernel" in bad[0][1]

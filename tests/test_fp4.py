@@ -124,7 +124,13 @@ def test_signed_zero():
     (lambda: vc.quantize(np.array([[1.0, np.nan]], np.float32), "nvfp4"), ValueError, "NaN or Inf"),
     (lambda: vc.quantize(np.array([[1.0, np.inf]], np.float32), "nvfp4", 1.0), ValueError, "NaN or Inf"),
     (lambda: vc.quantize([[1.0, 2.0]]), TypeError, "array"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), ["nvfp4"]), ValueError, "format"),
     (lambda: vc.dequantize(np.ones(4)), TypeError, "FP4Tensor"),
+    (lambda: vc.dequantize(vc.quantize(np.ones((1, 4), np.float32)), "nonsense"), TypeError, "dtype"),
+    (lambda: vc.FP4Tensor(np.zeros((2, 8), np.uint8), np.zeros((2, 1), np.uint8), float("nan"), "nvfp4", (2, 16)),
+     ValueError, "global_scale"),
+    (lambda: vc.FP4Tensor(np.zeros((2, 8), np.uint8), np.zeros((2, 1), np.uint8), True, "nvfp4", (2, 16)),
+     TypeError, "global_scale"),
     (lambda: vc.dequantize(vc.quantize(np.ones((1, 4), np.float32)), np.int8), TypeError, "dtype"),
     (lambda: vc.FP4Tensor(np.zeros((2, 7), np.uint8), np.zeros((2, 1), np.uint8), 1.0, "nvfp4", (2, 15)),
      ValueError, "data: expected shape"),
@@ -199,14 +205,25 @@ def test_gpu_nan_inf(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_dequantize_writes_everything():
+@pytest.mark.parametrize("K", [1001, 4096])  # padded rows and the flat path
+def test_gpu_dequantize_writes_everything(K):
     import cupy as cp
-    x = cp.asarray(random_input((333, 1001), np.float32))
+    from vbw_cupy import fp4
+    x = cp.asarray(random_input((333, K), np.float32))
     t = vc.quantize(x, "nvfp4")
-    out = vc.dequantize(t, np.float16)
+    out = cp.full((333, K), cp.nan, dtype=cp.float16)  # poisoned: every element must be overwritten
+    fp4._launch_dequantize(t, out)
     assert not bool(cp.isnan(out).any())
-    err = float(cp.linalg.norm(out.astype(cp.float32) - x) / cp.linalg.norm(x))
-    assert err < 0.15
+    np.testing.assert_array_equal(out.get(), vc.dequantize(t.to_cpu(), np.float16))
+
+
+@pytest.mark.gpu
+def test_gpu_views_are_made_dense():
+    import cupy as cp
+    t = vc.quantize(cp.asarray(random_input((64, 256), np.float16)), "mxfp4")
+    for data, scales in ((t.data[::2], t.scales[::2]), (t.data[1:, :], t.scales[1:, :])):  # strided; offset
+        v = vc.FP4Tensor(data, scales, 1.0, "mxfp4", (data.shape[0], 256))
+        np.testing.assert_array_equal(vc.dequantize(v).get(), vc.dequantize(v.to_cpu()))
 
 
 @pytest.mark.gpu

@@ -287,6 +287,16 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, stream=None) -> None:
            stream=stream if stream is not None else cupy.cuda.get_current_stream())
 
 
+def device_attributes() -> dict:
+    """cupy's Device().attributes of the current device, cached: the query reads every attribute (~0.1 ms)."""
+    return _device_attributes(require_cupy().cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_attributes(device_id: int) -> dict:
+    return dict(cupy.cuda.Device(device_id).attributes)
+
+
 def num_sms() -> int:
     """SM count of the current device (cached: Device().attributes queries every attribute, ~0.1 ms)."""
     return _num_sms(require_cupy().cuda.Device().id)
@@ -307,6 +317,10 @@ def as_gpu_array(x, name: str):
     if isinstance(x, cp.ndarray):
         return x
     if hasattr(x, "__dlpack__"):
+        dev_type = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else None
+        if dev_type == 1:  # kDLCPU: a host array of another library
+            raise TypeError(f"{name}: a host (CPU) {type(x).__name__}; pass numpy.asarray(...) of it for the "
+                            "float64 reference, or move it to the GPU")
         return cp.from_dlpack(x)
     if hasattr(x, "__cuda_array_interface__"):
         return cp.asarray(x)

@@ -401,17 +401,29 @@ def _store(key: str, entry: dict) -> None:
                                      "tuned configs are kept in memory for this process only")
 
 
-def _lookup(key: str) -> dict | None:
+def _known(t: Tunable, cfg: dict) -> bool:
+    """A cached config is only trusted if this version still declares it: the key hashes the CUDA sources,
+    not the Python candidate tables, so an edited table could otherwise hand a kernel a config it lacks."""
+    return set(cfg) == set(t.params) and (cfg in t.candidates or cfg in t.defaults.values())
+
+
+def _lookup(key: str, t: Tunable) -> dict | None:
     e = _memory.get(key)
+    if e is None:
+        disk = _load(cache_path())
+        for k, v in disk.items():  # keep every key read, the next misses are then free
+            _memory.setdefault(k, v)
+        e = disk.get(key)
+        hit = "disk_hits"
+    else:
+        hit = "memory_hits"
+    if e is not None and not _known(t, e["config"]):
+        _warn_once(f"stale:{key}", f"vbw_cupy.autotune: ignoring the cached config {e['config']} for {t.name}: "
+                                   "this version does not declare it; re-tuning")
+        _memory.pop(key, None)
+        return None
     if e is not None:
-        _stats["memory_hits"] += 1
-        return e
-    disk = _load(cache_path())
-    for k, v in disk.items():  # keep every key read, the next misses are then free
-        _memory.setdefault(k, v)
-    e = disk.get(key)
-    if e is not None:
-        _stats["disk_hits"] += 1
+        _stats[hit] += 1
     return e
 
 
@@ -545,11 +557,11 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
         return default_config(name, dev["arch"])
     key = make_key(name, shape, dtype, dev)
     e = _memory.get(key)
-    if e is not None:
+    if e is not None and _known(t, e["config"]):
         _stats["memory_hits"] += 1
         return dict(e["config"])
     with _lock:
-        e = _lookup(key)
+        e = _lookup(key, t)
         if e is not None:
             return dict(e["config"])
         if _capturing():
@@ -611,7 +623,7 @@ def tune(names=None, shapes=None, progress: bool = True, force: bool = False) ->
         key = make_key(t.name, shape, dtype, dev)
         t0 = time.perf_counter()
         with _lock:
-            e = None if force else _lookup(key)
+            e = None if force else _lookup(key, t)
             cached = e is not None
             if e is None:
                 run = t.bench(shape, dtype)

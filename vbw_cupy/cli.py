@@ -113,29 +113,28 @@ def cmd_selftest(args) -> int:
 
 
 def cmd_info(args) -> int:
+    from . import autotune
     print(f"vbw_cupy {__version__}")
     print(f"cuda sources: {rt.SOURCE_DIR} (hash {rt.sources_hash()})")
     print(f"cache dir: {rt.cache_dir()}")
     if not rt.have_cupy():
         print("CuPy: not installed (GPU paths unavailable; NumPy inputs use the reference)")
-        return 0
-    cp = rt.require_cupy()
-    print(f"CuPy {cp.__version__}, NVRTC {rt.nvrtc_version()}, CUDA headers: {rt.cuda_include_dir()}")
-    if not rt.gpu_available():
-        print("device: none visible")
     else:
-        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-        print(f"device: {props['name'].decode()}, sm_{rt.device_arch()}, {rt.num_sms()} SMs, "
-              f"{props['totalGlobalMem'] / 2**30:.1f} GiB")
-    try:
-        from . import autotune
-    except ImportError:
-        return 0
+        cp = rt.require_cupy()
+        print(f"CuPy {cp.__version__}, NVRTC {rt.nvrtc_version()}, CUDA headers: {rt.cuda_include_dir()}")
+        if not rt.gpu_available():
+            print("device: none visible")
+        else:
+            props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+            print(f"device: {props['name'].decode()}, sm_{rt.device_arch()}, {rt.num_sms()} SMs, "
+                  f"{props['totalGlobalMem'] / 2**30:.1f} GiB")
     s = autotune.cache_summary()
     print(f"autotune cache: {s['path']} ({s['status']}, {s['entries']} entries; "
           f"VBW_CUPY_AUTOTUNE={'1' if autotune.enabled() else '0'})")
     for row in s["rows"]:
-        print(f"  {row}")
+        print(f"  {row['kernel']} {row['dtype']} {row['bucket']} on {row['device']}: {row['config']} "
+              f"{row['ms']:.4f} ms (default {row['default_ms']:.4f} ms)" if row.get("ms") and row.get("default_ms")
+              else f"  {row}")
     return 0
 
 
@@ -150,6 +149,10 @@ def cmd_bench(args) -> int:
 
 def cmd_tune(args) -> int:
     from . import autotune
+    if not rt.gpu_available():
+        why = "CuPy is not installed" if not rt.have_cupy() else "no CUDA device is visible"
+        print(f"vbw-cupy tune: {why}; tuning times kernels on a GPU, nothing to do.")
+        return 1
     mods = op_modules()  # importing the op modules registers their tunables
     # every candidate of every kernel, compiled in parallel first, so tuning times kernels, not NVRTC
     rt.precompile([inst for m in mods for inst in m.kernel_instances()])

@@ -40,11 +40,17 @@ class FP4Tensor:
     _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.format not in FORMATS:
+        if not isinstance(self.format, str) or self.format not in FORMATS:
             raise ValueError(f"format: expected one of {sorted(FORMATS)}, got {self.format!r}")
         shape = tuple(int(s) for s in self.shape)
         object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "global_scale", np.float32(self.global_scale))
+        gs = self.global_scale
+        if isinstance(gs, bool) or not np.isscalar(gs) and np.ndim(gs) != 0:
+            raise TypeError(f"global_scale: expected a float, got {gs!r}")
+        gs = np.float32(gs)
+        if not (np.isfinite(gs) and gs > 0):
+            raise ValueError(f"global_scale: expected a positive finite float32, got {self.global_scale!r}")
+        object.__setattr__(self, "global_scale", gs)
         block = FORMATS[self.format]
         if len(shape) < 1 or shape[-1] < 1:
             raise ValueError(f"shape: expected [..., K] with K >= 1, got {shape}")
@@ -58,6 +64,13 @@ class FP4Tensor:
         if rt.is_gpu_array(self.data) != rt.is_gpu_array(self.scales):
             raise ValueError("data and scales must both be NumPy or both CuPy arrays")
         rt.check_same_device(data=self.data, scales=self.scales)
+        # kernels read rows of codes with 8- and 16-byte loads: hold dense, aligned copies of any views
+        for name in ("data", "scales"):
+            arr = getattr(self, name)
+            if rt.is_gpu_array(arr) and (not arr.flags.c_contiguous or arr.data.ptr % 16):
+                object.__setattr__(self, name, arr.copy())
+            elif isinstance(arr, np.ndarray) and not arr.flags.c_contiguous:
+                object.__setattr__(self, name, np.ascontiguousarray(arr))
 
     @property
     def block_size(self) -> int:
@@ -118,7 +131,7 @@ def quantize(x, format: str = "nvfp4", global_scale=None) -> FP4Tensor:
     >>> vbw_cupy.dequantize(t)
     array([[ 0.5, -1. ,  4. ,  6. ]], dtype=float32)
     """
-    if format not in FORMATS:
+    if not isinstance(format, str) or format not in FORMATS:
         raise ValueError(f"format: expected one of {sorted(FORMATS)}, got {format!r}")
     gs = _check_global_scale(global_scale, format)
     x = _as_input(x, "x")
@@ -220,7 +233,10 @@ def dequantize(t: FP4Tensor, dtype=np.float32):
     (float32, float16 or bfloat16, rounding to nearest even). MXFP4 decodes exactly; scale code 255 -> NaN."""
     if not isinstance(t, FP4Tensor):
         raise TypeError(f"t: expected an FP4Tensor, got {type(t).__name__}")
-    dtype = np.dtype(dtype)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype!r}") from None
     if dtype.name not in _IN_DTYPES:
         raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
     if not t.is_gpu:

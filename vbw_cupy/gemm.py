@@ -35,6 +35,7 @@ configs.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 
@@ -428,7 +429,7 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
     if cp is not None and _config is None and type(a) is cp.ndarray:
         fast = getattr(w, "_cache", None)
         fast = fast.get("gemm_v1_fast") if type(fast) is dict else None
-        if fast and (bias is None or type(bias) is cp.ndarray):
+        if fast and (bias is None or type(bias) is cp.ndarray) and (activation is None or type(activation) is str):
             hit = fast.get(_fast_key(a, bias, activation, out_dtype))
             if hit is not None and a.flags.c_contiguous and a.data.ptr % 16 == 0 and \
                     a.data.device_id == hit[3]:
@@ -441,7 +442,7 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
     if len(w.shape) != 2:
         raise ValueError(f"w: expected logical shape [N, K], got {tuple(w.shape)}")
     N, K = w.shape
-    if activation not in ACTIVATIONS:
+    if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of None, 'relu', 'gelu', 'gelu_tanh', 'silu', got {activation!r}")
     a_fp4 = _is_fp4(a)
     if a_fp4:
@@ -543,16 +544,40 @@ def _case(M, N, K, fmt, dtype, act=None, with_bias=False):
         bias = cp.asarray(rng.standard_normal(N, dtype=np.float32)).astype(dtype) if with_bias else None
         got = fp4_matmul(a, w, bias, act)
         err, bound = error_vs_reference(got, a, w, bias, act)
-        ms = rt.time_ms(lambda: fp4_matmul(a, w, bias, act))
+        # Time over enough weight copies that none stays in L2 between its uses (the peer's fp16 weight,
+        # 4x larger, cannot stay there either), 10 back-to-back calls between events for both.
+        copies = max(1, min(8, -(-(256 << 20) // w.nbytes)))
+        ws = itertools.cycle([w] + [type(w)(w.data.copy(), w.scales.copy(), w.global_scale, w.format, w.shape)
+                                    for _ in range(copies - 1)])
+        for _ in range(copies):  # each copy's one-time weight layout is prepared here, not in the timing
+            fp4_matmul(a, next(ws), bias, act)
+        ms = rt.time_ms(lambda: fp4_matmul(a, next(ws), bias, act), inner=10)
         a16 = a.astype(cp.float16)
         wd = cp.asarray(ref.dequantize(w.to_cpu(), np.float16))
-        peer = lambda: cp.matmul(a16, wd.T)  # noqa: E731
-        pms = rt.time_ms(peer)
+        b16 = None if bias is None else bias.astype(cp.float16)
+        pms = rt.time_ms(lambda: _cupy_epilogue(cp.matmul(a16, wd.T), b16, act), inner=10)
         return {"op": f"fp4_matmul {fmt} {np.dtype(dtype).name}" + (f" {act}" if act else "") + (" +bias" if with_bias else ""),
                 "shape": f"M={M} N={N} K={K}", "error": err, "bound": bound, "ok": bool(err <= bound),
                 "time_ms": ms, "peer": "cupy.matmul fp16", "peer_ms": pms}
     case.__qualname__ = f"fp4_matmul[{M}x{N}x{K} {fmt}]"
     return case
+
+
+def _cupy_epilogue(z, bias, act):
+    """The peer's epilogue: what a CuPy user runs after cupy.matmul (separate elementwise kernels)."""
+    cp = rt.require_cupy()
+    if bias is not None:
+        z = z + bias
+    if act == "relu":
+        z = cp.maximum(z, 0)
+    elif act == "silu":
+        z = z / (1 + cp.exp(-z))
+    elif act == "gelu":
+        from cupyx.scipy.special import erf
+        z = 0.5 * z * (1 + erf(z * (1 / math.sqrt(2))))
+    elif act == "gelu_tanh":
+        z = 0.5 * z * (1 + cp.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)))
+    return z
 
 
 def error_vs_reference(got, a, w, bias=None, act=None, out_dtype=None):

@@ -111,8 +111,7 @@ def kernel_instances() -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------------------------- the launch
 def _occupancy(kernel, threads: int, smem: int) -> int:
     """CTAs per SM from shared memory, registers and threads (an estimate; never below 1)."""
-    cp = rt.require_cupy()
-    a = cp.cuda.Device().attributes
+    a = rt.device_attributes()
     smem_sm = int(a.get("MaxSharedMemoryPerMultiprocessor", 228 * 1024))
     at = kernel.attributes
     static = int(at.get("shared_size_bytes", 0))
@@ -153,7 +152,7 @@ class _Launch:
         if (W, S) not in _CONFIGS + (_EXPLORE_CONFIGS if explore else ()):
             raise ValueError(f"paged_decode: no instance for WARPS={W}, STAGES={S} (have {_CONFIGS})")
         smem = _smem_bytes(dp, W, S)
-        optin = int(cp.cuda.Device().attributes.get("MaxSharedMemoryPerBlockOptin", 48 * 1024))
+        optin = int(rt.device_attributes().get("MaxSharedMemoryPerBlockOptin", 48 * 1024))
         if smem > optin:
             raise ValueError(f"paged_decode: WARPS={W}, STAGES={S} at head dim {dp} needs {smem} bytes of shared "
                              f"memory, the device allows {optin}")

@@ -180,7 +180,7 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None):
     z = a64 @ w64.T
     if bias is not None:
         z = z + np.asarray(bias).astype(np.float64)
-    return apply_activation(z, activation).astype(out_dtype or default_dtype)
+    return _round_from_f64(apply_activation(z, activation), np.dtype(out_dtype or default_dtype))
 
 
 # ----------------------------------------------------------------------------------------------

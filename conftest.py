@@ -1,3 +1,4 @@
+"""Skip tests and benchmarks marked `gpu` where no CUDA device exists (tests/ and bench/ alike)."""
 import pytest
 
 from vbw_cupy import _runtime as rt
