@@ -376,7 +376,8 @@ def test_gpu_probe_tuning_beats_default_and_is_reused(tmp_path, monkeypatch):
     cfg = at.pick("autotune_probe", {"n": n}, "float32", run)
     tune_s = time.perf_counter() - t0
     s = at.stats()
-    assert s["tuned"] == 1 and s["timer_calls"] == len(at.get("autotune_probe").candidates), s
+    n_cands = len(at.get("autotune_probe").candidates)  # the sweep, plus the confirmation when a non-default wins
+    assert s["tuned"] == 1 and s["timer_calls"] in (n_cands, n_cands + 2 * at.CONFIRM_ROUNDS), s
     assert s["failed"] == 0
     assert tune_s < 60, tune_s                       # includes NVRTC compiles of 20 instances
     cp.testing.assert_allclose(y, 2.0 * x + 1.0, rtol=1e-6)   # every element written, correct
