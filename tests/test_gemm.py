@@ -279,3 +279,32 @@ def test_bad_gpu_input_raises_before_launch():
         gemm.fp4_matmul(a, w, bias=np.zeros(64, np.float16))
     with pytest.raises(ValueError, match="K = 96"):
         gemm.fp4_matmul(cp.zeros((4, 95), cp.float16), w)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("act", [None, "relu", "gelu", "gelu_tanh", "silu"])
+def test_reference_matches_an_independent_computation(fmt, act):
+    """reference.fp4_matmul against ml_dtypes' own E2M1/E8M0/E4M3 decode, a float64 matmul and textbook
+    activations (scipy-free), so the ground truth the GPU is held to is itself checked."""
+    import math
+    rng = np.random.default_rng(11)
+    M, N, K = 5, 24, 100
+    w = quantize(rng.standard_normal((N, K)).astype(np.float32), fmt)
+    block = 32 if fmt == "mxfp4" else 16
+    codes = np.stack([w.data & 15, w.data >> 4], axis=-1).reshape(N, -1)
+    vals = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    if fmt == "mxfp4":
+        sc = w.scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+    else:
+        sc = w.scales.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    wd = (vals * np.repeat(sc, block, axis=1)).astype(np.float32) * np.float32(w.global_scale)
+    wd = wd.astype(np.float32)[:, :K].astype(np.float64)
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    z = a.astype(np.float64) @ wd.T + bias
+    f = {None: lambda t: t, "relu": lambda t: max(t, 0.0), "silu": lambda t: t / (1 + math.exp(-t)),
+         "gelu": lambda t: 0.5 * t * (1 + math.erf(t / math.sqrt(2))),
+         "gelu_tanh": lambda t: 0.5 * t * (1 + math.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t ** 3)))}[act]
+    want = np.vectorize(f)(z).astype(np.float32)
+    got = ref.fp4_matmul(a, w, bias, act, out_dtype=np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
