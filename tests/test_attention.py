@@ -28,12 +28,6 @@ def _rand(rng, shape, dtype):
     return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
 
-def _rel_err(x, truth):
-    x, truth = np.asarray(x, np.float64), np.asarray(truth, np.float64)
-    den = np.linalg.norm(truth)
-    return float(np.linalg.norm(x - truth) / den) if den > 0 else float(np.linalg.norm(x))
-
-
 def _bound(base, dtype):
     # SPEC 7: no worse than 2x the same-dtype/fp32-softmax error, and under the dtype's cap. The 1e-7 only
     # keeps "both exact" (e.g. every row sees one key) from failing on a 0 <= 0 comparison of rounding noise.
@@ -87,7 +81,7 @@ def run_dense(B, Sq, Sk, Hq, Hkv, D, dtype, *, causal=False, window=(-1, -1), so
     if empty.any():
         assert np.all(oh.transpose(0, 2, 1, 3)[empty] == 0)
     low = ref.sdpa_lowp(qh, kh, vh, causal=causal, softmax_scale=scale, window=window, softcap=softcap)
-    err, base = _rel_err(oh, o64), _rel_err(low.astype(np.float32), o64)
+    err, base = ref.rel_error(oh, o64), ref.rel_error(low.astype(np.float32), o64)
     assert err <= _bound(base, dtype), f"error {err:.3e} > bound {_bound(base, dtype):.3e} (sdpa_lowp {base:.3e})"
     return err, _bound(base, dtype)
 
@@ -188,7 +182,7 @@ def test_varlen(case, D):
         qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
         if qe > qs and ke > ks:
             low[qs:qe] = ref.sdpa_lowp(qh[None, qs:qe], kh[None, ks:ke], vh[None, ks:ke], **kw)[0]
-    err, base = _rel_err(oh, o64), _rel_err(low, o64)
+    err, base = ref.rel_error(oh, o64), ref.rel_error(low, o64)
     assert err <= _bound(base, dtype), f"error {err:.3e} > bound {_bound(base, dtype):.3e}"
 
 

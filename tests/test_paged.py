@@ -314,7 +314,7 @@ _SWEEP = textwrap.dedent("""
                     L.run()
                     o = out.get()
                     assert np.isfinite(o.astype(np.float32)).all(), (D, w, s, n)
-                    err = paged.rel_error(o, r)
+                    err = ref.rel_error(o, r)
                     assert err <= bound, (D, w, s, n, err, bound)
                     worst = max(worst, err / bound)
     print("SWEEP_OK", worst)

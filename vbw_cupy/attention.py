@@ -168,15 +168,6 @@ def default_config(head_dim: int, arch: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- checks
-_GPU_DTYPES = None
-
-
-def _gpu_dtypes():
-    global _GPU_DTYPES
-    if _GPU_DTYPES is None:
-        import ml_dtypes
-        _GPU_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
-    return _GPU_DTYPES
 
 
 def _is_host(x) -> bool:
@@ -303,7 +294,7 @@ def _check_dense(q, k, v, *, causal, softmax_scale, window, softcap, return_lse)
     """Every check of the GPU path that needs only .shape / .dtype (so it also runs on NumPy arrays, with no
     GPU). Returns (shape, (left, right), scale, softcap, return_lse)."""
     shape = ref.check_attention_args(q, k, v, window, softcap, causal=causal, softmax_scale=softmax_scale,
-                                     dtypes=_gpu_dtypes())
+                                     dtypes=ref.GPU_ATTENTION_DTYPES)
     return_lse = ref.check_flag("return_lse", return_lse)
     _check_seqlen("q", shape.Sq)
     _check_seqlen("k", shape.Sk)
@@ -318,7 +309,7 @@ def _check_varlen(q, k, v, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, causal, so
     """The varlen counterpart of `_check_dense` (reads the offsets on the host)."""
     shape = ref.check_varlen_args(q, k, v, cu_q, cu_k, window, softcap, max_seqlen_q=max_seqlen_q,
                                   max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                                  dtypes=_gpu_dtypes(), check_values=True)
+                                  dtypes=ref.GPU_ATTENTION_DTYPES, check_values=True)
     return_lse = ref.check_flag("return_lse", return_lse)
     _check_seqlen("cu_seqlens_q", shape.max_seqlen_q)
     _check_seqlen("cu_seqlens_k", shape.max_seqlen_k)
@@ -437,12 +428,6 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
 
 
 # ---------------------------------------------------------------------------------------------- selftest
-def _rel_err(x, ref64):
-    x = np.asarray(x, dtype=np.float64)
-    den = np.linalg.norm(ref64)
-    return float(np.linalg.norm(x - ref64) / den) if den > 0 else float(np.linalg.norm(x))
-
-
 def _peer_attention(q, k, v, causal, scale):
     """CuPy matmul-softmax-matmul with float32 softmax (the plain path this kernel replaces)."""
     cp = rt.require_cupy()
@@ -476,8 +461,8 @@ def _selftest_case(B, S, Hq, Hkv, D, dtype, causal):
         o64 = ref.flash_attention(qh.astype(np.float32), kh.astype(np.float32), vh.astype(np.float32),
                                   causal=causal)
         low = ref.sdpa_lowp(qh, kh, vh, causal=causal)
-        err = _rel_err(cp.asnumpy(o).astype(np.float32), o64.astype(np.float64))
-        base = _rel_err(low.astype(np.float32), o64.astype(np.float64))
+        err = ref.rel_error(cp.asnumpy(o).astype(np.float32), o64)
+        base = ref.rel_error(low.astype(np.float32), o64)
         cap = 2e-3 if dtype == "float16" else 1e-2
         bound = min(2 * base, cap) if base > 0 else cap
         ms = rt.time_ms(lambda: flash_attention(q, k, v, causal=causal), warmup=3, rep=10)

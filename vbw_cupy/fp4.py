@@ -15,7 +15,7 @@ from . import _runtime as rt
 from . import reference as ref
 
 FORMATS = ref.FORMATS
-_IN_DTYPES = ("float16", "bfloat16", "float32")
+_IN_DTYPES = ref.FLOAT_DTYPES
 _SOURCE = "fp4_codec.cu"
 _THREADS = 256
 

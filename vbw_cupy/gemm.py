@@ -49,7 +49,7 @@ from . import reference as ref
 _SOURCE = "fp4_gemm.cu"
 _NS = "vbw_fp4gemm::"
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
-_IN_DTYPES = ("float16", "bfloat16", "float32")
+_IN_DTYPES = ref.FLOAT_DTYPES
 _OUT_KIND = {"float16": 0, "bfloat16": 1, "float32": 2}
 _BIAS_KIND = {"float16": 1, "bfloat16": 2, "float32": 3}
 _ATOM = {16: 576, 32: 544}

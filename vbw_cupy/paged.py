@@ -29,7 +29,6 @@ from . import autotune
 from . import reference as ref
 
 _SOURCE = "attention_decode.cu"
-_GPU_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 _DPS = (64, 128, 256)
 _CONFIGS = ((4, 2), (4, 3), (2, 3), (8, 2), (2, 2))  # (WARPS, STAGES) the kernel is instantiated for
 _EXPLORE_CONFIGS = ((2, 4), (4, 4), (8, 3))          # benchmark sweeps only (not in kernel_instances)
@@ -250,7 +249,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     q, k_cache, v_cache, block_table, seq_lens = arrays.values()
     check = ref.check_flag("check", check)
     shape = ref.check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window, softcap,
-                                 softmax_scale=softmax_scale, dtypes=_GPU_DTYPES, check_values=check)
+                                 softmax_scale=softmax_scale, dtypes=ref.GPU_ATTENTION_DTYPES, check_values=check)
     left, _ = ref.check_window(window)
     scale = ref.effective_scale(softmax_scale, shape.D)
     softcap = ref.check_softcap(softcap)
@@ -490,21 +489,16 @@ def reference_bound(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
         v = v_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n]
         low[b] = ref.sdpa_lowp(q[b][None, None], k[None], v[None], softmax_scale=softmax_scale,
                                softcap=softcap, window=window)[0, 0]
-    base = rel_error(low, r)
+    base = ref.rel_error(low, r)
     cap = 2e-3 if dt == np.float16 else 1e-2
     return r, base, min(2 * base, cap)
-
-
-def rel_error(out, r) -> float:
-    """||out - r|| / ||r|| in float64 (NaN if out holds NaN)."""
-    return float(np.linalg.norm(np.asarray(out).astype(np.float64) - r) / np.linalg.norm(r))
 
 
 def reference_errors(q, k_cache, v_cache, block_table, seq_lens, out, **kw):
     """(err, base, bound): `out`'s relative error against the float64 reference, and `reference_bound`'s
     base and bound (host arrays in)."""
     r, base, bound = reference_bound(q, k_cache, v_cache, block_table, seq_lens, **kw)
-    return rel_error(out, r), base, bound
+    return ref.rel_error(out, r), base, bound
 
 
 def make_case(rng, B, lens, Hq, Hkv, D, block_size, dtype, *, spare_blocks=3, xp=np):

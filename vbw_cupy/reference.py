@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import numpy as np
 
+def rel_error(got, want) -> float:
+    """Relative Frobenius error ||got - want|| / ||want|| in float64 (||got|| when want is all zeros; NaN
+    when got holds NaN): the accuracy measure of SPEC section 7."""
+    got, want = np.asarray(got).astype(np.float64), np.asarray(want).astype(np.float64)
+    den = np.linalg.norm(want)
+    return float(np.linalg.norm(got - want) / den) if den > 0 else float(np.linalg.norm(got))
+
+
 # ----------------------------------------------------------------------------------------------
 # FP4 (owned by the FP4 section; attention helpers below must not depend on it)
 # ----------------------------------------------------------------------------------------------
 
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")  # what quantize and fp4_matmul take
 FORMATS = {"mxfp4": 32, "nvfp4": 16}  # format -> block size along K
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 E4M3_MAX = 448.0
@@ -199,6 +208,7 @@ import ml_dtypes as _ml_dtypes
 
 #: dtypes the reference accepts for q, k, v (the GPU kernels take float16 and bfloat16 only).
 ATTENTION_DTYPES = (np.dtype(np.float16), np.dtype(_ml_dtypes.bfloat16), np.dtype(np.float32))
+GPU_ATTENTION_DTYPES = ATTENTION_DTYPES[:2]  # the kernels take float16 and bfloat16
 #: largest head dimension (SPEC section 3: any D from 1 to 256).
 MAX_HEAD_DIM = 256
 #: largest paged-KV block size (any power of two from 1 to 256).
