@@ -482,6 +482,23 @@ fp4_gemm_mma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
       }
 }
 
+// The two wgmma kernels' ending: split-K reduction (only the tile's last CTA goes on), then the epilogue.
+// Accumulator acc[4i + r] of thread t (in its quad) holds out[nbase + 8 * (r >> 1)][m0 + 8i + 2t + (r & 1)].
+template <int BC, int NACC, int NT>
+__device__ __forceinline__ void wg_finish(float (&acc)[NACC], void* __restrict__ ws, int* __restrict__ counters,
+                                          int nbase, int m0, int t, int N, int M, void* __restrict__ out,
+                                          const void* __restrict__ bias, int flags, float out_scale) {
+  if (!splitk_reduce<NACC, NT>(acc, ws, counters)) return;
+#pragma unroll
+  for (int i = 0; i < BC / 8; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int n = nbase + ((r & 2) ? 8 : 0);
+      const int m = m0 + i * 8 + 2 * t + (r & 1);
+      if (n < N && m < M) store_out(out, bias, flags, n, m, N, acc[4 * i + r] * out_scale);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------- wgmma (sm_90a)
 // The wgmma wrappers differ only in N (N/2 fp32 accumulators a thread) and the operand type, so macros stamp
 // them out: VBW_ACC_<N> lists the accumulator operands, VBW_REGS_<N> their "%i" names in the asm string.
@@ -686,16 +703,7 @@ fp4_gemm_wgmma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restr
   keep_acc(acc);
   vbw::cp_async_wait<0>();
 
-  if (!splitk_reduce<NACC, NT>(acc, ws, counters)) return;
-  const int nbase = (rg0 + warp) * 16 + g;
-#pragma unroll
-  for (int i = 0; i < BC / 8; ++i)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int n = nbase + ((r & 2) ? 8 : 0);
-      const int m = m0 + i * 8 + 2 * t + (r & 1);
-      if (n < N && m < M) store_out(out, bias, flags, n, m, N, acc[4 * i + r] * out_scale);
-    }
+  wg_finish<BC, NACC, NT>(acc, ws, counters, (rg0 + warp) * 16 + g, m0, t, N, M, out, bias, flags, out_scale);
 #else
   __trap();  // Hopper only: gemm.py never launches it elsewhere
 #endif
@@ -875,16 +883,7 @@ fp4_gemm_wgrs(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
   }
   vbw::cp_async_wait<0>();
 
-  if (!splitk_reduce<NACC, NT>(acc, ws, counters)) return;
-  const int nbase = (rg0 + warp) * 16 + g;
-#pragma unroll
-  for (int i = 0; i < BC / 8; ++i)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int n = nbase + ((r & 2) ? 8 : 0);
-      const int m = m0 + i * 8 + 2 * t + (r & 1);
-      if (n < N && m < M) store_out(out, bias, flags, n, m, N, acc[4 * i + r] * out_scale);
-    }
+  wg_finish<BC, NACC, NT>(acc, ws, counters, (rg0 + warp) * 16 + g, m0, t, N, M, out, bias, flags, out_scale);
 #else
   __trap();  // Hopper only: gemm.py never launches it elsewhere
 #endif
