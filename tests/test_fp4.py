@@ -2,6 +2,7 @@
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import vbw_cupy as vc
 from vbw_cupy import reference as ref
@@ -243,3 +244,36 @@ def test_gpu_noncontiguous_and_dlpack():
         def __dlpack_device__(self):
             return self.a.__dlpack_device__()
     _assert_same(vc.quantize(Wrapped(cp.asarray(x)), "mxfp4"), vc.quantize(x, "mxfp4"), np.float16)
+
+
+# ---------------------------------------------------------------- property tests (hypothesis)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.floats(width=32, allow_nan=False))
+def test_e2m1_encode_matches_ml_dtypes_everywhere(x):
+    x = np.float32(x)
+    assert ref.e2m1_encode(np.array([x]))[0] == np.array([x]).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)[0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-2.0 ** 100, max_value=2.0 ** 100),
+                min_size=1, max_size=70),
+       st.sampled_from(["mxfp4", "nvfp4"]))
+def test_quantize_round_trip_error_is_bounded_per_block(values, fmt):
+    """Each element decodes to within half an E2M1 step of its block-scaled value (or saturates at 6 scale
+    units), whatever the values: the invariant that makes the format usable."""
+    x = np.array([values], np.float32)
+    t = vc.quantize(x, fmt)
+    d = vc.dequantize(t).astype(np.float64)[0]
+    block = 32 if fmt == "mxfp4" else 16
+    sc = (ref.e8m0_decode(t.scales) if fmt == "mxfp4" else ref.e4m3_decode(t.scales).astype(np.float64)
+          * np.float64(t.global_scale))[0]
+    unit = np.repeat(sc, block)[: x.shape[1]]  # the value of E2M1 code 1.0 in each block
+    # E2M1 steps are 0.5, 1 and 2 units in [0, 2), [2, 4), [4, 6]: the rounding error is at most half a step,
+    # beyond 6 units the value saturates (and the scale, E4M3 rounded for nvfp4, may put amax there)
+    scaled = np.abs(x[0].astype(np.float64)) / unit
+    step = np.where(scaled < 2, 0.5, np.where(scaled < 4, 1.0, 2.0))
+    err = np.abs(d - x[0]) / unit
+    ok = (err <= step / 2 * (1 + 1e-6)) | (scaled > 6)
+    assert ok.all(), (x[0][~ok], d[~ok], unit[~ok])

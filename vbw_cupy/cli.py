@@ -79,6 +79,26 @@ def _cpu_selftest():
     err = float(np.linalg.norm(o - dense) / np.linalg.norm(dense))  # o is float32: one rounding
     rows.append({"op": "flash_attention (reference)", "shape": "1x300x517, 4/2 heads, D=64, causal",
                  "error": err, "bound": 1e-6, "ok": err < 1e-6, "time_ms": ms})
+    # varlen: the same sequence packed with a second one must give the same rows
+    q2, k2, v2 = (rng.standard_normal((n, h, 64)).astype(np.float32) for n, h in ((77, 4), (140, 2), (140, 2)))
+    cu_q = np.array([0, 300, 377], np.int32)
+    cu_k = np.array([0, 517, 657], np.int32)
+    ov = ref.flash_attention_varlen(np.concatenate([q[0], q2]), np.concatenate([k[0], k2]),
+                                    np.concatenate([v[0], v2]), cu_q, cu_k, causal=True)
+    err = ref.rel_error(ov[:300], o[0])
+    rows.append({"op": "flash_attention_varlen (reference)", "shape": "2 sequences, vs the dense call",
+                 "error": err, "bound": 1e-6, "ok": err < 1e-6})
+    # paged: the last query row over the keys scattered into shuffled blocks of 16
+    bs, nblk = 16, -(-517 // 16)
+    perm = rng.permutation(nblk + 3).astype(np.int32)
+    kc, vc_ = (np.zeros((nblk + 3, bs, 2, 64), np.float32) for _ in range(2))
+    for i in range(nblk):
+        kc[perm[i], :len(k[0, i * bs:(i + 1) * bs])] = k[0, i * bs:(i + 1) * bs]
+        vc_[perm[i], :len(v[0, i * bs:(i + 1) * bs])] = v[0, i * bs:(i + 1) * bs]
+    op = ref.paged_attention(q[:, -1], kc, vc_, perm[None, :nblk], np.array([517], np.int32))
+    err = ref.rel_error(op, o[:, -1])
+    rows.append({"op": "paged_attention (reference)", "shape": "517 keys in shuffled blocks of 16",
+                 "error": err, "bound": 1e-6, "ok": err < 1e-6})
     return rows
 
 
