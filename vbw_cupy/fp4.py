@@ -233,12 +233,7 @@ def dequantize(t: FP4Tensor, dtype=np.float32):
     (float32, float16 or bfloat16, rounding to nearest even). MXFP4 decodes exactly; scale code 255 -> NaN."""
     if not isinstance(t, FP4Tensor):
         raise TypeError(f"t: expected an FP4Tensor, got {type(t).__name__}")
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype!r}") from None
-    if dtype.name not in _IN_DTYPES:
-        raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+    dtype = ref.check_float_dtype("dtype", dtype)
     if not t.is_gpu:
         return ref.dequantize(t, dtype)
     cp = rt.require_cupy()

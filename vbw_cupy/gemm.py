@@ -472,12 +472,7 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
     if out_dtype is None:
         out_dtype = np.dtype(np.float16) if a_fp4 else a_dtype
     else:
-        try:
-            out_dtype = np.dtype(out_dtype)
-        except TypeError:
-            raise TypeError(f"out_dtype: expected float16, bfloat16 or float32, got {out_dtype!r}") from None
-        if out_dtype.name not in _OUT_KIND:
-            raise TypeError(f"out_dtype: expected float16, bfloat16 or float32, got {out_dtype}")
+        out_dtype = ref.check_float_dtype("out_dtype", out_dtype)
     host = not w.is_gpu
     a_host = a.is_gpu is False if a_fp4 else isinstance(a, np.ndarray)
     if a_host != host:

@@ -21,6 +21,19 @@ def rel_error(got, want) -> float:
 # ----------------------------------------------------------------------------------------------
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")  # what quantize and fp4_matmul take
+
+
+def check_float_dtype(name: str, dtype) -> np.dtype:
+    """`dtype` as a NumPy dtype if it is one of FLOAT_DTYPES, else a TypeError naming the argument."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in FLOAT_DTYPES:
+        got = repr(dtype) if dt is None else dt
+        raise TypeError(f"{name}: expected float16, bfloat16 or float32, got {got}")
+    return dt
+
 FORMATS = {"mxfp4": 32, "nvfp4": 16}  # format -> block size along K
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 E4M3_MAX = 448.0
