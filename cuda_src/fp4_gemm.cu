@@ -264,6 +264,24 @@ __global__ void fp4_gemm_prepare(const u8* __restrict__ data, const u8* __restri
   }
 }
 
+// A thread's share of one pipeline stage's weight copies (16 bytes each; CPR per 16-row group, CPA per
+// atom): the byte offset of each copy without the k-tile, its atom within the stage, and a bit per copy
+// that lies inside the weight. Fixed over the k-tiles, so the k-loop only adds the tile's offset.
+template <int WIT, int NT, int CPR, int CPA, int WCH, int ATOM_BYTES>
+__device__ __forceinline__ unsigned weight_copy_plan(int tid, int rg0, int n_rg, int katoms, size_t (&w_off)[WIT],
+                                                     int (&w_atom)[WIT]) {
+  unsigned ok = 0u;
+#pragma unroll
+  for (int i = 0; i < WIT; ++i) {
+    const int c = tid + i * NT;
+    const int r = c / CPR, rem = c % CPR;
+    w_off[i] = (size_t)(rg0 + r) * katoms * ATOM_BYTES + rem * 16;
+    w_atom[i] = rem / CPA;
+    if (c < WCH && rg0 + r < n_rg) ok |= 1u << i;
+  }
+  return ok;
+}
+
 // ---------------------------------------------------------------------------------------------- mma.sync
 template <typename T, int BLK, int MODE, int BR, int BC, int BK, int WARPS_R, int WARPS_C, int STAGES>
 __global__ void __launch_bounds__(32 * WARPS_R * WARPS_C)
@@ -301,15 +319,7 @@ fp4_gemm_mma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
   static_assert(NT % ACPR == 0, "activation copy plan");
   size_t w_off[WIT];
   int w_atom[WIT];
-  unsigned w_ok = 0u;
-#pragma unroll
-  for (int i = 0; i < WIT; ++i) {
-    const int c = tid + i * NT;
-    const int r = c / CPR, rem = c % CPR;
-    w_off[i] = (size_t)(rg0 + r) * katoms * ATOM + rem * 16;
-    w_atom[i] = rem / CPA;
-    if (c < WCH && rg0 + r < n_rg) w_ok |= 1u << i;
-  }
+  const unsigned w_ok = weight_copy_plan<WIT, NT, CPR, CPA, WCH, ATOM>(tid, rg0, n_rg, katoms, w_off, w_atom);
   const int a_ch = tid % ACPR, a_r0 = tid / ACPR;
   const T* a_base = A + (size_t)(m0 + a_r0) * lda + a_ch * EPC;
   auto load_stage = [&](int kt, int buf) {
@@ -764,15 +774,7 @@ fp4_gemm_wgrs(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
   const T* a_base = A + (size_t)(m0 + a_r0) * lda + a_ch * 8;
   size_t w_off[WIT];
   int w_atom[WIT];
-  unsigned w_ok = 0u;
-#pragma unroll
-  for (int i = 0; i < WIT; ++i) {
-    const int c = tid + i * NT;
-    const int r = c / CPR, rem = c % CPR;
-    w_off[i] = (size_t)(rg0 + r) * katoms * ATOM + rem * 16;
-    w_atom[i] = rem / CPA;
-    if (c < WCH && rg0 + r < n_rg) w_ok |= 1u << i;
-  }
+  const unsigned w_ok = weight_copy_plan<WIT, NT, CPR, CPA, WCH, ATOM>(tid, rg0, n_rg, katoms, w_off, w_atom);
   auto load_stage = [&](int kt, int buf) {
     u8* sb = smem + buf * STAGE;
     u8* sw = sb + B_BYTES;
