@@ -102,10 +102,13 @@ def _cpu_selftest():
     return rows
 
 
+def _no_gpu_reason() -> str:
+    return "CuPy is not installed" if not rt.have_cupy() else "no CUDA device is visible"
+
+
 def cmd_selftest(args) -> int:
     if not rt.gpu_available():
-        why = "CuPy is not installed" if not rt.have_cupy() else "no CUDA device is visible"
-        print(f"vbw-cupy selftest: {why}; GPU kernels not run. Checking the NumPy reference path only.")
+        print(f"vbw-cupy selftest: {_no_gpu_reason()}; GPU kernels not run. Checking the NumPy reference path only.")
         rows = _cpu_selftest()
         print_table(rows)
         return 0 if all(r["ok"] for r in rows) else 1
@@ -170,8 +173,7 @@ def cmd_bench(args) -> int:
 def cmd_tune(args) -> int:
     from . import autotune
     if not rt.gpu_available():
-        why = "CuPy is not installed" if not rt.have_cupy() else "no CUDA device is visible"
-        print(f"vbw-cupy tune: {why}; tuning times kernels on a GPU, nothing to do.")
+        print(f"vbw-cupy tune: {_no_gpu_reason()}; tuning times kernels on a GPU, nothing to do.")
         return 1
     mods = op_modules()  # importing the op modules registers their tunables
     # every candidate of every kernel, compiled in parallel first, so tuning times kernels, not NVRTC
