@@ -142,6 +142,58 @@ def test_layouts(layout, D):
     run_dense(2, 257, 390, 4, 2, D, "float16", causal=True, seed=D, layout=layout)
 
 
+@gpu
+def test_fast_path_replays_only_matching_calls(monkeypatch):
+    """The second identical call replays the first one's launch; an unaligned or strided input of the same
+    shape, or other options, must not (each result is checked against the reference)."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(7)
+    B, S, Hq, Hkv, D = 2, 700, 4, 2, 64
+    qh, kh, vh = _rand(rng, (B, S, Hq, D), np.float16), _rand(rng, (B, S, Hkv, D), np.float16), \
+        _rand(rng, (B, S, Hkv, D), np.float16)
+
+    def check(got, **kw):
+        o, lse = got
+        oh = cp.asnumpy(o).astype(np.float32)
+        assert not np.isnan(oh).any()
+        f32 = lambda x: x.astype(np.float32)  # noqa: E731
+        o64, lse64 = ref.flash_attention(f32(qh), f32(kh), f32(vh), return_lse=True, **kw)
+        _check_lse(cp.asnumpy(lse), lse64)
+        base = ref.rel_error(ref.sdpa_lowp(qh, kh, vh, **kw).astype(np.float32), o64)
+        assert ref.rel_error(oh, o64) <= _bound(base, "float16")
+
+    q, k, v = cp.asarray(qh), cp.asarray(kh), cp.asarray(vh)
+    A._fast_plans.clear()
+    check(A.flash_attention(q, k, v, causal=True, return_lse=True), causal=True)
+    assert len(A._fast_plans) == 1
+    full = A._flash_gpu
+    monkeypatch.setattr(A, "_flash_gpu", lambda *a, **kw: pytest.fail("the full path ran for a replayable call"))
+    check(A.flash_attention(q, k, v, causal=True, return_lse=True), causal=True)
+    calls = []
+    monkeypatch.setattr(A, "_flash_gpu", lambda *a, **kw: calls.append(1) or full(*a, **kw))
+
+    def shift(x):  # contiguous, 2 bytes off a 16-byte boundary
+        y = cp.empty(x.size + 1, dtype=x.dtype)[1:].reshape(x.shape)
+        y[...] = x
+        return y
+    check(A.flash_attention(shift(q), k, v, causal=True, return_lse=True), causal=True)
+    strided = cp.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    check(A.flash_attention(q, strided, v, causal=True, return_lse=True), causal=True)
+    check(A.flash_attention(q, k, v, window=(50, 10), return_lse=True), window=(50, 10))
+    assert len(calls) == 3
+
+
+@gpu
+def test_fast_key_is_strict():
+    """Options that hash alike but are different objects (True vs 1, lists) never share a replay key."""
+    cp = pytest.importorskip("cupy")
+    q = cp.empty((1, 8, 1, 8), dtype=cp.float16)
+    k1 = A._fast_key(q, q, q, True, None, (-1, -1), 0.0, False)
+    assert k1 != A._fast_key(q, q, q, 1, None, (-1, -1), 0.0, False)
+    assert k1 != A._fast_key(q, q, q, True, None, (-1, -1), 0, False)
+    assert A._fast_key(q, q, q, True, None, [-1, -1], 0.0, False) is None
+
+
 # ---- varlen ---------------------------------------------------------------------------------------------
 VARLEN = [
     ([0, 1, 130, 1000, 64], [5, 0, 300, 1000, 64], dict(causal=True)),

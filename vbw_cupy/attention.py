@@ -263,6 +263,13 @@ class _Launch:
         rt.launch(kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), args,
                   shared_mem=smem_bytes(self.head_dim, cfg))
 
+    def bound(self, cfg):
+        """(kernel, grid, block, smem, scalar args) of run(cfg): what the fast path replays with new arrays."""
+        kern = self.kernel(cfg)
+        num_m = rt.cdiv(self.max_q, cfg["BLOCK_M"])
+        scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + self.tail_args
+        return kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), smem_bytes(self.head_dim, cfg), scalars
+
     def pick(self, config=None):
         if config is not None:
             return dict(config)
@@ -320,7 +327,7 @@ def _check_varlen(q, k, v, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, causal, so
 
 
 def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, out=None, lse_out=None,
-               config=None):
+               config=None, fast_key=None):
     cp = rt.require_cupy()
     q, k, v = _prepare_gpu(q, k, v)
     shape, win, scale, softcap, return_lse = _check_dense(q, k, v, causal=causal, softmax_scale=softmax_scale,
@@ -335,8 +342,52 @@ def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, o
             lse = (_check_out(lse_out, (B, Hq, Sq), np.float32, "lse_out") if lse_out is not None
                    else cp.empty((B, Hq, Sq), dtype=cp.float32))
         launch = _Launch.dense(q, k, v, scale=scale, window=win, softcap=softcap, out=o, lse=lse)
-        launch.run(launch.pick(config))
+        cfg = launch.pick(config)
+        launch.run(cfg)
+    if fast_key is not None and q.data.device_id == fast_key[-4] and q.size:
+        if len(_fast_plans) > 256:
+            _fast_plans.clear()
+        _fast_plans[fast_key] = launch.bound(cfg) + (launch.vec, q.data.device_id)
     return (o, lse) if return_lse else o
+
+
+# A call whose shapes, dtypes, options, device, stream and tuning state match an earlier one that passed every
+# check in _flash_gpu replays that call's launch: only what can differ between such calls (array types,
+# contiguity, device, 16-byte alignment) is re-checked. This saves ~40 us a call, which a short attention
+# (S = 1024) would otherwise pay in full.
+_fast_plans: dict = {}
+
+
+def _fast_key(q, k, v, causal, softmax_scale, window, softcap, return_lse):
+    cp = rt.cupy
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, type(causal), causal, type(softmax_scale),
+               softmax_scale, type(window), window, type(softcap), softcap, type(return_lse), return_lse,
+               cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr,
+               _autotune is not None and _autotune.enabled(), getattr(_autotune, "_generation", 0))
+        hash(key)
+    except TypeError:  # a list window, an odd scalar: the full path
+        return None
+    return key
+
+
+def _flash_fast(key, q, k, v):
+    """The replayed launch, or None when this call must take the full path."""
+    plan = _fast_plans.get(key)
+    if plan is None:
+        return None
+    kern, grid, block, smem, scalars, vec, dev = plan
+    if not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous) or \
+            not (q.data.device_id == k.data.device_id == v.data.device_id == dev):
+        return None
+    if vec != (q.shape[-1] % 8 == 0 and (q.data.ptr | k.data.ptr | v.data.ptr) % 16 == 0):
+        return None
+    cp = rt.cupy
+    o = cp.empty(q.shape, dtype=q.dtype)
+    lse = cp.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=cp.float32) if key[15] else None
+    null = np.uint64(0)
+    kern(grid, block, (q, k, v, o, null if lse is None else lse, null, null) + scalars, shared_mem=smem)
+    return (o, lse) if lse is not None else o
 
 
 def _check_out(buf, shape, dtype, name):
@@ -395,11 +446,18 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     >>> k = v = cp.random.standard_normal((2, 1024, 2, 128)).astype(cp.float16)
     >>> o = flash_attention(q, k, v, causal=True)        # [2, 1024, 8, 128] float16
     """
+    cp = rt.cupy
+    fast_key = None
+    if cp is not None and type(q) is cp.ndarray and type(k) is cp.ndarray and type(v) is cp.ndarray:
+        fast_key = _fast_key(q, k, v, causal, softmax_scale, window, softcap, return_lse)
+        res = None if fast_key is None else _flash_fast(fast_key, q, k, v)
+        if res is not None:
+            return res
     if _split_host_device(q=q, k=k, v=v):
         return ref.flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                    softcap=softcap, return_lse=return_lse)
     return _flash_gpu(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-                      return_lse=return_lse)
+                      return_lse=return_lse, fast_key=fast_key)
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,

@@ -297,6 +297,11 @@ def make_key(name: str, shape: dict, dtype, device: dict | None = None) -> str:
 # ---------------------------------------------------------------------------------------------- the cache
 _lock = threading.RLock()
 _memory: dict[str, dict] = {}
+# (name, device id, dtype, shape items) -> config: pick()'s hit path skips building the key (~5 us a call,
+# which a host-bound short kernel pays in full)
+_picked: dict[tuple, dict] = {}
+# Bumped whenever a stored config may change: launch-plan caches in the op modules include it in their keys.
+_generation = 0
 _warned: set[str] = set()
 _stats = {"timer_calls": 0, "tuned": 0, "memory_hits": 0, "disk_hits": 0, "defaults": 0, "failed": 0}
 
@@ -313,8 +318,11 @@ def stats() -> dict:
 
 def reset() -> None:
     """Forget the in-memory cache, the one-time warnings and the counters (what a new process would see)."""
+    global _generation
     with _lock:
+        _generation += 1
         _memory.clear()
+        _picked.clear()
         _warned.clear()
         for k in _stats:
             _stats[k] = 0
@@ -378,8 +386,11 @@ def _file_lock(path: pathlib.Path):
 
 def _store(key: str, entry: dict) -> None:
     """Put one entry in memory and merge it into the JSON file (lock, re-read, update, atomic replace)."""
+    global _generation
     with _lock:
         _memory[key] = entry
+        _picked.clear()  # a re-tuned key must not be shadowed by pick()'s shortcut
+        _generation += 1
         path = cache_path()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -578,14 +589,20 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
     if not enabled():
         _stats["defaults"] += 1
         return default_config(name, dev["arch"])
-    key = make_key(name, shape, dtype, dev)
-    e = _memory.get(key)
-    if e is not None and _known(t, e["config"]):
+    try:
+        fast = (name, dev["id"], dtype, tuple(shape.items()))
+        cfg = _picked.get(fast)
+    except TypeError:  # an unhashable shape value: take the slow path
+        fast = cfg = None
+    if cfg is not None:
         _stats["memory_hits"] += 1
-        return dict(e["config"])
+        return dict(cfg)
+    key = make_key(name, shape, dtype, dev)
     with _lock:
         e = _lookup(key, t)
         if e is not None:
+            if fast is not None:
+                _picked[fast] = e["config"]
             return dict(e["config"])
         if _capturing():
             _warn_once(f"capture:{key}", f"vbw_cupy.autotune: {name} {_bucket_str(t, shape)} is not tuned and the "
@@ -601,6 +618,8 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
             return dict(e["default"])
         _stats["tuned"] += 1
         _store(key, e)
+        if fast is not None:
+            _picked[fast] = e["config"]
         return dict(e["config"])
 
 

@@ -378,7 +378,7 @@ def _matmul_gpu(a2, w, bias, act, out_dtype, cfg=None, out=None):
         return out, plan
     tuned = autotune.enabled()
     key = (M, K, lda, adt, bias_kind, act, out_dtype.name, cp.cuda.Device().id, cp.cuda.get_current_stream().ptr,
-           tuned)
+           tuned, autotune._generation)
     plans = w._cache.setdefault("gemm_v1_plans", {})
     plan = plans.get(key)
     if plan is None:
@@ -415,7 +415,7 @@ def _fast_key(a, bias, activation, out_dtype):
     cp = rt.cupy
     return (a.shape, a.dtype.char, activation, out_dtype,
             None if bias is None else (bias.shape, bias.dtype.char, bias.flags.c_contiguous, bias.data.device_id),
-            cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr, autotune.enabled())
+            cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr, autotune.enabled(), autotune._generation)
 
 
 def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None):
