@@ -49,6 +49,7 @@
 //       (128x128 2-stage, no spill) / 0.97 (1-stage, 16 B spill); D=128 0.86 (128x64 2-stage) / 0.91
 //       (1-stage, 24 B spill). Not yet at FLASH for D=128: the next step is the sm_90a wgmma path.
 #include "mma.cuh"
+#include "wgmma.cuh"
 
 namespace vbw_attn {
 
@@ -492,4 +493,272 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       }
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------- Hopper (sm_90a)
+// attn_fwd_wg: the same computation and arguments as attn_fwd, with wgmma instead of mma.sync (VEC inputs only,
+// d a multiple of 8 up to HEAD_DIM, HEAD_DIM a multiple of 64). CTA = WGS warpgroups; warpgroup g owns query
+// rows 64g..64g+63 of the CTA's BLOCK_M = 64 WGS. Shared memory (1024-byte aligned): Q [BLOCK_M][HEAD_DIM], and
+// two stages of K and V [BLOCK_N][HEAD_DIM], each stored as HEAD_DIM / 64 column panels of 128-byte rows with
+// the 128-byte swizzle (wgmma.cuh). Per KV tile (keys from the last visible tile down):
+//   wait K(n), V(n) ; barrier ; cp.async K(n-1), V(n-1) into the other stage
+//   S = Q K^T   wgmma SS, m64 n=BLOCK_N k16, K-major Q and K (scale-d 0 on the first k step)
+//   mask / online softmax in registers (the accumulator layout is mma.sync's, so the code is attn_fwd's, MT = 1)
+//   O += P V    wgmma RS, m64 n=HEAD_DIM k16: P packed from S in registers, V read MN-major (transposed B)
+// The two warpgroups meet only at the per-tile barrier, so one's softmax overlaps the other's wgmma.
+namespace vbw_attn {
+
+// cp.async a [ROWS][HEAD_DIM] tile into 128B-swizzled column panels at s (1024-aligned); rows >= rows_valid and
+// columns >= d are zero-filled.
+template <int ROWS, int HEAD_DIM, int NT, typename T>
+__device__ __forceinline__ void load_tile_sw(vbw::u32 s, const T* g, long long row_stride, int rows_valid, int d) {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  constexpr int CPR = HEAD_DIM / 8;
+  constexpr int TOTAL = ROWS * CPR;
+  constexpr int ITERS = (TOTAL + NT - 1) / NT;
+#pragma unroll
+  for (int i = 0; i < ITERS; ++i) {
+    const int c = tid + i * NT;
+    if ((TOTAL % NT) != 0 && c >= TOTAL) break;
+    const int r = c / CPR, ch = c % CPR;
+    const vbw::u32 dst = s + (ch >> 3) * (ROWS * 128) + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
+    const bool ok = r < rows_valid && ch * 8 < d;
+    vbw::cp_async_16(dst, ok ? g + r * row_stride + ch * 8 : g, ok);
+  }
+}
+
+// Byte offset of element (r, c) in such a tile of ROWS rows.
+template <int ROWS>
+__device__ __forceinline__ vbw::u32 sw_offset(int r, int c) {
+  return (c >> 6) * (ROWS * 128) + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
+}
+
+}  // namespace vbw_attn
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int WGS>
+__global__ void __launch_bounds__(WGS * 128, 1)
+attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
+            float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+            int batch, int seqlen_q, int seqlen_k, int heads, int group, int d, int num_m, int sect_heads,
+            float scale_log2, int score_mode, float cap_prescale, int win_left, int win_right,
+            long long q_rs, long long kv_rs, long long lse_stride_h) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace vbw;
+  constexpr int BLOCK_M = 64 * WGS;
+  constexpr int NT = 128 * WGS;
+  static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "HEAD_DIM: 64, 128, 192 or 256");
+  static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 256, "BLOCK_N: a wgmma N");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM: a wgmma N");
+  constexpr int NS = BLOCK_N / 2;    // S accumulators a thread
+  constexpr int NO = HEAD_DIM / 2;   // O accumulators a thread
+  constexpr int NN = BLOCK_N / 8;    // n8 column tiles of S
+  constexpr int ND = HEAD_DIM / 8;   // n8 column tiles of O
+  constexpr u32 Q_BYTES = BLOCK_M * HEAD_DIM * 2;
+  constexpr u32 KV_BYTES = BLOCK_N * HEAD_DIM * 2;  // one K or V tile
+  const float NEG_INF = __int_as_float(0xff800000);
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const u32 raw = smem_addr(smem_raw);
+  const u32 sbase = (raw + 1023u) & ~1023u;
+  const u32 sQ = sbase;
+  const u32 sK = sbase + Q_BYTES;             // stage st: sK + st * 2 * KV_BYTES; V follows its K
+  unsigned char* const sQ_ptr = smem_raw + (sbase - raw);
+
+  const int tid = threadIdx.x;
+  const int wg = tid >> 7;
+  const int warp = (tid >> 5) & 3;  // warp within the warpgroup
+  const int lane = tid & 31;
+#define VBW_CTA() vbw_attn::cta_info<BLOCK_M>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, sect_heads, \
+                                              win_left, win_right)
+  const vbw_attn::Cta cta = VBW_CTA();
+  if (cta.m0 >= cta.sq) return;
+  const int sk = cta.sk;
+  const int rows_q = min(BLOCK_M, cta.sq - cta.m0);
+  const T* kg = k + cta.k_start * kv_rs + (long long)(cta.h / group) * d;
+  const long long vk = v - k;
+
+  int n_lo = 0, n_hi = 0, nm_lo, nm_hi;
+  {
+    const int lo = max(0, cta.lo_base);
+    const int hi = min(sk, cta.hi_base + rows_q - 1);
+    if (hi > lo) {
+      n_lo = lo / BLOCK_N;
+      n_hi = (hi + BLOCK_N - 1) / BLOCK_N;
+    }
+    const int last_lo = cta.lo_base + rows_q - 1;
+    nm_lo = last_lo > 0 ? (last_lo + BLOCK_N - 1) / BLOCK_N : 0;
+    nm_hi = min(sk, cta.hi_base) >= 0 ? min(sk, cta.hi_base) / BLOCK_N : -1;
+  }
+
+  float acc_o[NO];
+#pragma unroll
+  for (int i = 0; i < NO; ++i) acc_o[i] = 0.f;
+  float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};
+
+  if (n_lo < n_hi) {
+    vbw_attn::load_tile_sw<BLOCK_M, HEAD_DIM, NT>(sQ, q + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d,
+                                                  q_rs, rows_q, d);
+    int n = n_hi - 1;
+    vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(sK, kg + (long long)n * BLOCK_N * kv_rs, kv_rs,
+                                                  sk - n * BLOCK_N, d);
+    vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(sK + KV_BYTES, kg + vk + (long long)n * BLOCK_N * kv_rs, kv_rs,
+                                                  sk - n * BLOCK_N, d);
+    cp_async_commit();
+    u32 stage = 0;  // byte offset of the current K/V stage from sK
+    const u32 q_wg = sQ + wg * 64 * 128;  // this warpgroup's rows of every Q panel
+
+    for (; n >= n_lo; --n) {
+      cp_async_wait<0>();
+      fence_async_smem();  // this thread's cp.async writes -> the async proxy that wgmma reads through
+      __syncthreads();     // everyone's K(n), V(n) landed; everyone is done with tile n+1, refilled now
+      if (n > n_lo) {
+        const u32 nxt = sK + (2 * KV_BYTES - stage);
+        vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(nxt, kg + (long long)(n - 1) * BLOCK_N * kv_rs, kv_rs,
+                                                      sk - (n - 1) * BLOCK_N, d);
+        vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(nxt + KV_BYTES, kg + vk + (long long)(n - 1) * BLOCK_N * kv_rs,
+                                                      kv_rs, sk - (n - 1) * BLOCK_N, d);
+        cp_async_commit();
+      }
+
+      // S = Q K^T
+      float s[NS];
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const u32 col = (kk & 3) << 5;
+        WgmmaSS<T, BLOCK_N, 0>::run(s, desc_sw128_k(q_wg + (kk >> 2) * (BLOCK_M * 128) + col),
+                                    desc_sw128_k(sK + stage + (kk >> 2) * (BLOCK_N * 128) + col), kk > 0);
+      }
+      wg_commit();
+      wg_wait<0>();
+
+      if (score_mode == 1) {
+#pragma unroll
+        for (int i = 0; i < NS; ++i) s[i] = tanhf(s[i] * cap_prescale);
+      } else if (score_mode == 2) {
+#pragma unroll
+        for (int i = 0; i < NS; ++i) s[i] *= cap_prescale;
+      }
+
+      if (n < nm_lo || n >= nm_hi) {
+        const vbw_attn::Cta c = VBW_CTA();
+        const int c0 = n * BLOCK_N;
+        const int lo_off = c.lo_base - c0;
+        const int hi_off = c.hi_base - c0;
+        const int hi_cap = min(BLOCK_N, c.sk - c0);
+        const int ln = threadIdx.x & 31;
+        const int wr = (threadIdx.x >> 7) * 64 + ((threadIdx.x >> 5) & 3) * 16;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int rl = wr + (ln >> 2) + hf * 8;
+          const int lo_t = rl + lo_off;
+          const int hi_t = min(rl + hi_off, hi_cap);
+#pragma unroll
+          for (int j = 0; j < NN; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = j * 8 + (ln & 3) * 2 + e;
+              if (col < lo_t || col >= hi_t) s[4 * j + 2 * hf + e] = NEG_INF;
+            }
+        }
+      }
+
+      float msc[2];
+      {
+        float corr[2];
+        bool moved = false;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          float mx = row_max[hf];
+#pragma unroll
+          for (int j = 0; j < NN; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * hf], s[4 * j + 2 * hf + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          msc[hf] = (mx == NEG_INF) ? 0.f : mx * scale_log2;
+          corr[hf] = (row_max[hf] == NEG_INF) ? 0.f : fast_exp2(row_max[hf] * scale_log2 - msc[hf]);
+          moved |= corr[hf] != 1.f;
+          row_max[hf] = mx;
+        }
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+          for (int i = 0; i < NO; ++i) acc_o[i] *= corr[(i >> 1) & 1];
+        }
+        row_sum[0] *= corr[0];
+        row_sum[1] *= corr[1];
+      }
+
+      // P = exp2(s scale log2e - m scale log2e), packed into wgmma A fragments (k step t = keys 16t..16t+15).
+      u32 pa[BLOCK_N / 16][4];
+#pragma unroll
+      for (int i = 0; i < NS; ++i) {
+        s[i] = fast_exp2(fmaf(s[i], scale_log2, -msc[(i >> 1) & 1]));
+        row_sum[(i >> 1) & 1] += s[i];
+      }
+#pragma unroll
+      for (int t = 0; t < BLOCK_N / 16; ++t) {
+        pa[t][0] = pack2<T>(s[8 * t + 0], s[8 * t + 1]);
+        pa[t][1] = pack2<T>(s[8 * t + 2], s[8 * t + 3]);
+        pa[t][2] = pack2<T>(s[8 * t + 4], s[8 * t + 5]);
+        pa[t][3] = pack2<T>(s[8 * t + 6], s[8 * t + 7]);
+      }
+
+      // O += P V: V is the B operand read MN-major (its rows are keys = k, columns d = n); 64-wide d panels
+      // BLOCK_N * 128 bytes apart (LBO), 8-key groups 1024 bytes apart.
+      wg_fence();
+#pragma unroll
+      for (int t = 0; t < BLOCK_N / 16; ++t)
+        WgmmaRS<T, HEAD_DIM, 1>::run(acc_o, pa[t][0], pa[t][1], pa[t][2], pa[t][3],
+                                     desc_sw128_mn(sK + stage + KV_BYTES + t * 16 * 128, BLOCK_N * 128));
+      wg_commit();
+      wg_wait<0>();
+      stage = 2 * KV_BYTES - stage;
+    }
+  }
+
+  // Epilogue: normalize, LSE, stage this warpgroup's O rows in its own (swizzled) rows of Q's buffer (no other
+  // warpgroup reads them, and this one's wgmma are drained), then 16-byte coalesced stores.
+  const vbw_attn::Cta ce = VBW_CTA();
+#undef VBW_CTA
+  const int m0 = ce.m0;
+  const int rows_e = min(BLOCK_M, ce.sq - m0);
+  T* og = o + (ce.q_start + m0) * q_rs + (long long)ce.h * d;
+  const long long lse_base =
+      (long long)ce.h * lse_stride_h + (cu_q != nullptr ? ce.q_start : (long long)ce.b * heads * seqlen_q);
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float sum = row_sum[hf];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int r = wg * 64 + warp * 16 + (lane >> 2) + hf * 8;
+#pragma unroll
+    for (int j = 0; j < ND; ++j) {
+      const int col = j * 8 + (lane & 3) * 2;
+      *reinterpret_cast<u32*>(sQ_ptr + vbw_attn::sw_offset<BLOCK_M>(r, col)) =
+          pack2<T>(acc_o[4 * j + 2 * hf] * inv, acc_o[4 * j + 2 * hf + 1] * inv);
+    }
+    if (lse != nullptr && (lane & 3) == 0 && r < rows_e) {
+      const float val = sum > 0.f ? (row_max[hf] * scale_log2 + __log2f(sum)) * 0.69314718055994531f : NEG_INF;
+      lse[lse_base + m0 + r] = val;
+    }
+  }
+  named_bar(1 + wg, 128);
+  {
+    constexpr int CPR = HEAD_DIM / 8;
+    constexpr int ITERS = 64 * CPR / 128;
+    const int t = tid & 127;
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+      const int c = t + i * 128;
+      const int r = wg * 64 + c / CPR;
+      const int col = (c % CPR) * 8;
+      if (r < rows_e && col < d)
+        *reinterpret_cast<uint4*>(og + r * q_rs + col) =
+            *reinterpret_cast<const uint4*>(sQ_ptr + vbw_attn::sw_offset<BLOCK_M>(r, col));
+    }
+  }
+#else
+  __trap();  // sm_90a only: the launcher never picks this kernel elsewhere
+#endif
 }

@@ -59,6 +59,7 @@
 #include <cuda_bf16.h>
 #include "mma.cuh"
 #include "fp4.cuh"
+#include "wgmma.cuh"
 
 namespace vbw_fp4gemm {
 
@@ -510,67 +511,17 @@ __device__ __forceinline__ void wg_finish(float (&acc)[NACC], void* __restrict__
 }
 
 // ---------------------------------------------------------------------------------------------- wgmma (sm_90a)
-// The wgmma wrappers differ only in N (N/2 fp32 accumulators a thread) and the operand type, so macros stamp
-// them out: VBW_ACC_<N> lists the accumulator operands, VBW_REGS_<N> their "%i" names in the asm string.
-#define VBW_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
-                    "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-#define VBW_ACC32(i) VBW_ACC8(i), VBW_ACC8(i + 8), VBW_ACC8(i + 16), VBW_ACC8(i + 24)
-#define VBW_ACC_64 VBW_ACC32(0)
-#define VBW_ACC_128 VBW_ACC32(0), VBW_ACC32(32)
-#define VBW_ACC_256 VBW_ACC32(0), VBW_ACC32(32), VBW_ACC32(64), VBW_ACC32(96)
-#define VBW_REGS_64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define VBW_REGS_128 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define VBW_REGS_256 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-
-// D (+)= A * B, both operands from shared memory (descriptors da, db); operands %NACC (da), %NACC+1 (db),
-// %NACC+2 (scale-d predicate source).
-#define VBW_WGMMA_SS(T, TS, N, NACC, IA, IB, IP)                                                          \
-  template <> struct WgmmaSS<T, N> {                                                                      \
-    static __device__ __forceinline__ void run(float (&d)[NACC], u64 da, u64 db) {                        \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                      \
-                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TS "." TS " {" VBW_REGS_##N          \
-                   "}, %" #IA ", %" #IB ", p, 1, 1, 0, 0;\n}\n"                                            \
-                   : VBW_ACC_##N : "l"(da), "l"(db), "r"(1));                                           \
-    }                                                                                                     \
-  };
-
-// D (+)= A * B, A from registers (a0..a3: %NACC..%NACC+3), B from shared memory (desc: %NACC+4).
-#define VBW_WGMMA_RS(T, TS, N, NACC, IA0, IA1, IA2, IA3, ID, IP)                                                          \
-  template <> struct WgmmaRS<T, N> {                                                                      \
-    static __device__ __forceinline__ void run(float (&d)[NACC], u32 a0, u32 a1, u32 a2, u32 a3,          \
-                                               unsigned long long desc) {                                 \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                      \
-                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TS "." TS " {" VBW_REGS_##N          \
-                   "}, {%" #IA0 ", %" #IA1 ", %" #IA2 ", %" #IA3 "}, %" #ID ", p, 1, 1, 0;\n}\n"             \
-                   : VBW_ACC_##N : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));              \
-    }                                                                                                     \
-  };
-
-template <typename OT, int N_> struct WgmmaSS;
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-VBW_WGMMA_SS(__half, "f16", 64, 32, 32, 33, 34)
-VBW_WGMMA_SS(__nv_bfloat16, "bf16", 64, 32, 32, 33, 34)
-VBW_WGMMA_SS(__half, "f16", 128, 64, 64, 65, 66)
-VBW_WGMMA_SS(__nv_bfloat16, "bf16", 128, 64, 64, 65, 66)
-VBW_WGMMA_SS(__half, "f16", 256, 128, 128, 129, 130)
-VBW_WGMMA_SS(__nv_bfloat16, "bf16", 256, 128, 128, 129, 130)
-#endif
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N_> __device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N_) : "memory");
-}
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void named_bar(int id, int n) { asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory"); }
-// K-major operand, 128-byte swizzle, rows of 128 B, 8-row groups 1024 B apart (SBO); LBO unused.
-__device__ __forceinline__ u64 desc_sw128(u32 saddr) {
-  return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
-}
-template <int R> __device__ __forceinline__ void keep_acc(float (&r)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
-}
+// Helpers (WgmmaSS / WgmmaRS, fences, descriptors) live in wgmma.cuh.
+using vbw::WgmmaSS;
+using vbw::WgmmaRS;
+using vbw::wg_fence;
+using vbw::wg_commit;
+using vbw::wg_wait;
+using vbw::fence_async_smem;
+using vbw::named_bar;
+using vbw::keep_acc;
+using vbw::keep_regs;
+__device__ __forceinline__ u64 desc_sw128(u32 saddr) { return vbw::desc_sw128_k(saddr); }
 
 // CTA = WGS warpgroups x 64 weight rows, BC tokens, BK = 64 (one atom per warp per k-tile). cp.async ring of
 // STAGES (activation tile in 128B-swizzled rows + the raw FP4 atoms); each warp decodes its atom (SIR) into a
@@ -721,21 +672,6 @@ fp4_gemm_wgmma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restr
 
 
 // ---------------------------------------------------------------------------------------------- wgmma, A in registers
-template <typename OT, int N_> struct WgmmaRS;
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-VBW_WGMMA_RS(__half, "f16", 64, 32, 32, 33, 34, 35, 36, 37)
-VBW_WGMMA_RS(__nv_bfloat16, "bf16", 64, 32, 32, 33, 34, 35, 36, 37)
-VBW_WGMMA_RS(__half, "f16", 128, 64, 64, 65, 66, 67, 68, 69)
-VBW_WGMMA_RS(__nv_bfloat16, "bf16", 128, 64, 64, 65, 66, 67, 68, 69)
-VBW_WGMMA_RS(__half, "f16", 256, 128, 128, 129, 130, 131, 132, 133)
-VBW_WGMMA_RS(__nv_bfloat16, "bf16", 256, 128, 128, 129, 130, 131, 132, 133)
-#endif
-
-template <int R> __device__ __forceinline__ void keep_regs(u32 (&r)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
-}
-
 // Register-A variant (Machete-like): each warp's decoded fragments feed wgmma straight from registers, B (the
 // activations) from 128B-swizzled smem; KSUB 64-k sub-tiles per stage. ptxas serializes wgmma when an A
 // register is written while any wgmma is in flight, so every k-tile drains (wait_group 0) before the next

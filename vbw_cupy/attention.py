@@ -36,11 +36,17 @@ HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_SEQLEN = (1 << 30) - 1      # the kernel's tile arithmetic is int32
 MAX_CTAS = (1 << 31) - 1        # 1-D grid
 _LOG2E = 1.4426950408889634
-_PARAMS = ("BLOCK_M", "BLOCK_N", "WARPS", "Q_REGS", "STAGES")
+_PARAMS = ("KIND", "BLOCK_M", "BLOCK_N", "WARPS", "Q_REGS", "STAGES")
 
 
 def _cfg(m, n, w, qr=0, st=2):
-    return {"BLOCK_M": m, "BLOCK_N": n, "WARPS": w, "Q_REGS": qr, "STAGES": st}
+    """An attn_fwd (mma.sync, sm_80+) config."""
+    return {"KIND": "mma", "BLOCK_M": m, "BLOCK_N": n, "WARPS": w, "Q_REGS": qr, "STAGES": st}
+
+
+def _wg(n, wgs=2):
+    """An attn_fwd_wg (wgmma, sm_90a only, 16-byte aligned inputs) config: WGS warpgroups of 64 query rows."""
+    return {"KIND": "wg", "BLOCK_M": 64 * wgs, "BLOCK_N": n, "WARPS": 4 * wgs, "Q_REGS": 0, "STAGES": 2}
 
 
 # Per compiled head dim: {arch: default config} and the candidates the tuner may time. Warp w owns
@@ -67,6 +73,10 @@ _DEFAULTS = {
 }
 for _d in _DEFAULTS.values():
     _d[89] = _d[86]
+# sm_90a, 16-byte aligned inputs, head dims whose bucket is a wgmma N (64 / 128 / 256): the wgmma kernel.
+_WG_DEFAULTS = {64: _wg(128), 128: _wg(128), 256: _wg(64)}
+_WG_CANDIDATES = {64: (_wg(128), _wg(64), _wg(128, 1)), 128: (_wg(128), _wg(64), _wg(128, 1)),
+                  256: (_wg(64), _wg(64, 1))}
 _CANDIDATES = {
     32: (_C(128, 128, 4, 1, 2), _C(128, 64, 4, 1, 2), _C(128, 128, 4, 1, 1)),
     64: (_C(128, 128, 4, 0, 2), _C(128, 64, 4, 1, 2), _C(128, 128, 4, 0, 1), _C(128, 64, 4, 1, 1)),
@@ -89,11 +99,18 @@ def head_dim_bucket(D: int) -> int:
 
 
 def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
-    """Dynamic shared memory of one CTA: Q [BLOCK_M] + K, V [STAGES][BLOCK_N] rows of HEAD_DIM + 8 elements."""
+    """Dynamic shared memory of one CTA. mma: Q [BLOCK_M] + K, V [STAGES][BLOCK_N] rows of HEAD_DIM + 8
+    elements; wg: the same unpadded (swizzled rows) plus 1 KB to align the base to 1024 bytes."""
+    if cfg["KIND"] == "wg":
+        return (cfg["BLOCK_M"] + 4 * cfg["BLOCK_N"]) * head_dim * itemsize + 1024
     return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize
 
 
 def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True) -> str:
+    if cfg["KIND"] == "wg":
+        if not vec:
+            raise ValueError(f"attention config {cfg}: the wgmma kernel needs 16-byte aligned rows (d % 8 == 0)")
+        return f"attn_fwd_wg<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_N']}, {cfg['BLOCK_M'] // 64}>"
     b = lambda x: "true" if x else "false"
     return (f"attn_fwd<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['WARPS']}, "
             f"{b(cfg['Q_REGS'])}, {cfg['STAGES']}, {b(vec)}>")
@@ -111,13 +128,33 @@ def _all_configs(head_dim: int, vec: bool = True) -> list[dict]:
     """Configs that can be launched: the candidates and defaults on the 16-byte path (VEC), the per-arch
     defaults only on the element-wise path (D % 8 != 0 or unaligned inputs are never tuned)."""
     defaults = list(_DEFAULTS[head_dim].values())
-    return _unique((list(_CANDIDATES[head_dim]) if vec else []) + defaults)
+    if not vec:
+        return _unique(defaults)
+    wg = [_WG_DEFAULTS[head_dim], *_WG_CANDIDATES[head_dim]] if head_dim in _WG_DEFAULTS else []
+    return _unique(wg + list(_CANDIDATES[head_dim]) + defaults)
 
 
 def kernel_instances() -> list[tuple[str, str]]:
     """Every (file, template instance) this module can launch, fp16 and bf16."""
     return [(SOURCE, instance_name(dt, hd, c, vec)) for dt in ("float16", "bfloat16") for hd in HEAD_DIMS
             for vec in (True, False) for c in _all_configs(hd, vec)]
+
+
+def default_config(head_dim: int, arch: int, vec: bool = True) -> dict:
+    """The per-arch default: the wgmma kernel on sm_90 for 16-byte aligned inputs where it exists, else the
+    mma.sync kernel's entry for the nearest arch at or below `arch`."""
+    if arch == 90 and vec and head_dim in _WG_DEFAULTS:
+        return dict(_WG_DEFAULTS[head_dim])
+    d = _DEFAULTS[head_dim]
+    return dict(d[max([a for a in d if a <= arch] or [min(d)])])
+
+
+def _runnable(head_dim: int, cfg: dict, vec: bool) -> dict:
+    """cfg, or the mma default where the wgmma kernel cannot run (not sm_90a, unaligned inputs): a wgmma
+    instruction on another target is an illegal instruction that poisons the CUDA context."""
+    if cfg["KIND"] == "wg" and not (vec and rt.device_arch() == 90):
+        return default_config(head_dim, rt.device_arch(), vec=False)
+    return cfg
 
 
 def _bucket(shape: dict) -> tuple:
@@ -144,6 +181,8 @@ def _make_bench(head_dim: int):
 
 def _fits(head_dim: int):
     def fits(cfg, lim):
+        if cfg["KIND"] == "wg" and lim.get("arch") != 90:
+            return False
         return (cfg["WARPS"] * 32 <= lim["max_threads"]
                 and smem_bytes(head_dim, cfg) <= lim["smem_optin"]
                 and cfg["BLOCK_M"] % (16 * cfg["WARPS"]) == 0)
@@ -153,18 +192,13 @@ def _fits(head_dim: int):
 if _autotune is not None:
     for _hd in HEAD_DIMS:
         _autotune.register(_autotune.Tunable(
-            name=_tunable_name(_hd), params=_PARAMS, candidates=tuple(_CANDIDATES[_hd]),
-            defaults={a: dict(c) for a, c in _DEFAULTS[_hd].items()}, bucket=_bucket, fits=_fits(_hd),
+            name=_tunable_name(_hd), params=_PARAMS, candidates=tuple(_all_configs(_hd, True)),
+            defaults={a: default_config(_hd, a) for a in _DEFAULTS[_hd]}, bucket=_bucket, fits=_fits(_hd),
             source=SOURCE,
             standard_shapes=tuple(({"Sq": s, "Sk": s, "masked": m, "B": 16384 // s, "H": 16}, dt)
                                   for s in (1024, 4096) for m in (0, 1) for dt in ("float16",)) if _hd in (64, 128)
             else (),
             bench=_make_bench(_hd)))
-
-
-def default_config(head_dim: int, arch: int) -> dict:
-    d = _DEFAULTS[head_dim]
-    return dict(d[max([a for a in d if a <= arch] or [min(d)])])
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -255,6 +289,7 @@ class _Launch:
         return rt.get_kernel(SOURCE, instance_name(self.q.dtype, self.head_dim, cfg, self.vec), tuple(opts))
 
     def run(self, cfg):
+        cfg = _runnable(self.head_dim, cfg, self.vec)
         if cfg["BLOCK_M"] % (16 * cfg["WARPS"]) != 0:
             raise ValueError(f"attention config {cfg}: BLOCK_M must be a multiple of 16 * WARPS")
         kern = self.kernel(cfg)
@@ -265,6 +300,7 @@ class _Launch:
 
     def bound(self, cfg):
         """(kernel, grid, block, smem, scalar args) of run(cfg): what the fast path replays with new arrays."""
+        cfg = _runnable(self.head_dim, cfg, self.vec)
         kern = self.kernel(cfg)
         num_m = rt.cdiv(self.max_q, cfg["BLOCK_M"])
         scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + self.tail_args
@@ -274,7 +310,7 @@ class _Launch:
         if config is not None:
             return dict(config)
         if _autotune is None or not self.vec:
-            return default_config(self.head_dim, rt.device_arch())
+            return default_config(self.head_dim, rt.device_arch(), self.vec)
         shape = {"Sq": self.max_q, "Sk": self.max_k, "masked": int(self.masked)}
         return _autotune.pick(_tunable_name(self.head_dim), shape, self.q.dtype, self.run)
 

@@ -1,0 +1,119 @@
+// wgmma.cuh: Hopper (sm_90a) warpgroup MMA helpers shared by the vbw_cupy kernels.
+//
+//   WgmmaSS<T, N, TB>::run(d, da, db, acc = 1)   d = A * B (acc = 0) or d += A * B, m64nNk16, A and B from
+//                                                shared memory
+//   WgmmaRS<T, N, TB>::run(d, a0..a3, db)        the same with A from registers (the m16n8k16 A fragment layout
+//                                                per warp: warp w of the warpgroup holds rows 16w..16w+15)
+//     T = __half / __nv_bfloat16, fp32 accumulators d[N / 2]; TB = 1 reads B MN-major (transposed: N contiguous)
+//     Accumulator layout (lane l, g = l / 4, t = l % 4, warp w): d[4j + e] is row 16w + g + 8 (e / 2),
+//     column 8j + 2t + e % 2, i.e. the m16n8 C fragment of mma.sync repeated over the N / 8 column tiles.
+//   wg_fence / wg_commit / wg_wait<N>            wgmma.fence / commit_group / wait_group
+//   fence_async_smem                             generic-proxy smem writes (st.shared, cp.async) -> wgmma reads
+//   named_bar(id, n)                             bar.sync on a named barrier for n threads
+//   desc_sw128_k(addr)                           descriptor of a K-major tile in 128-byte-swizzled rows (one row
+//                                                = 64 16-bit elements of K; 8-row groups 1024 B apart)
+//   desc_sw128_mn(addr, lbo)                     descriptor of an MN-major tile: rows of 64 N elements (128 B,
+//                                                swizzled), one row per k, 8-k groups 1024 B apart, 64-wide N
+//                                                panels lbo bytes apart
+//   keep_acc(r) / keep_regs(r)                   compiler barriers that pin registers in place
+// 128-byte swizzle: 16-byte chunk c of row r (r counted from a 1024-byte-aligned base) lives at chunk c ^ (r % 8).
+// wgmma must be issued by all 128 threads of a warpgroup; everything here is compiled only for sm_90a
+// (__CUDA_ARCH_FEAT_SM90_ALL); the kernels that use it trap on other targets.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#include "mma.cuh"
+
+namespace vbw {
+
+using u64 = unsigned long long;
+
+// The wrappers differ only in N (N/2 fp32 accumulators a thread), the operand type and the B transpose, so
+// macros stamp them out: VBW_ACC_<N> lists the accumulator operands, VBW_REGS_<N> their "%i" names.
+#define VBW_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
+                    "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define VBW_ACC32(i) VBW_ACC8(i), VBW_ACC8(i + 8), VBW_ACC8(i + 16), VBW_ACC8(i + 24)
+#define VBW_ACC_64 VBW_ACC32(0)
+#define VBW_ACC_128 VBW_ACC32(0), VBW_ACC32(32)
+#define VBW_ACC_256 VBW_ACC32(0), VBW_ACC32(32), VBW_ACC32(64), VBW_ACC32(96)
+#define VBW_REGS_64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define VBW_REGS_128 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define VBW_REGS_256 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+
+// Operands after the accumulators: %NACC (da), %NACC+1 (db), %NACC+2 (scale-d predicate source).
+#define VBW_WGMMA_SS(T, TS, N, TB, NACC, IA, IB, IP)                                                      \
+  template <> struct WgmmaSS<T, N, TB> {                                                                  \
+    static __device__ __forceinline__ void run(float (&d)[NACC], u64 da, u64 db, int acc = 1) {           \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                      \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TS "." TS " {" VBW_REGS_##N          \
+                   "}, %" #IA ", %" #IB ", p, 1, 1, 0, " #TB ";\n}\n"                                      \
+                   : VBW_ACC_##N : "l"(da), "l"(db), "r"(acc));                                         \
+    }                                                                                                     \
+  };
+
+// Operands after the accumulators: a0..a3 (%NACC..%NACC+3), desc (%NACC+4), scale-d source (%NACC+5).
+#define VBW_WGMMA_RS(T, TS, N, TB, NACC, IA0, IA1, IA2, IA3, ID, IP)                                      \
+  template <> struct WgmmaRS<T, N, TB> {                                                                  \
+    static __device__ __forceinline__ void run(float (&d)[NACC], u32 a0, u32 a1, u32 a2, u32 a3,          \
+                                               u64 desc) {                                                \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                      \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TS "." TS " {" VBW_REGS_##N          \
+                   "}, {%" #IA0 ", %" #IA1 ", %" #IA2 ", %" #IA3 "}, %" #ID ", p, 1, 1, " #TB ";\n}\n"     \
+                   : VBW_ACC_##N : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));              \
+    }                                                                                                     \
+  };
+
+template <typename T, int N, int TB = 0> struct WgmmaSS;
+template <typename T, int N, int TB = 0> struct WgmmaRS;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define VBW_WGMMA_ALL(TB)                                                                                 \
+  VBW_WGMMA_SS(__half, "f16", 64, TB, 32, 32, 33, 34)                                                     \
+  VBW_WGMMA_SS(__nv_bfloat16, "bf16", 64, TB, 32, 32, 33, 34)                                             \
+  VBW_WGMMA_SS(__half, "f16", 128, TB, 64, 64, 65, 66)                                                    \
+  VBW_WGMMA_SS(__nv_bfloat16, "bf16", 128, TB, 64, 64, 65, 66)                                            \
+  VBW_WGMMA_SS(__half, "f16", 256, TB, 128, 128, 129, 130)                                                \
+  VBW_WGMMA_SS(__nv_bfloat16, "bf16", 256, TB, 128, 128, 129, 130)                                        \
+  VBW_WGMMA_RS(__half, "f16", 64, TB, 32, 32, 33, 34, 35, 36, 37)                                         \
+  VBW_WGMMA_RS(__nv_bfloat16, "bf16", 64, TB, 32, 32, 33, 34, 35, 36, 37)                                 \
+  VBW_WGMMA_RS(__half, "f16", 128, TB, 64, 64, 65, 66, 67, 68, 69)                                        \
+  VBW_WGMMA_RS(__nv_bfloat16, "bf16", 128, TB, 64, 64, 65, 66, 67, 68, 69)                                \
+  VBW_WGMMA_RS(__half, "f16", 256, TB, 128, 128, 129, 130, 131, 132, 133)                                 \
+  VBW_WGMMA_RS(__nv_bfloat16, "bf16", 256, TB, 128, 128, 129, 130, 131, 132, 133)
+VBW_WGMMA_ALL(0)
+VBW_WGMMA_ALL(1)
+#undef VBW_WGMMA_ALL
+#endif
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N_> __device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N_) : "memory");
+}
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void named_bar(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory");
+}
+
+// Descriptor bits: start >> 4 (0-13), leading byte offset >> 4 (16-29), stride byte offset >> 4 (32-45),
+// layout 1 = 128-byte swizzle (62-63).
+__device__ __forceinline__ u64 desc_sw128_k(u32 saddr) {
+  return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+__device__ __forceinline__ u64 desc_sw128_mn(u32 saddr, u32 lbo) {
+  return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)((lbo >> 4) & 0x3FFFu) << 16) | ((u64)(1024 >> 4) << 32) |
+         ((u64)1 << 62);
+}
+
+template <int R> __device__ __forceinline__ void keep_acc(float (&r)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+template <int R> __device__ __forceinline__ void keep_regs(u32 (&r)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
+}
+
+}  // namespace vbw
