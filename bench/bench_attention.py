@@ -209,7 +209,7 @@ def sweep(Ds=(64, 128, 256), Ss=(4096,), rep=10, out=sys.stdout):
                     continue
                 tf = case.tflops(ms)
                 tag = " (default)" if cfg == A.default_config(hd, arch) else ""
-                print(f"D={D:>3} S={S:>5} causal={str(causal):>5} BM={cfg['BLOCK_M']:>3} BN={cfg['BLOCK_N']:>3} "
+                print(f"D={D:>3} S={S:>5} causal={str(causal):>5} {cfg['KIND']:>3} BM={cfg['BLOCK_M']:>3} BN={cfg['BLOCK_N']:>3} "
                       f"W={cfg['WARPS']} QR={cfg['Q_REGS']} ST={cfg['STAGES']} regs={at['num_regs']:>3} local={at['local_size_bytes']:>3}"
                       f" : {ms:8.3f} ms {tf:7.1f} TFLOP/s{tag}", file=out, flush=True)
                 if best is None or tf > best[0]:
@@ -228,7 +228,7 @@ AB_SHAPES = ((64, 1024, False), (64, 4096, False), (64, 4096, True), (64, 16384,
 
 
 def _ab_cfg(t):
-    return dict(zip(("BLOCK_M", "BLOCK_N", "WARPS", "Q_REGS", "STAGES"), t))
+    return dict(zip(("BLOCK_M", "BLOCK_N", "WARPS", "Q_REGS", "STAGES"), t), KIND="mma")
 
 
 def ab(rep=10, out=sys.stdout):

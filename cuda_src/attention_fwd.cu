@@ -536,7 +536,7 @@ __device__ __forceinline__ vbw::u32 sw_offset(int r, int c) {
 
 }  // namespace vbw_attn
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WGS>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP>
 __global__ void __launch_bounds__(WGS * 128, 1)
 attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
             float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
@@ -597,42 +597,32 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};
 
   if (n_lo < n_hi) {
-    vbw_attn::load_tile_sw<BLOCK_M, HEAD_DIM, NT>(sQ, q + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d,
-                                                  q_rs, rows_q, d);
-    int n = n_hi - 1;
-    vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(sK, kg + (long long)n * BLOCK_N * kv_rs, kv_rs,
-                                                  sk - n * BLOCK_N, d);
-    vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(sK + KV_BYTES, kg + vk + (long long)n * BLOCK_N * kv_rs, kv_rs,
-                                                  sk - n * BLOCK_N, d);
-    cp_async_commit();
-    u32 stage = 0;  // byte offset of the current K/V stage from sK
+    // K and V of tile m live in slot m & 1 (K at kslot(m), its V KV_BYTES after).
+    auto kslot = [&](int m) -> u32 { return sK + (u32)(m & 1) * (2 * KV_BYTES); };
+    auto load_k = [&](int m) {
+      vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(m), kg + (long long)m * BLOCK_N * kv_rs, kv_rs,
+                                                    sk - m * BLOCK_N, d);
+    };
+    auto load_v = [&](int m) {
+      vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(m) + KV_BYTES, kg + vk + (long long)m * BLOCK_N * kv_rs,
+                                                    kv_rs, sk - m * BLOCK_N, d);
+    };
     const u32 q_wg = sQ + wg * 64 * 128;  // this warpgroup's rows of every Q panel
-
-    for (; n >= n_lo; --n) {
-      cp_async_wait<0>();
-      fence_async_smem();  // this thread's cp.async writes -> the async proxy that wgmma reads through
-      __syncthreads();     // everyone's K(n), V(n) landed; everyone is done with tile n+1, refilled now
-      if (n > n_lo) {
-        const u32 nxt = sK + (2 * KV_BYTES - stage);
-        vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(nxt, kg + (long long)(n - 1) * BLOCK_N * kv_rs, kv_rs,
-                                                      sk - (n - 1) * BLOCK_N, d);
-        vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(nxt + KV_BYTES, kg + vk + (long long)(n - 1) * BLOCK_N * kv_rs,
-                                                      kv_rs, sk - (n - 1) * BLOCK_N, d);
-        cp_async_commit();
-      }
-
-      // S = Q K^T
-      float s[NS];
+    // S = Q K(m)^T, issued and committed (not waited for).
+    auto issue_s = [&](float (&s)[NS], int m) {
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         const u32 col = (kk & 3) << 5;
         WgmmaSS<T, BLOCK_N, 0>::run(s, desc_sw128_k(q_wg + (kk >> 2) * (BLOCK_M * 128) + col),
-                                    desc_sw128_k(sK + stage + (kk >> 2) * (BLOCK_N * 128) + col), kk > 0);
+                                    desc_sw128_k(kslot(m) + (kk >> 2) * (BLOCK_N * 128) + col), kk > 0);
       }
       wg_commit();
-      wg_wait<0>();
-
+    };
+    // Online softmax of S(m) in registers: updates the row max and sums, writes P(m) (as wgmma A fragments,
+    // k step t = keys 16t..16t+15) to pa, and returns the factor O must be scaled by before P(m) V(m) is added
+    // (corr.x / .y for the thread's two rows; 1 when no row max of the warp moved).
+    auto softmax_p = [&](float (&s)[NS], int m, u32 (&pa)[BLOCK_N / 16][4]) -> float2 {
       if (score_mode == 1) {
 #pragma unroll
         for (int i = 0; i < NS; ++i) s[i] = tanhf(s[i] * cap_prescale);
@@ -640,10 +630,9 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 #pragma unroll
         for (int i = 0; i < NS; ++i) s[i] *= cap_prescale;
       }
-
-      if (n < nm_lo || n >= nm_hi) {
+      if (m < nm_lo || m >= nm_hi) {
         const vbw_attn::Cta c = VBW_CTA();
-        const int c0 = n * BLOCK_N;
+        const int c0 = m * BLOCK_N;
         const int lo_off = c.lo_base - c0;
         const int hi_off = c.hi_base - c0;
         const int hi_cap = min(BLOCK_N, c.sk - c0);
@@ -663,10 +652,8 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
             }
         }
       }
-
-      float msc[2];
+      float msc[2], corr[2];
       {
-        float corr[2];
         bool moved = false;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
@@ -680,16 +667,10 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
           moved |= corr[hf] != 1.f;
           row_max[hf] = mx;
         }
-        if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-          for (int i = 0; i < NO; ++i) acc_o[i] *= corr[(i >> 1) & 1];
-        }
+        if (!__any_sync(0xffffffffu, moved)) corr[0] = corr[1] = 1.f;
         row_sum[0] *= corr[0];
         row_sum[1] *= corr[1];
       }
-
-      // P = exp2(s scale log2e - m scale log2e), packed into wgmma A fragments (k step t = keys 16t..16t+15).
-      u32 pa[BLOCK_N / 16][4];
 #pragma unroll
       for (int i = 0; i < NS; ++i) {
         s[i] = fast_exp2(fmaf(s[i], scale_log2, -msc[(i >> 1) & 1]));
@@ -702,17 +683,95 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
         pa[t][2] = pack2<T>(s[8 * t + 4], s[8 * t + 5]);
         pa[t][3] = pack2<T>(s[8 * t + 6], s[8 * t + 7]);
       }
-
-      // O += P V: V is the B operand read MN-major (its rows are keys = k, columns d = n); 64-wide d panels
+      return make_float2(corr[0], corr[1]);
+    };
+    auto rescale_o = [&](float2 corr) {
+      if (__any_sync(0xffffffffu, corr.x != 1.f || corr.y != 1.f)) {
+#pragma unroll
+        for (int i = 0; i < NO; ++i) acc_o[i] *= (i & 2) ? corr.y : corr.x;
+      }
+    };
+    // O += P(m) V(m), issued and committed.
+    auto issue_pv = [&](const u32 (&pa)[BLOCK_N / 16][4], int m) {
+      // O += P V: V is the B operand read MN-major (rows are keys = k, columns d = n); 64-wide d panels
       // BLOCK_N * 128 bytes apart (LBO), 8-key groups 1024 bytes apart.
       wg_fence();
 #pragma unroll
       for (int t = 0; t < BLOCK_N / 16; ++t)
         WgmmaRS<T, HEAD_DIM, 1>::run(acc_o, pa[t][0], pa[t][1], pa[t][2], pa[t][3],
-                                     desc_sw128_mn(sK + stage + KV_BYTES + t * 16 * 128, BLOCK_N * 128));
+                                     desc_sw128_mn(kslot(m) + KV_BYTES + t * 16 * 128, BLOCK_N * 128));
       wg_commit();
+    };
+
+    vbw_attn::load_tile_sw<BLOCK_M, HEAD_DIM, NT>(sQ, q + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d,
+                                                  q_rs, rows_q, d);
+    int n = n_hi - 1;
+    load_k(n);
+    float s[NS];
+    if constexpr (!OVERLAP) {
+      load_v(n);
+      cp_async_commit();
+      for (; n >= n_lo; --n) {
+        cp_async_wait<0>();
+        fence_async_smem();  // this thread's cp.async writes -> the async proxy that wgmma reads through
+        __syncthreads();     // everyone's K(n), V(n) landed; everyone is done with tile n+1, refilled now
+        if (n > n_lo) {
+          load_k(n - 1);
+          load_v(n - 1);
+          cp_async_commit();
+        }
+        issue_s(s, n);
+        wg_wait<0>();
+        u32 pa[BLOCK_N / 16][4];
+        rescale_o(softmax_p(s, n, pa));
+        issue_pv(pa, n);
+        wg_wait<0>();
+      }
+    } else {
+      // FlashAttention-3's intra-warpgroup overlap: while P(m) V(m) runs on the tensor cores, S(m-1) (issued
+      // just before it, waited for alone) goes through the softmax. O is rescaled for P(m-1) only once P(m) V(m)
+      // is done, and P alternates between two register sets, so no register of an in-flight wgmma is touched.
+      // Iteration m needs K(m-1) and V(m); it refills the slots of K(m) (S(m) finished) and V(m+1).
+      cp_async_commit();
+      load_v(n);
+      if (n > n_lo) load_k(n - 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+      fence_async_smem();
+      __syncthreads();  // Q, K(n) landed
+      issue_s(s, n);
       wg_wait<0>();
-      stage = 2 * KV_BYTES - stage;
+      u32 pa0[BLOCK_N / 16][4], pa1[BLOCK_N / 16][4];
+      softmax_p(s, n, pa0);  // O is still 0: nothing to rescale
+      // Iterations m > n_lo; the last one (no S(m-1)) is peeled off so every wgmma group here is unconditional
+      // (with a conditional one, ptxas cannot tell which group wait_group 1 retires and serializes them all).
+      auto step = [&](const u32 (&pa_cur)[BLOCK_N / 16][4], u32 (&pa_next)[BLOCK_N / 16][4], int m) {
+        cp_async_wait<0>();
+        fence_async_smem();
+        __syncthreads();  // K(m-1), V(m) landed; everyone is done with K(m) and V(m+1)
+        if (m - 1 > n_lo) load_k(m - 2);
+        load_v(m - 1);
+        cp_async_commit();
+        issue_s(s, m - 1);
+        issue_pv(pa_cur, m);
+        wg_wait<1>();
+        const float2 corr = softmax_p(s, m - 1, pa_next);
+        wg_wait<0>();
+        rescale_o(corr);
+      };
+      auto last = [&](const u32 (&pa_cur)[BLOCK_N / 16][4]) {
+        cp_async_wait<0>();
+        fence_async_smem();
+        __syncthreads();  // V(n_lo) landed
+        issue_pv(pa_cur, n_lo);
+        wg_wait<0>();
+      };
+      for (;;) {
+        if (n == n_lo) { last(pa0); break; }
+        step(pa0, pa1, n--);
+        if (n == n_lo) { last(pa1); break; }
+        step(pa1, pa0, n--);
+      }
     }
   }
 

@@ -403,13 +403,13 @@ def test_wgmma_kernel_only_where_it_can_run():
     """The wgmma kernel is the sm_90 default for aligned inputs of head dims 64 / 128 / 256; never elsewhere
     (a wgmma on another target is an illegal instruction), and the tuner may not time it elsewhere."""
     for hd in A.HEAD_DIMS:
-        assert (A.default_config(hd, 90)["KIND"] == "wg") == (hd in (64, 128, 256))
+        assert (A.default_config(hd, 90)["KIND"] != "mma") == (hd in (64, 128, 256))
         for arch in (80, 86, 89, 100, 120):
             assert A.default_config(hd, arch)["KIND"] == "mma", (hd, arch)
         assert A.default_config(hd, 90, vec=False)["KIND"] == "mma"
         assert all(c["KIND"] == "mma" for c in A._all_configs(hd, False))
         fits = A._fits(hd)
         lim = {"arch": 100, "max_threads": 1024, "smem_optin": 232448}
-        assert not any(fits(c, lim) for c in A._all_configs(hd, True) if c["KIND"] == "wg")
+        assert not any(fits(c, lim) for c in A._all_configs(hd, True) if c["KIND"] != "mma")
     with pytest.raises(ValueError, match="aligned"):
         A.instance_name("float16", 64, A.default_config(64, 90), vec=False)

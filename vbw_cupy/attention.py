@@ -44,9 +44,11 @@ def _cfg(m, n, w, qr=0, st=2):
     return {"KIND": "mma", "BLOCK_M": m, "BLOCK_N": n, "WARPS": w, "Q_REGS": qr, "STAGES": st}
 
 
-def _wg(n, wgs=2):
-    """An attn_fwd_wg (wgmma, sm_90a only, 16-byte aligned inputs) config: WGS warpgroups of 64 query rows."""
-    return {"KIND": "wg", "BLOCK_M": 64 * wgs, "BLOCK_N": n, "WARPS": 4 * wgs, "Q_REGS": 0, "STAGES": 2}
+def _wg(n, wgs=2, overlap=False):
+    """An attn_fwd_wg (wgmma, sm_90a only, 16-byte aligned inputs) config: WGS warpgroups of 64 query rows;
+    KIND "wgp" overlaps each warpgroup's softmax with its own Q K^T of the next tile."""
+    return {"KIND": "wgp" if overlap else "wg", "BLOCK_M": 64 * wgs, "BLOCK_N": n, "WARPS": 4 * wgs, "Q_REGS": 0,
+            "STAGES": 2}
 
 
 # Per compiled head dim: {arch: default config} and the candidates the tuner may time. Warp w owns
@@ -74,8 +76,12 @@ _DEFAULTS = {
 for _d in _DEFAULTS.values():
     _d[89] = _d[86]
 # sm_90a, 16-byte aligned inputs, head dims whose bucket is a wgmma N (64 / 128 / 256): the wgmma kernel.
-_WG_DEFAULTS = {64: _wg(128), 128: _wg(128), 256: _wg(64)}
-_WG_CANDIDATES = {64: (_wg(128), _wg(64), _wg(128, 1)), 128: (_wg(128), _wg(64), _wg(128, 1)),
+# H200, S = 4096 fp16 (bench_attention.py --sweep): D=64 one-warpgroup CTAs 295 / 266 TFLOP/s (full / causal)
+# vs 294 / 253 with two; the overlapped variant (wgp) 284 / 260; D=128 128x128 404 / 352 (wgp 362-371 /
+# 315-323, and it spills at 128x128); D=256 128x64 403 / 330. The wgp tiles that do not spill stay candidates.
+_WG_DEFAULTS = {64: _wg(128, 1), 128: _wg(128), 256: _wg(64)}
+_WG_CANDIDATES = {64: (_wg(128), _wg(128, 1), _wg(64), _wg(128, 2, True), _wg(64, 2, True)),
+                  128: (_wg(128), _wg(64), _wg(128, 1), _wg(64, 2, True)),
                   256: (_wg(64), _wg(64, 1))}
 _CANDIDATES = {
     32: (_C(128, 128, 4, 1, 2), _C(128, 64, 4, 1, 2), _C(128, 128, 4, 1, 1)),
@@ -101,16 +107,17 @@ def head_dim_bucket(D: int) -> int:
 def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     """Dynamic shared memory of one CTA. mma: Q [BLOCK_M] + K, V [STAGES][BLOCK_N] rows of HEAD_DIM + 8
     elements; wg: the same unpadded (swizzled rows) plus 1 KB to align the base to 1024 bytes."""
-    if cfg["KIND"] == "wg":
+    if cfg["KIND"] != "mma":
         return (cfg["BLOCK_M"] + 4 * cfg["BLOCK_N"]) * head_dim * itemsize + 1024
     return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize
 
 
 def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True) -> str:
-    if cfg["KIND"] == "wg":
+    if cfg["KIND"] != "mma":
         if not vec:
             raise ValueError(f"attention config {cfg}: the wgmma kernel needs 16-byte aligned rows (d % 8 == 0)")
-        return f"attn_fwd_wg<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_N']}, {cfg['BLOCK_M'] // 64}>"
+        return (f"attn_fwd_wg<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_N']}, {cfg['BLOCK_M'] // 64}, "
+                f"{'true' if cfg['KIND'] == 'wgp' else 'false'}>")
     b = lambda x: "true" if x else "false"
     return (f"attn_fwd<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['WARPS']}, "
             f"{b(cfg['Q_REGS'])}, {cfg['STAGES']}, {b(vec)}>")
@@ -152,7 +159,7 @@ def default_config(head_dim: int, arch: int, vec: bool = True) -> dict:
 def _runnable(head_dim: int, cfg: dict, vec: bool) -> dict:
     """cfg, or the mma default where the wgmma kernel cannot run (not sm_90a, unaligned inputs): a wgmma
     instruction on another target is an illegal instruction that poisons the CUDA context."""
-    if cfg["KIND"] == "wg" and not (vec and rt.device_arch() == 90):
+    if cfg["KIND"] != "mma" and not (vec and rt.device_arch() == 90):
         return default_config(head_dim, rt.device_arch(), vec=False)
     return cfg
 
@@ -181,7 +188,7 @@ def _make_bench(head_dim: int):
 
 def _fits(head_dim: int):
     def fits(cfg, lim):
-        if cfg["KIND"] == "wg" and lim.get("arch") != 90:
+        if cfg["KIND"] != "mma" and lim.get("arch") != 90:
             return False
         return (cfg["WARPS"] * 32 <= lim["max_threads"]
                 and smem_bytes(head_dim, cfg) <= lim["smem_optin"]
