@@ -19,6 +19,7 @@ read from seq_lens when values are checked, else `max_seqlen`, else max_blocks *
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import ml_dtypes
@@ -121,6 +122,7 @@ def _occupancy(kernel, threads: int, smem: int) -> int:
     return max(1, min(by_smem, by_regs, by_threads, 32))
 
 
+@functools.lru_cache(maxsize=4096)  # pure in its ints; a new sequence length per decode step otherwise re-scans
 def heuristic_splits(ctas: int, slots: int, max_len: int, warps: int) -> int:
     """Split count for `ctas` (sequence, KV head, head tile) CTAs on `slots` resident CTAs (SMs x CTAs per SM).
 
@@ -222,6 +224,10 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     ``check=False`` in a decode loop whose tables are known to be valid (PagedKVCache does); bad values then
     read wrong memory or fault instead of raising.
 
+    Host cost: a call whose shapes, dtypes, options, device, stream and tuning state match an earlier checked
+    call reuses that call's launch plan, re-checking only array types, contiguity, devices, the caches'
+    alignment and (check=True) the values.
+
     `max_seqlen` (optional, host int) bounds seq_lens; it picks the split count when values are not checked
     (default bound max_blocks * block_size). Launch shapes never depend on seq_lens' values, so with
     check=False the call can be captured in a CUDA graph and replayed as the sequences grow.
@@ -232,6 +238,40 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     >>> table = cp.arange(64, dtype=cp.int32).reshape(2, 32)[:, ::-1].copy()   # any block order
     >>> o = paged_attention(q, kc, kc, table, cp.asarray([300, 17], dtype=cp.int32))  # o.shape == (2, 32, 128)
     """
+    # Fast path: GPU arrays whose shapes, dtypes, options (types and values), device, stream and autotune state
+    # match an earlier call that was checked in full below reuse its launch plan; only what can differ between
+    # such calls is checked again: array types, contiguity, devices, the caches' 16-byte alignment, and with
+    # check=True the values of seq_lens and block_table.
+    cp = rt.cupy
+    fkey = None
+    if cp is not None and type(q) is cp.ndarray:
+        try:
+            fkey = _fast_key(cp, q, k_cache, v_cache, block_table, seq_lens, softmax_scale, softcap, window, check,
+                             max_seqlen, out)
+            sig = _sigs.get(fkey)
+        except (TypeError, AttributeError):  # unhashable or array-less arguments: the full path says what is wrong
+            fkey = sig = None
+        if sig is not None:
+            nd, dev = cp.ndarray, sig.dev
+            if (type(k_cache) is nd and type(v_cache) is nd and type(block_table) is nd and type(seq_lens) is nd
+                    and (out is None or type(out) is nd and out.flags.c_contiguous and out.data.device_id == dev)
+                    and q.flags.c_contiguous and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous
+                    and block_table.flags.c_contiguous and seq_lens.flags.c_contiguous
+                    and q.data.device_id == dev and k_cache.data.device_id == dev
+                    and v_cache.data.device_id == dev and block_table.data.device_id == dev
+                    and seq_lens.data.device_id == dev and (k_cache.data.ptr | v_cache.data.ptr) % 16 == 0):
+                plan = sig.plan
+                if plan is None:  # check=True: the values, then the plan of the longest sequence
+                    _, lens = ref.check_paged_values(block_table, seq_lens, sig.num_blocks, sig.block_size)
+                    max_len = int(lens.max())
+                    plan = sig.plans.get(max_len)
+                    if plan is None:
+                        plan, out = _plan(sig.cfg_args, q, k_cache, v_cache, block_table, seq_lens, out, max_len)
+                        if len(sig.plans) >= _MAX_PLANS:
+                            sig.plans.clear()
+                        sig.plans[max_len] = plan
+                        return out
+                return plan.run(q, k_cache, v_cache, block_table, seq_lens, out)
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
     if all(_is_numpy(a) for a in arrays.values()):
         if out is not None:
@@ -244,6 +284,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
             raise TypeError(f"{name}: expected a GPU array like the other arguments, got numpy.ndarray "
                             "(pass all NumPy arrays for the reference, or all GPU arrays)")
     cp = rt.require_cupy()
+    given = (q, k_cache, v_cache, block_table, seq_lens)
     arrays = {n: rt.as_gpu_array(a, n) for n, a in arrays.items()}
     rt.check_same_device(**arrays)
     q, k_cache, v_cache, block_table, seq_lens = arrays.values()
@@ -252,7 +293,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
                                  softmax_scale=softmax_scale, dtypes=ref.GPU_ATTENTION_DTYPES, check_values=check)
     left, _ = ref.check_window(window)
     scale = ref.effective_scale(softmax_scale, shape.D)
-    softcap = ref.check_softcap(softcap)
+    softcap_f = ref.check_softcap(softcap)
     B, Hq, Hkv, D = shape.B, shape.Hq, shape.Hkv, shape.D
     if shape.num_blocks * shape.block_size * Hkv >= 2 ** 31:
         raise ValueError(f"k_cache: expected fewer than 2^31 token-head rows (num_blocks * block_size * Hkv), "
@@ -269,28 +310,104 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
         max_len = min(int(max_seqlen), capacity)
     else:
         max_len = capacity
-    with cp.cuda.Device(q.device.id):
+    dev = q.device.id
+    # the fast path may replay this call if the arrays were used as given (no copies) on the current device
+    key = None
+    if fkey is not None and all(a is b for a, b in zip(given, arrays.values())) and \
+            all(a.flags.c_contiguous for a in given) and (k_cache.data.ptr | v_cache.data.ptr) % 16 == 0 and \
+            cp.cuda.runtime.getDevice() == dev:
+        key = fkey
+    with cp.cuda.Device(dev):
         q, k_cache, v_cache = (rt.ensure_contiguous(a) for a in (q, k_cache, v_cache))
         block_table, seq_lens = rt.ensure_contiguous(block_table), rt.ensure_contiguous(seq_lens)
-        if out is None:
-            out = cp.empty(q.shape, dtype=q.dtype)
-        else:
+        if out is not None:
             if not rt.is_gpu_array(out) or tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype \
                     or not out.flags.c_contiguous:
                 raise ValueError(f"out: expected a C-contiguous CuPy array of shape {tuple(q.shape)} and dtype "
                                  f"{q.dtype}, got {type(out).__name__} {getattr(out, 'shape', None)} "
                                  f"{getattr(out, 'dtype', None)}")
             rt.check_same_device(q=q, out=out)
-        args = (q, k_cache, v_cache, block_table, seq_lens, out, scale, softcap, left, max_len)
-        key_shape = {"B": B, "Hkv": Hkv, "G": Hq // Hkv, "DP": _dp(D), "ctx": max_len,
-                     "block_size": shape.block_size}
-        cfg = autotune.pick(TUNABLE.name, key_shape, q.dtype, lambda c: _Launch(c, *args).run())
-        try:
-            launch = _Launch(cfg, *args)
-        except ValueError:  # a tuned/default config that does not fit this head dim: the smallest one
-            launch = _Launch(dict(WARPS=2, STAGES=2, SPLITS=cfg.get("SPLITS", 0)), *args)
-        launch.run()
+        cfg_args = (scale, softcap_f, left, B, Hkv, Hq // Hkv, _dp(D), shape.block_size)
+        plan, out = _plan(cfg_args, q, k_cache, v_cache, block_table, seq_lens, out, max_len)
+        if key is not None and not cp.cuda.get_current_stream().is_capturing():
+            if len(_sigs) >= _MAX_PLANS:
+                _sigs.clear()
+            _sigs[key] = _Signature(dev, shape.num_blocks, shape.block_size, cfg_args,
+                                    None if check else plan, {max_len: plan} if check else None)
     return out
+
+
+# ------------------------------------------------------------------------------------------- launch plans
+_MAX_PLANS = 256  # signatures kept (all forgotten at once when full); as many plans per check=True signature
+_sigs: dict = {}  # _fast_key(...) -> _Signature
+
+
+def _fast_key(cp, q, k_cache, v_cache, block_table, seq_lens, softmax_scale, softcap, window, check, max_seqlen,
+              out):
+    """What a checked call's outcome depends on besides the per-call checks of the fast path. Options go in
+    with their types: True == 1 and 1 == 1.0, but they do not pass the same checks."""
+    return (q.shape, q.dtype, k_cache.shape, k_cache.dtype, v_cache.shape, v_cache.dtype, block_table.shape,
+            block_table.dtype, seq_lens.shape, seq_lens.dtype, type(softmax_scale), softmax_scale,
+            type(softcap), softcap, type(window), window, tuple(map(type, window)), type(check), check,
+            type(max_seqlen), max_seqlen, None if out is None else (type(out), out.shape, out.dtype),
+            cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr, autotune.enabled(),
+            getattr(autotune, "_generation", 0))
+
+
+class _Signature:
+    """A fully checked call signature: its device, what the value checks need, and its launch plan
+    (check=False: one; check=True: one per longest sequence length, in `plans`)."""
+    __slots__ = ("dev", "num_blocks", "block_size", "cfg_args", "plan", "plans")
+
+    def __init__(self, dev, num_blocks, block_size, cfg_args, plan, plans):
+        self.dev, self.num_blocks, self.block_size = dev, num_blocks, block_size
+        self.cfg_args, self.plan, self.plans = cfg_args, plan, plans
+
+
+class _Plan:
+    """One call's launches (from its _Launch) with the arrays left out, to replay on same-signature arrays."""
+    __slots__ = ("kernel", "grid", "block", "smem", "tail", "combine", "cgrid", "ctail", "n_o", "n_lse", "dummy")
+
+    def __init__(self, launch):
+        self.kernel, self.grid, self.block, self.smem = launch.kernel, launch.grid, launch.block, launch.smem
+        self.tail, self.combine, self.cgrid, self.ctail = launch.args[8:], launch.combine, launch.cgrid, \
+            launch.cargs[4:]
+        self.n_o, self.n_lse = int(launch.o_part.size), int(launch.lse_part.size)
+        # with one split the kernel writes `out` directly and never touches its scratch arguments
+        self.dummy = launch.o_part if launch.combine is None else None
+
+    def run(self, q, k_cache, v_cache, block_table, seq_lens, out):
+        cp = rt.cupy
+        if out is None:
+            out = cp.empty(q.shape, dtype=q.dtype)
+        if self.combine is None:
+            self.kernel(self.grid, self.block, (q, k_cache, v_cache, block_table, seq_lens, out, self.dummy,
+                                                self.dummy) + self.tail, shared_mem=self.smem)
+        else:
+            o_part = cp.empty((self.n_o,), dtype=cp.float32)
+            lse_part = cp.empty((self.n_lse,), dtype=cp.float32)
+            self.kernel(self.grid, self.block, (q, k_cache, v_cache, block_table, seq_lens, out, o_part,
+                                                lse_part) + self.tail, shared_mem=self.smem)
+            self.combine(self.cgrid, (128,), (o_part, lse_part, seq_lens, out) + self.ctail)
+        return out
+
+
+def _plan(cfg_args, q, k_cache, v_cache, block_table, seq_lens, out, max_len):
+    """Pick the config (autotune), build the _Launch and launch it once into `out` (allocated if None): returns
+    (its _Plan, out). The arrays are checked, contiguous and on the current device."""
+    cp = rt.cupy
+    scale, softcap, left, B, Hkv, G, dp, bs = cfg_args
+    if out is None:
+        out = cp.empty(q.shape, dtype=q.dtype)
+    args = (q, k_cache, v_cache, block_table, seq_lens, out, scale, softcap, left, max_len)
+    key_shape = {"B": B, "Hkv": Hkv, "G": G, "DP": dp, "ctx": max_len, "block_size": bs}
+    cfg = autotune.pick(TUNABLE.name, key_shape, q.dtype, lambda c: _Launch(c, *args).run())
+    try:
+        launch = _Launch(cfg, *args)
+    except ValueError:  # a tuned/default config that does not fit this head dim: the smallest one
+        launch = _Launch(dict(WARPS=2, STAGES=2, SPLITS=cfg.get("SPLITS", 0)), *args)
+    launch.run()
+    return _Plan(launch), out
 
 
 def _launch_for(q, k_cache, v_cache, block_table, seq_lens, out, cfg=None, *, softmax_scale=None, softcap=0.0,

@@ -540,20 +540,28 @@ def check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window=(-1, -1)
     max_blocks = int(block_table.shape[1])
     table = lens = None
     if check_values:
-        lens = _to_host(seq_lens).astype(np.int64)
-        table = _to_host(block_table).astype(np.int64)
-        capacity = max_blocks * block_size
-        for b, n in enumerate(lens):
-            if not 1 <= n <= capacity:
-                raise ValueError(f"seq_lens: expected values from 1 to max_blocks * block_size = {capacity}, "
-                                 f"got {int(n)} at index {b}")
-            used = table[b, :-(-int(n) // block_size)]
-            bad = (used < 0) | (used >= num_blocks)
-            if bad.any():
-                j = int(np.argmax(bad))
-                raise ValueError(f"block_table: expected block ids in [0, {num_blocks}) (k_cache has {num_blocks} "
-                                 f"blocks), got {int(used[j])} at [{b}, {j}]")
+        table, lens = check_paged_values(block_table, seq_lens, num_blocks, block_size)
     return PagedShape(B, Hq, Hkv, D, num_blocks, block_size, max_blocks, table, lens)
+
+
+def check_paged_values(block_table, seq_lens, num_blocks, block_size):
+    """The value half of `check_paged_args` (its shapes and dtypes already checked): every seq_lens[b] in
+    [1, max_blocks * block_size], the entries of block_table[b] in use in [0, num_blocks). Returns host int64
+    copies (block_table, seq_lens); for CuPy arrays the copy synchronizes the stream."""
+    lens = _to_host(seq_lens).astype(np.int64)
+    table = _to_host(block_table).astype(np.int64)
+    capacity = int(table.shape[1]) * block_size
+    for b, n in enumerate(lens):
+        if not 1 <= n <= capacity:
+            raise ValueError(f"seq_lens: expected values from 1 to max_blocks * block_size = {capacity}, "
+                             f"got {int(n)} at index {b}")
+        used = table[b, :-(-int(n) // block_size)]
+        bad = (used < 0) | (used >= num_blocks)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(f"block_table: expected block ids in [0, {num_blocks}) (k_cache has {num_blocks} "
+                             f"blocks), got {int(used[j])} at [{b}, {j}]")
+    return table, lens
 
 
 # ---- the computation ------------------------------------------------------------------------
