@@ -246,6 +246,48 @@ def test_gpu_noncontiguous_and_dlpack():
     _assert_same(vc.quantize(Wrapped(cp.asarray(x)), "mxfp4"), vc.quantize(x, "mxfp4"), np.float16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, gs", [("mxfp4", None), ("nvfp4", None), ("nvfp4", 0.01)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_same_signature_twice_then_views_and_bad_input(fmt, gs, dtype):
+    """Repeated calls of one signature replay a cached launch plan: each must still be bit-exact, and inputs of
+    the same shape and dtype that are strided, misaligned, on another device or hold NaN must still be handled."""
+    import cupy as cp
+    from vbw_cupy import fp4
+    x = random_input((96, 4111), dtype, seed=11)          # a padded last block
+    xd = cp.asarray(x)
+    want = vc.quantize(x, fmt, gs)
+    for _ in range(3):
+        t = vc.quantize(xd, fmt, gs)
+        _assert_same(t, want, dtype)
+        assert t.data.flags.c_contiguous and t.data.data.ptr % 16 == 0 and type(t.global_scale) is np.float32
+    if gs is not None or fmt == "mxfp4":
+        assert len(fp4._q_plans) >= 1
+    xv = cp.asarray(np.repeat(x, 2, axis=1))[:, ::2]       # same shape and dtype, strided
+    assert xv.shape == x.shape and not xv.flags.c_contiguous
+    _assert_same(vc.quantize(xv, fmt, gs), want, dtype)
+    flat = cp.empty(x.size + 1, dtype=x.dtype)
+    xm = flat[1:].reshape(x.shape)                          # contiguous, 2 or 4 bytes off 16-byte alignment
+    xm[...] = xd
+    assert xm.data.ptr % 16
+    _assert_same(vc.quantize(xm, fmt, gs), want, dtype)
+    bad = xd.copy()
+    bad[5, 7] = np.nan
+    if fmt == "nvfp4":
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            vc.quantize(bad, fmt, gs)
+    else:
+        assert int(vc.quantize(bad, fmt).scales[5, 0]) == 255
+    _assert_same(vc.quantize(xd, fmt, gs), want, dtype)   # and the plan is still good
+    if cp.cuda.runtime.getDeviceCount() > 1:
+        with cp.cuda.Device(1):
+            x1 = cp.asarray(x)
+        for _ in range(2):                                  # current device 0, input on 1
+            t1 = vc.quantize(x1, fmt, gs)
+            assert t1.data.device.id == 1
+            _assert_same(t1, want, dtype)
+
+
 # ---------------------------------------------------------------- property tests (hypothesis)
 
 

@@ -293,6 +293,64 @@ def test_gpu_mixed_inputs_and_bad_values():
         paged.paged_attention(*d, out=cp.empty((2, 8, 63), dtype=cp.float16))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("case", [(3, [1, 17, 300], 32, 8, 128, 16, F16), (1, [20000], 32, 8, 128, 16, BF16),
+                                  (2, [100, 555], 8, 2, 37, 16, F16)], ids=["short", "split", "D37"])
+def test_gpu_same_signature_twice_then_views_and_bad_input(case, check):
+    """Repeated calls of one signature replay a cached launch plan: each must match the reference with the
+    output fully written, and same-shape inputs that are strided, misaligned, on another device or hold bad
+    values must still be right or raise."""
+    import cupy as cp
+    B, lens, Hq, Hkv, D, bs, dtype = case
+    h = paged.make_case(np.random.default_rng(12), B, np.asarray(lens), Hq, Hkv, D, bs, dtype)
+    d = [cp.asarray(a) for a in h]
+    r, _, bound = paged.reference_bound(*h)
+
+    def agrees(o):
+        o = o.get()
+        assert np.isfinite(o.astype(np.float32)).all(), "output not fully written (NaN left)"
+        err = ref.rel_error(o, r)
+        assert err <= bound, f"error {err:.3e} over bound {bound:.3e}"
+
+    for _ in range(3):
+        out = cp.full(h[0].shape, np.nan, dtype=h[0].dtype)
+        assert paged.paged_attention(*d, check=check, out=out) is out
+        agrees(out)
+        agrees(paged.paged_attention(*d, check=check))
+    qv = cp.asarray(np.repeat(h[0], 2, axis=2))[:, :, ::2]              # strided q of the same shape
+    tv = cp.asarray(np.repeat(h[3], 2, axis=1))[:, ::2]                 # strided block table
+    agrees(paged.paged_attention(qv, d[1], d[2], tv, d[4], check=check))
+    flat = cp.empty(d[1].size + 1, dtype=d[1].dtype)
+    kc = flat[1:].reshape(d[1].shape)                                   # 2 bytes off 16-byte alignment
+    kc[...] = d[1]
+    agrees(paged.paged_attention(d[0], kc, d[2], d[3], d[4], check=check))
+    agrees(paged.paged_attention(*d, check=check))                      # the aligned plan again
+    with pytest.raises(ValueError, match="out"):
+        paged.paged_attention(*d, check=check, out=cp.empty(h[0].shape, dtype=cp.float32))
+    wide = cp.full(h[0].shape[:2] + (2 * D,), np.nan, dtype=h[0].dtype)
+    with pytest.raises(ValueError, match="out"):
+        paged.paged_attention(*d, check=check, out=wide[:, :, ::2])
+    if check:
+        bad = d[3].copy()
+        bad[0, 0] = 10_000
+        with pytest.raises(ValueError, match="block_table"):
+            paged.paged_attention(d[0], d[1], d[2], bad, d[4])
+        bad_lens = d[4].copy()
+        bad_lens[0] = 0
+        with pytest.raises(ValueError, match="seq_lens"):
+            paged.paged_attention(d[0], d[1], d[2], d[3], bad_lens)
+    if cp.cuda.runtime.getDeviceCount() > 1:
+        with cp.cuda.Device(1):
+            d1 = [cp.asarray(a) for a in h]
+        for _ in range(2):                                               # current device 0, arrays on 1
+            o1 = paged.paged_attention(*d1, check=check)
+            assert o1.device.id == 1
+            agrees(o1)
+        with pytest.raises(ValueError, match="different devices"):
+            paged.paged_attention(d[0], d1[1], d[2], d[3], d[4], check=check)
+
+
 _SWEEP = textwrap.dedent("""
     import sys, numpy as np, ml_dtypes
     from vbw_cupy import paged

@@ -1,0 +1,70 @@
+"""The Python (host) cost of the short calls, measured without a GPU: tests/fake_cupy.py stands in for CuPy
+(kernels record their launches, arrays are NumPy), so what is timed is vbw_cupy's own argument checks,
+launch planning and launch calls, not CuPy's allocator or the driver (bench/host_overhead.py measures the
+real thing on a GPU).
+
+    python bench/host_overhead_cpu.py
+"""
+import os
+import sys
+import timeit
+
+import numpy as np
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
+import fake_cupy as fc  # noqa: E402
+
+from vbw_cupy import fp4, paged, reference as ref  # noqa: E402
+
+
+def us(fn, n=2000):
+    fn()
+    return min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6
+
+
+def main():
+    mp = pytest.MonkeyPatch()
+    fc.install(mp)
+    fc.POOL["on"] = True
+    rng = np.random.default_rng(0)
+    B, ctx, bs = 8, 4096, 16
+    nb = B * ctx // bs
+    f16 = np.float16
+    kc = fc.asgpu(np.zeros((nb, bs, 8, 128), f16))
+    vcache = fc.asgpu(np.zeros((nb, bs, 8, 128), f16))
+    table = fc.asgpu(rng.permutation(nb).astype(np.int32).reshape(B, -1))
+    lens = fc.asgpu(np.full(B, ctx, np.int32))
+    q = fc.asgpu(np.zeros((B, 32, 128), f16))
+    x = fc.asgpu(np.zeros((4096, 4096), f16))
+    data = np.zeros((4096, 2048), np.uint8)
+    scales = np.zeros((4096, 256), np.uint8)
+    rows = [
+        ("paged_attention B=8 ctx=4096 check=False",
+         lambda: paged.paged_attention(q, kc, vcache, table, lens, check=False)),
+        ("paged_attention B=8 ctx=4096 check=True",
+         lambda: paged.paged_attention(q, kc, vcache, table, lens)),
+        ("quantize mxfp4 4096^2 fp16", lambda: fp4.quantize(x, "mxfp4")),
+        ("quantize nvfp4 4096^2 fp16 global_scale=0.01", lambda: fp4.quantize(x, "nvfp4", 0.01)),
+        ("FP4Tensor(...) validated (NumPy arrays)",
+         lambda: fp4.FP4Tensor(data, scales, np.float32(1.0), "nvfp4", (4096, 4096))),
+        ("reference.check_paged_args check_values=False",
+         lambda: ref.check_paged_args(q, kc, vcache, table, lens, dtypes=ref.GPU_ATTENTION_DTYPES,
+                                      check_values=False)),
+    ]
+    if hasattr(paged, "_sigs"):  # the full (checking) path: plans forgotten before every call
+        rows.insert(1, ("  first call (no plan)", lambda: paged._sigs.clear() or
+                        paged.paged_attention(q, kc, vcache, table, lens, check=False)))
+        rows.insert(4, ("  first call (no plan)", lambda: fp4._q_plans.clear() or fp4.quantize(x, "mxfp4")))
+    if hasattr(fp4.FP4Tensor, "_trusted"):
+        rows.append(("FP4Tensor._trusted(...) (library-built)",
+                     lambda: fp4.FP4Tensor._trusted(data, scales, np.float32(1.0), "nvfp4", (4096, 4096))))
+    print(f"{'call (fake CuPy: Python cost only)':52s} {'us/call':>8s}")
+    for name, fn in rows:
+        print(f"{name:52s} {us(fn):8.2f}", flush=True)
+    mp.undo()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,385 @@
+"""The host fast paths of paged_attention and quantize (launch plans cached per call signature), on the CPU.
+
+tests/fake_cupy.py stands in for CuPy: kernels record their launches instead of running, so these tests check
+that a call served from a cached plan launches exactly what the fully checked call launches, that anything
+that can differ between same-signature calls is still checked (bad values, option types, contiguity,
+alignment, devices), and that FP4Tensor's private constructor builds what the checked one builds. The GPU
+halves (results against the reference) are in test_paged.py and test_fp4.py.
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import fake_cupy as fc
+from vbw_cupy import _runtime as rt
+from vbw_cupy import autotune, fp4, paged
+from vbw_cupy import reference as ref
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    paged._sigs.clear()
+    fp4._q_plans.clear()
+    ks = fc.install(monkeypatch)
+    full_calls.clear()
+    for mod, name in ((ref, "check_paged_args"), (fp4, "_quantize_gpu")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: full_calls.append(_name) or
+                            _real(*a, **k))
+    yield ks
+    # plans hold fake kernels: none may survive into a real GPU run in the same process
+    paged._sigs.clear()
+    fp4._q_plans.clear()
+
+
+full_calls = []  # names of the full-path functions called (check_paged_args, _quantize_gpu)
+
+
+def _launches(ks):
+    """Every recorded launch so far, in order, then forget them: [(kernel name, grid, block, args, smem)]."""
+    out = [(k.name, *c) for k in ks.values() for c in k.calls]
+    for k in ks.values():
+        k.calls.clear()
+    return out
+
+
+def _same_launches(a, b, inputs):
+    """Launch lists equal up to the freshly allocated buffers (same shape and dtype there): kernels, grids,
+    blocks, shared memory and scalar arguments identical; the input arrays passed as the same objects."""
+    assert len(a) == len(b)
+    for la, lb in zip(a, b):
+        assert la[0] == lb[0] and la[1] == lb[1] and la[2] == lb[2] and la[4] == lb[4]
+        assert len(la[3]) == len(lb[3])
+        for x, y in zip(la[3], lb[3]):
+            if isinstance(x, fc.ndarray):
+                assert isinstance(y, fc.ndarray) and x.shape == y.shape and x.dtype == y.dtype
+                if any(x is i for i in inputs):
+                    assert y is x
+            else:
+                assert type(x) is type(y) and x == y
+
+
+def _paged_case(B=3, lens=(5, 40, 17), Hq=8, Hkv=2, D=64, bs=4, dtype=np.float16, device=0):
+    h = paged.make_case(np.random.default_rng(0), B, np.asarray(lens), Hq, Hkv, D, bs, dtype)
+    return [fc.asgpu(a, device) for a in h]
+
+
+# ------------------------------------------------------------------------------------------ paged_attention
+@pytest.mark.parametrize("kw", [dict(check=False), dict(check=True), dict(check=False, max_seqlen=40),
+                                dict(check=False, softcap=30.0, window=(10, 0), softmax_scale=0.2),
+                                dict(check=True, long=True)])
+def test_paged_second_call_replays_the_first(kernels, kw):
+    kw = dict(kw)
+    d = _paged_case(B=2, lens=(3000, 20), Hq=32, Hkv=8, D=128, bs=16) if kw.pop("long", False) else _paged_case()
+    o1 = paged.paged_attention(*d, **kw)
+    first = _launches(kernels)
+    assert len(paged._sigs) == 1
+    assert full_calls == ["check_paged_args"]
+    o2 = paged.paged_attention(*d, **kw)
+    assert full_calls == ["check_paged_args"]  # served by the plan
+    second = _launches(kernels)
+    assert o2 is not o1 and o2.shape == o1.shape and o2.dtype == o1.dtype
+    _same_launches(first, second, d)
+    assert len(first) in (1, 2)
+
+
+def test_paged_long_context_uses_the_combine_kernel(kernels):
+    d = _paged_case(B=1, lens=(32768,), Hq=32, Hkv=8, D=128, bs=16)
+    for _ in range(2):
+        paged.paged_attention(*d, check=False)
+        names = [c[0] for c in _launches(kernels)]
+        assert names[0].startswith("paged_decode<") and names[1].startswith("paged_decode_combine<")
+
+
+def test_paged_check_true_plans_follow_the_longest_sequence(kernels):
+    d = _paged_case()
+    paged.paged_attention(*d)
+    _launches(kernels)
+    d[4].a[:] = [5, 3, 1]                     # shorter sequences: same signature, another plan
+    paged.paged_attention(*d)
+    sig, = paged._sigs.values()
+    assert sorted(sig.plans) == [5, 40]
+    a = _launches(kernels)
+    paged._sigs.clear()
+    paged.paged_attention(*d)                 # the full path agrees
+    _same_launches(_launches(kernels), a, d)
+
+
+def test_paged_bad_values_still_raise_after_a_good_call(kernels):
+    d = _paged_case()
+    paged.paged_attention(*d)
+    _launches(kernels)
+    table, lens = d[3].a.copy(), d[4].a.copy()
+    d[3].a[1, 0] = 10_000
+    with pytest.raises(ValueError, match="block_table"):
+        paged.paged_attention(*d)
+    assert full_calls == ["check_paged_args"]  # raised by the fast path's value check
+    d[3].a[:] = table
+    d[4].a[1] = 0
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged.paged_attention(*d)
+    d[4].a[:] = lens
+    d[4].a[2] = 10_000
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged.paged_attention(*d)
+    assert _launches(kernels) == []           # nothing launched for bad input
+
+
+@pytest.mark.parametrize("good, bad, exc", [
+    (dict(softmax_scale=1.0), dict(softmax_scale=True), TypeError),
+    (dict(softmax_scale=1), dict(softmax_scale=True), TypeError),
+    (dict(softcap=1.0), dict(softcap=True), TypeError),
+    (dict(window=(1, 0)), dict(window=(True, 0)), TypeError),
+    (dict(window=(0, 0)), dict(window=(False, False)), TypeError),
+    (dict(check=True), dict(check=1), TypeError),
+    (dict(check=False), dict(check=0), TypeError),
+    (dict(check=False, max_seqlen=1), dict(check=False, max_seqlen=True), ValueError),
+    (dict(check=False), dict(check=False, softmax_scale=float("nan")), ValueError),
+    (dict(window=(-1, -1)), dict(window=[-1, -1, 0]), TypeError),
+])
+def test_paged_option_types_are_part_of_the_signature(kernels, good, bad, exc):
+    d = _paged_case()
+    paged.paged_attention(*d, **good)
+    paged.paged_attention(*d, **good)
+    _launches(kernels)
+    with pytest.raises(exc):
+        paged.paged_attention(*d, **bad)
+    assert _launches(kernels) == []
+
+
+def test_paged_structural_errors_after_a_good_call(kernels):
+    d = _paged_case()
+    paged.paged_attention(*d, check=False)
+    _launches(kernels)
+    with pytest.raises(TypeError, match="k_cache"):                     # a host array among GPU ones
+        paged.paged_attention(d[0], d[1].a, d[2], d[3], d[4], check=False)
+    with pytest.raises(ValueError, match="out"):                        # wrong dtype
+        paged.paged_attention(*d, check=False, out=fc.empty(d[0].shape, np.float32))
+    out = fc.ndarray(np.empty(d[0].shape[:2] + (2 * d[0].shape[2],), np.float16))[:, :, ::2]
+    paged.paged_attention(*d, check=False, out=fc.empty(d[0].shape, np.float16))
+    with pytest.raises(ValueError, match="out"):                        # same shape, not contiguous
+        paged.paged_attention(*d, check=False, out=out)
+    other = [d[0], d[1], fc.ndarray(d[2].a, 1), d[3], d[4]]             # v_cache on GPU 1
+    with pytest.raises(ValueError, match="different devices"):
+        paged.paged_attention(*other, check=False)
+    _launches(kernels)
+    with pytest.raises(ValueError, match="out"):
+        paged.paged_attention(*d, check=False, out=fc.ndarray(np.empty(d[0].shape, np.float16), 1))
+    assert _launches(kernels) == []
+
+
+def test_paged_views_and_misalignment_take_the_full_path(kernels):
+    d = _paged_case()
+    paged.paged_attention(*d, check=False)
+    ref_launch, = _launches(kernels)
+    # q of the same shape but strided: the full path launches on a contiguous copy
+    big = fc.ndarray(np.repeat(d[0].a, 2, axis=2))
+    qv = big[:, :, ::2]
+    assert qv.shape == d[0].shape and not qv.flags.c_contiguous
+    paged.paged_attention(qv, *d[1:], check=False)
+    (_, grid, block, args, smem), = _launches(kernels)
+    assert args[0] is not qv and args[0].flags.c_contiguous and np.array_equal(args[0].a, d[0].a)
+    assert args[8:] == ref_launch[3][8:]
+    # k_cache 2 bytes off 16-byte alignment: the scalar-load flag (vec16, argument 19) turns off
+    flat = np.empty(d[1].size + 1, np.float16)
+    kc = fc.ndarray(flat[1:].reshape(d[1].shape))
+    kc.a[...] = d[1].a
+    assert kc.data.ptr % 16
+    paged.paged_attention(d[0], kc, *d[2:], check=False)
+    (_, _, _, args, _), = _launches(kernels)
+    assert args[1] is kc and int(args[19]) == 0 and int(ref_launch[3][19]) == 1
+    paged.paged_attention(*d, check=False)                              # and the aligned plan is intact
+    _same_launches([ref_launch], _launches(kernels), d)
+
+
+def test_paged_other_device_or_stream_is_another_signature(kernels):
+    d = _paged_case()
+    paged.paged_attention(*d, check=False)
+    _launches(kernels)
+    d1 = [fc.ndarray(a.a, 1) for a in d]                               # the same arrays "on GPU 1"
+    paged.paged_attention(*d1, check=False)                             # current device 0: full path on 1
+    assert [k[0] for k in kernels if kernels[k].calls] == [1]
+    _launches(kernels)
+    fc.set_device(1)
+    paged.paged_attention(*d, check=False)                              # current 1, arrays on 0
+    assert [k[0] for k in kernels if kernels[k].calls] == [0]
+    _launches(kernels)
+    fc.set_device(0)
+    fc.set_stream(1234)
+    n = len(paged._sigs)
+    paged.paged_attention(*d, check=False)
+    assert len(paged._sigs) == n + 1
+
+
+def test_paged_retune_invalidates_plans(kernels, monkeypatch):
+    calls = []
+    real_pick = autotune.pick
+    monkeypatch.setattr(autotune, "pick", lambda *a, **k: calls.append(1) or real_pick(*a, **k))
+    monkeypatch.setattr(autotune, "_generation", getattr(autotune, "_generation", 0), raising=False)
+    d = _paged_case()
+    paged.paged_attention(*d, check=False)
+    paged.paged_attention(*d, check=False)
+    assert len(calls) == 1
+    autotune._generation += 1
+    paged.paged_attention(*d, check=False)
+    assert len(calls) == 2
+    monkeypatch.setenv("VBW_CUPY_AUTOTUNE", "1")
+    monkeypatch.setattr(autotune, "pick", lambda *a, **k: calls.append(1) or autotune.default_config("paged_decode"))
+    paged.paged_attention(*d, check=False)
+    assert len(calls) == 3
+
+
+def test_plan_caches_are_bounded(kernels):
+    d = _paged_case()
+    for i in range(300):
+        paged.paged_attention(*d, check=False, softmax_scale=0.1 + i * 1e-3)
+    assert 1 <= len(paged._sigs) <= paged._MAX_PLANS
+    x = fc.asgpu(np.ones((4, 64), np.float16))
+    for i in range(300):
+        fp4.quantize(x, "nvfp4", 1.0 + i)
+    assert 1 <= len(fp4._q_plans) <= fp4._MAX_PLANS
+
+
+def test_paged_numpy_inputs_still_use_the_reference(kernels):
+    h = paged.make_case(np.random.default_rng(1), 2, np.asarray([5, 9]), 4, 2, 16, 4, np.float32)
+    a = paged.paged_attention(*h)
+    b = paged.paged_attention(*h)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, ref.paged_attention(*h))
+    assert _launches(kernels) == [] and not paged._sigs
+
+
+def test_check_paged_values_matches_check_paged_args():
+    h = paged.make_case(np.random.default_rng(2), 3, np.asarray([5, 40, 17]), 8, 2, 16, 4, np.float16)
+    s = ref.check_paged_args(*h)
+    table, lens = ref.check_paged_values(h[3], h[4], s.num_blocks, s.block_size)
+    np.testing.assert_array_equal(table, s.block_table)
+    np.testing.assert_array_equal(lens, s.seq_lens)
+    bad = h[3].copy()
+    bad[2, 4] = -1
+    for fn in (lambda: ref.check_paged_args(h[0], h[1], h[2], bad, h[4]),
+               lambda: ref.check_paged_values(bad, h[4], s.num_blocks, s.block_size)):
+        with pytest.raises(ValueError, match=r"block_table: .* got -1 at \[2, 4\]"):
+            fn()
+
+
+# ------------------------------------------------------------------------------------------------ quantize
+@pytest.mark.parametrize("fmt, gs", [("mxfp4", None), ("nvfp4", 0.01), ("nvfp4", np.float32(2.0)), ("nvfp4", 3)])
+@pytest.mark.parametrize("shape", [(64, 256), (3, 100), (2, 3, 48)])
+def test_quantize_second_call_replays_the_first(kernels, fmt, gs, shape):
+    x = fc.asgpu(np.random.default_rng(0).standard_normal(shape).astype(np.float16))
+    t1 = fp4.quantize(x, fmt, gs)
+    first = _launches(kernels)
+    assert len(fp4._q_plans) == 1
+    t2 = fp4.quantize(x, fmt, gs)
+    assert full_calls == ["_quantize_gpu"]  # the second call was served by the plan
+    _same_launches(first, _launches(kernels), [x])
+    for t in (t1, t2):
+        assert type(t) is fp4.FP4Tensor and t.shape == shape and t.format == fmt
+        assert type(t.global_scale) is np.float32 and t.global_scale == (1.0 if gs is None else np.float32(gs))
+        assert t.data.shape == t1.data.shape and t.scales.shape == t1.scales.shape and t._cache == {}
+    assert t2.data is not t1.data and t2._cache is not t1._cache
+
+
+def test_quantize_nvfp4_without_global_scale_is_never_replayed(kernels):
+    x = fc.asgpu(np.ones((4, 64), np.float32))
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(fp4, "_global_scale_gpu", lambda x: np.float32(0.5))
+    try:
+        fp4.quantize(x, "nvfp4")
+        fp4.quantize(x, "nvfp4")
+    finally:
+        monkey.undo()
+    assert not fp4._q_plans
+
+
+@pytest.mark.parametrize("good, bad, exc, match", [
+    (("mxfp4", None), ("mxfp4", 0.5), ValueError, "global_scale"),
+    (("nvfp4", 1.0), ("nvfp4", float("nan")), ValueError, "global_scale"),
+    (("nvfp4", 1.0), ("nvfp4", -1.0), ValueError, "global_scale"),
+    (("nvfp4", 1.0), ("nvfp4", [1.0]), ValueError, "global_scale"),
+    (("nvfp4", 1.0), (["nvfp4"], 1.0), ValueError, "format"),
+    (("mxfp4", None), ("MXFP4", None), ValueError, "format"),
+])
+def test_quantize_bad_arguments_still_raise_after_a_good_call(kernels, good, bad, exc, match):
+    x = fc.asgpu(np.ones((4, 64), np.float16))
+    fp4.quantize(x, *good)
+    fp4.quantize(x, *good)
+    _launches(kernels)
+    with pytest.raises(exc, match=match):
+        fp4.quantize(x, *bad)
+    assert _launches(kernels) == []
+
+
+def test_quantize_views_misalignment_and_devices(kernels):
+    x = fc.asgpu(np.random.default_rng(1).standard_normal((8, 64)).astype(np.float16))
+    fp4.quantize(x, "mxfp4")
+    (_, grid, block, args, _), = _launches(kernels)
+    # strided view of the same shape and dtype: quantized from a dense copy
+    xv = fc.ndarray(np.repeat(x.a, 2, axis=1))[:, ::2]
+    fp4.quantize(xv, "mxfp4")
+    (_, g2, _, a2, _), = _launches(kernels)
+    assert a2[0] is not xv and a2[0].flags.c_contiguous and np.array_equal(a2[0].a, x.a) and g2 == grid
+    # 2 bytes off 16-byte alignment: an aligned copy
+    flat = np.empty(x.size + 1, np.float16)
+    xm = fc.ndarray(flat[1:].reshape(x.shape))
+    xm.a[...] = x.a
+    assert xm.data.ptr % 16
+    fp4.quantize(xm, "mxfp4")
+    (_, _, _, a3, _), = _launches(kernels)
+    assert a3[0] is not xm and a3[0].data.ptr % 16 == 0
+    # on another device than the current one: the full path, on that device's kernel
+    t = fp4.quantize(fc.ndarray(x.a, 1), "mxfp4")
+    assert [k[0] for k in kernels if kernels[k].calls] == [1] and t.data.device.id == 1
+    # dtype and empty input still refused
+    for bad, exc in ((fc.asgpu(np.ones((8, 64), np.int32)), TypeError), (fc.asgpu(np.ones((0, 64), np.float16)),
+                                                                           ValueError)):
+        with pytest.raises(exc, match="x"):
+            fp4.quantize(bad, "mxfp4")
+
+
+def test_quantize_numpy_dtype_check_keeps_other_byte_orders():
+    x = np.array([[0.3, -1.2, 5.0, 6.5]], dtype=">f4")
+    t = fp4.quantize(x, "mxfp4")
+    np.testing.assert_array_equal(fp4.dequantize(t), [[0.5, -1.0, 4.0, 6.0]])
+    with pytest.raises(TypeError, match="x: expected dtype"):
+        fp4.quantize(np.ones((2, 4), np.float64), "mxfp4")
+
+
+# -------------------------------------------------------------------------------------------- FP4Tensor
+@pytest.mark.parametrize("fmt, K", [("mxfp4", 64), ("nvfp4", 40), ("nvfp4", 1)])
+def test_trusted_fp4tensor_equals_the_checked_one(fmt, K):
+    t = fp4.quantize(np.random.default_rng(3).standard_normal((5, K)).astype(np.float32), fmt)
+    u = fp4.FP4Tensor._trusted(t.data, t.scales, t.global_scale, t.format, t.shape)
+    v = fp4.FP4Tensor(t.data, t.scales, t.global_scale, t.format, t.shape)
+    for f in dataclasses.fields(fp4.FP4Tensor):
+        a, b = getattr(u, f.name), getattr(v, f.name)
+        assert type(a) is type(b) and (a is b or a == b), f.name
+    assert repr(u) == repr(v) and u.block_size == v.block_size and u.nbytes == v.nbytes and not u.is_gpu
+    assert u._cache == {} and u._cache is not fp4.FP4Tensor._trusted(t.data, t.scales, t.global_scale, t.format,
+                                                                     t.shape)._cache
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        u.format = "mxfp4"
+    np.testing.assert_array_equal(fp4.dequantize(u), fp4.dequantize(v))
+    c = u.to_cpu()
+    assert c.data is u.data and c.global_scale == u.global_scale
+
+
+def test_user_built_fp4tensor_is_still_checked():
+    with pytest.raises(TypeError, match="global_scale"):
+        fp4.FP4Tensor(np.zeros((2, 8), np.uint8), np.zeros((2, 1), np.uint8), True, "nvfp4", (2, 16))
+    with pytest.raises(ValueError, match="data"):
+        fp4.FP4Tensor(np.zeros((2, 7), np.uint8), np.zeros((2, 1), np.uint8), 1.0, "nvfp4", (2, 16))
+    t = fp4.FP4Tensor(np.zeros((4, 8), np.uint8)[::2], np.zeros((2, 1), np.uint8), 1, "nvfp4", [2, 16])
+    assert t.data.flags.c_contiguous and t.shape == (2, 16) and type(t.global_scale) is np.float32
+
+
+def test_ctype_memo():
+    import ml_dtypes
+    for dt, name in ((np.float16, "__half"), (np.dtype(np.float16), "__half"), ("float32", "float"),
+                     (np.dtype(ml_dtypes.bfloat16), "__nv_bfloat16"), (np.dtype(">f2"), "__half")):
+        assert rt.ctype(dt) == name and rt.ctype(dt) == name
+    for _ in range(2):
+        with pytest.raises(TypeError, match="no CUDA type"):
+            rt.ctype(np.int32)
