@@ -48,6 +48,17 @@
 //       into the P V k-loop. A/B in one run, fp16, geomean over S=1024..16384 of ratio vs FLASH: D=64 0.93
 //       (128x128 2-stage, no spill) / 0.97 (1-stage, 16 B spill); D=128 0.86 (128x64 2-stage) / 0.91
 //       (1-stage, 24 B spill). Not yet at FLASH for D=128: the next step is the sm_90a wgmma path.
+//   v4 (attn_fwd_wg, sm_90a): wgmma SS for Q K^T, RS for P V with V read MN-major; the default on sm_90 for
+//       head dims 64 / 128 / 256 (aligned inputs). Same run vs FLASH, fp16 and bf16, S = 1024 / 4096 / 16384:
+//       D=128 128x128 331-420 TFLOP/s, 1.06-1.22x; D=256 128x64 (fp16) 273-421 TFLOP/s, 1.16-1.35x; D=64
+//       0.90-0.99x (64x128, 254-301 TFLOP/s). Tried for D=64 and measured slower or equal (S=4096, H200):
+//       FA3's intra-warpgroup overlap (kept as KIND "wgp": 284 vs 294 TFLOP/s), a producer warp feeding the
+//       warpgroups through mbarriers (182-234: one warp cannot issue the cp.async fast enough, and a 9-warp CTA
+//       caps registers at 168 per thread, so it spills), three K/V stages (+-1%), loads issued after the wgmma
+//       instead of before (-25%). Stage timings (ops left out, D=64 128x128): wgmma alone 1.5 ms of 3.77, the
+//       softmax 1.9 ms, the cp.async issue 0.65 ms, and they add up: with two warpgroups in lock step at the
+//       per-tile barrier neither softmax overlaps the other's wgmma. Next: TMA loads (no per-thread load
+//       instructions) and ping-pong scheduling of the two warpgroups with named barriers.
 #include "mma.cuh"
 #include "wgmma.cuh"
 
