@@ -201,6 +201,7 @@ if _autotune is not None:
         _autotune.register(_autotune.Tunable(
             name=_tunable_name(_hd), params=_PARAMS, candidates=tuple(_all_configs(_hd, True)),
             defaults={a: default_config(_hd, a) for a in _DEFAULTS[_hd]}, bucket=_bucket, fits=_fits(_hd),
+            warm_l2=True,
             source=SOURCE,
             standard_shapes=tuple(({"Sq": s, "Sk": s, "masked": m, "B": 16384 // s, "H": 16}, dt)
                                   for s in (1024, 4096) for m in (0, 1) for dt in ("float16",)) if _hd in (64, 128)

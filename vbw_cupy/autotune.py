@@ -105,6 +105,7 @@ MIN_REPS, MAX_REPS = 3, 50
 CUTOFF_FACTOR = 3.0          # a candidate first measured over 3x the best so far is not repeated
 CONFIRM_ROUNDS = 3           # the winner and the default re-timed alternately this many times...
 CONFIRM_MARGIN = 0.97        # ...and the winner kept only if its median is at least 3% below the default's
+WARM_INNER = 4               # back-to-back launches per sample for Tunable.warm_l2
 SETTLE_FACTOR = 1.0          # reps target: budget / n_candidates seconds of timed launches each
 
 
@@ -119,6 +120,9 @@ class Tunable:
     bucket: shape dict -> hashable tuple; shapes in one bucket share a tuned config.
     fits: (config, device limits) -> bool, prunes configs before timing (see ``device_limits``).
     source: the cuda_src/ filename, hashed into the key. standard_shapes / bench: for ``tune``.
+    warm_l2: time back-to-back launches on the caller's arrays instead of one launch after an L2 flush, for
+    kernels whose repeated-call speed ranks the configs differently from a cold start (attention on an H200:
+    with the flush, one-warpgroup tiles won and then ran 0.62x of the default in back-to-back calls).
     """
     name: str
     params: tuple[str, ...]
@@ -129,6 +133,7 @@ class Tunable:
     source: str = ""
     standard_shapes: tuple = ()
     bench: Callable[[dict, Any], Callable[[dict], None]] | None = None
+    warm_l2: bool = False
 
     def __post_init__(self):
         if not self.defaults:
@@ -455,31 +460,37 @@ def _flush_l2(stream) -> None:
 
 
 def _cuda_event_timer(run: Callable[[dict], None], cfg: dict, budget_s: float = 0.2,
-                      cutoff_ms: float | None = None) -> float:
+                      cutoff_ms: float | None = None, flush: bool = True) -> float:
     """Median milliseconds of run(cfg) on the current stream: 1 warm-up, then MIN_REPS..MAX_REPS timed
-    launches (as many as fit in budget_s), L2 flushed before each outside the timed interval."""
+    launches (as many as fit in budget_s), L2 flushed before each outside the timed interval. flush=False
+    times WARM_INNER back-to-back launches per sample instead (the steady state of repeated calls)."""
     cp = rt.require_cupy()
     stream = cp.cuda.get_current_stream()
     run(cfg)                       # warm-up: NVRTC compile / module load / first touch
     stream.synchronize()
+    inner = 1 if flush else WARM_INNER
     a, b = cp.cuda.Event(), cp.cuda.Event()
-    _flush_l2(stream)
+    if flush:
+        _flush_l2(stream)
     a.record(stream)
-    run(cfg)
+    for _ in range(inner):
+        run(cfg)
     b.record(stream)
     b.synchronize()
-    first = cp.cuda.get_elapsed_time(a, b)
+    first = cp.cuda.get_elapsed_time(a, b) / inner
     if cutoff_ms is not None and first > cutoff_ms:
         return first
-    reps = int(min(MAX_REPS, max(MIN_REPS, budget_s * 1e3 / max(first, 1e-3))))
+    reps = int(min(MAX_REPS, max(MIN_REPS, budget_s * 1e3 / max(first * inner, 1e-3))))
     events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(reps)]
     for a, b in events:
-        _flush_l2(stream)
+        if flush:
+            _flush_l2(stream)
         a.record(stream)
-        run(cfg)
+        for _ in range(inner):
+            run(cfg)
         b.record(stream)
     events[-1][1].synchronize()
-    return statistics.median(cp.cuda.get_elapsed_time(a, b) for a, b in events)
+    return statistics.median(cp.cuda.get_elapsed_time(a, b) for a, b in events) / inner
 
 
 # Tests replace this: _timer(run, cfg, budget_s=..., cutoff_ms=...) -> milliseconds.
@@ -527,7 +538,7 @@ def _tune_key(t: Tunable, run, dev: dict) -> dict:
     for c in cands:
         _stats["timer_calls"] += 1
         try:
-            ms = float(_timer(run, c, budget_s=per,
+            ms = float(_timer(run, c, budget_s=per, flush=not t.warm_l2,
                               cutoff_ms=best_ms * CUTOFF_FACTOR if best_ms < math.inf else None))
             if not ms > 0 or math.isnan(ms):
                 raise ValueError(f"timer returned {ms!r}")
@@ -545,13 +556,13 @@ def _tune_key(t: Tunable, run, dev: dict) -> dict:
         if ms < best_ms:
             best, best_ms = c, ms
     if best is not None and best != default and default_ms is not None:
-        best, best_ms, default_ms = _confirm(run, default, best, per)
+        best, best_ms, default_ms = _confirm(run, default, best, per, flush=not t.warm_l2)
     return {"kernel": t.name, "config": best, "ms": best_ms if best is not None else None,
             "default": default, "default_ms": default_ms, "tried": len(cands),
             "failed": sum(1 for r in results if r[1] is None), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def _confirm(run, default: dict, best: dict, per: float):
+def _confirm(run, default: dict, best: dict, per: float, flush: bool = True):
     """Re-time the sweep's winner against the default, alternately, and keep the winner only if it is at
     least CONFIRM_MARGIN faster: one lucky median in the sweep must not replace a sound default (seen on
     an H200: unconfirmed attention picks ran up to 20% slower than the default in an interleaved A/B).
@@ -560,8 +571,8 @@ def _confirm(run, default: dict, best: dict, per: float):
     try:
         for _ in range(CONFIRM_ROUNDS):
             _stats["timer_calls"] += 2
-            d.append(float(_timer(run, default, budget_s=per, cutoff_ms=None)))
-            b.append(float(_timer(run, best, budget_s=per, cutoff_ms=None)))
+            d.append(float(_timer(run, default, budget_s=per, cutoff_ms=None, flush=flush)))
+            b.append(float(_timer(run, best, budget_s=per, cutoff_ms=None, flush=flush)))
     except Exception as e:
         if _is_sticky(e):
             raise
