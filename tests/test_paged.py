@@ -354,6 +354,7 @@ def test_gpu_same_signature_twice_then_views_and_bad_input(case, check):
 _SWEEP = textwrap.dedent("""
     import sys, numpy as np, ml_dtypes
     from vbw_cupy import paged
+    from vbw_cupy import reference as ref
     import cupy as cp
     worst = 0.0
     for dtype in (np.float16, ml_dtypes.bfloat16):
