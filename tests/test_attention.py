@@ -372,6 +372,15 @@ def test_numpy_inputs_run_the_reference():
     assert np.array_equal(ov, o_ref[0])
 
 
+def test_tuning_bucket_counts_batch_and_heads():
+    """Tiles tuned on a small batch must not be reused for a large one (they ran 0.67x there on an H200)."""
+    small = A._bucket({"Sq": 4096, "Sk": 4096, "masked": 0, "BH": 2})
+    large = A._bucket({"Sq": 4096, "Sk": 4096, "masked": 0, "BH": 128})
+    assert small != large
+    assert A._bucket({"Sq": 4000, "Sk": 4096, "masked": 0, "BH": 100}) == large
+    assert A._bucket({"Sq": 1024, "Sk": 1024, "masked": 1, "B": 16, "H": 16})[-1] == 256  # tune()'s shapes
+
+
 def test_head_dim_bucket():
     assert [A.head_dim_bucket(d) for d in (1, 32, 33, 59, 64, 65, 111, 128, 129, 200, 256)] == \
         [32, 32, 64, 64, 64, 96, 128, 128, 160, 224, 256]

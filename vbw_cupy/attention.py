@@ -9,8 +9,9 @@ Head dims: any D from 1 to 256 runs the instance compiled for the next of HEAD_D
 kernel zero-fills the missing columns and never reads or writes past D. Tiles (BLOCK_M, BLOCK_N, WARPS, Q_REGS)
 are chosen per compiled head dim: a per-architecture default, or the autotuner's pick
 (``vbw_cupy.autotune``, one Tunable per head dim, named ``attention_fwd_d<HEAD_DIM>``; shape bucket =
-(pow2 of the longest query sequence, pow2 of the longest key sequence, 1 if a causal/window mask applies),
-each clamped to [64, 16384]).
+(pow2 of the longest query sequence, pow2 of the longest key sequence, each clamped to [64, 16384], 1 if a
+causal/window mask applies, pow2 of batch x query heads clamped to [1, 1024]). On sm_90 the aligned head dims
+64 / 128 / 256 run the wgmma kernel (``attn_fwd_wg``), everything else the mma.sync one.
 
 Extra device memory beyond q, k, v, o (and lse when asked): none, except contiguous copies of
 non-contiguous inputs.
@@ -165,8 +166,11 @@ def _runnable(head_dim: int, cfg: dict, vec: bool) -> dict:
 
 
 def _bucket(shape: dict) -> tuple:
+    # B x Hq counts: a small batch's best tile (more, smaller CTAs) ran 0.67-0.73x of the default on a large one
+    # (H200), and the first call of a bucket is the one that tunes it.
     p2 = (lambda n: _autotune.pow2_bucket(n, lo=64, hi=16384))
-    return (p2(shape["Sq"]), p2(shape["Sk"]), int(bool(shape["masked"])))
+    bh = shape.get("BH", shape.get("B", 4) * shape.get("H", 16))
+    return (p2(shape["Sq"]), p2(shape["Sk"]), int(bool(shape["masked"])), _autotune.pow2_bucket(bh, lo=1, hi=1024))
 
 
 def _tunable_name(head_dim: int) -> str:
@@ -319,7 +323,7 @@ class _Launch:
             return dict(config)
         if _autotune is None or not self.vec:
             return default_config(self.head_dim, rt.device_arch(), self.vec)
-        shape = {"Sq": self.max_q, "Sk": self.max_k, "masked": int(self.masked)}
+        shape = {"Sq": self.max_q, "Sk": self.max_k, "masked": int(self.masked), "BH": self.B * self.Hq}
         return _autotune.pick(_tunable_name(self.head_dim), shape, self.q.dtype, self.run)
 
 
