@@ -559,7 +559,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   constexpr int BLOCK_M = 64 * WGS;
   constexpr int NT = 128 * WGS;
   static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "HEAD_DIM: 64, 128, 192 or 256");
-  static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 256, "BLOCK_N: a wgmma N");
+  static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 192, "BLOCK_N: a wgmma N");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM: a wgmma N");
   constexpr int NS = BLOCK_N / 2;    // S accumulators a thread
   constexpr int NO = HEAD_DIM / 2;   // O accumulators a thread

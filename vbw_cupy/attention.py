@@ -81,7 +81,8 @@ for _d in _DEFAULTS.values():
 # vs 294 / 253 with two; the overlapped variant (wgp) 284 / 260; D=128 128x128 404 / 352 (wgp 362-371 /
 # 315-323, and it spills at 128x128); D=256 128x64 403 / 330. The wgp tiles that do not spill stay candidates.
 _WG_DEFAULTS = {64: _wg(128, 1), 128: _wg(128), 256: _wg(64)}
-_WG_CANDIDATES = {64: (_wg(128), _wg(128, 1), _wg(64), _wg(128, 2, True), _wg(64, 2, True)),
+_WG_CANDIDATES = {64: (_wg(128), _wg(128, 1), _wg(64), _wg(128, 2, True), _wg(64, 2, True), _wg(192, 1),
+                       _wg(192, 2)),
                   128: (_wg(128), _wg(64), _wg(128, 1), _wg(64, 2, True)),
                   256: (_wg(64), _wg(64, 1))}
 _CANDIDATES = {
