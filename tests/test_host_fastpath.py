@@ -1,4 +1,5 @@
-"""The host fast paths of paged_attention and quantize (launch plans cached per call signature), on the CPU.
+"""The host fast paths of flash_attention, paged_attention and quantize (launch plans cached per call
+signature), on the CPU.
 
 tests/fake_cupy.py stands in for CuPy: kernels record their launches instead of running, so these tests check
 that a call served from a cached plan launches exactly what the fully checked call launches, that anything
@@ -13,7 +14,7 @@ import pytest
 
 import fake_cupy as fc
 from vbw_cupy import _runtime as rt
-from vbw_cupy import autotune, fp4, paged
+from vbw_cupy import attention, autotune, fp4, paged
 from vbw_cupy import reference as ref
 
 
@@ -21,9 +22,10 @@ from vbw_cupy import reference as ref
 def kernels(monkeypatch):
     paged._sigs.clear()
     fp4._q_plans.clear()
+    attention._fast_plans.clear()
     ks = fc.install(monkeypatch)
     full_calls.clear()
-    for mod, name in ((ref, "check_paged_args"), (fp4, "_quantize_gpu")):
+    for mod, name in ((ref, "check_paged_args"), (fp4, "_quantize_gpu"), (attention, "_flash_gpu")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: full_calls.append(_name) or
                             _real(*a, **k))
@@ -31,9 +33,10 @@ def kernels(monkeypatch):
     # plans hold fake kernels: none may survive into a real GPU run in the same process
     paged._sigs.clear()
     fp4._q_plans.clear()
+    attention._fast_plans.clear()
 
 
-full_calls = []  # names of the full-path functions called (check_paged_args, _quantize_gpu)
+full_calls = []  # names of the full-path functions called (check_paged_args, _quantize_gpu, _flash_gpu)
 
 
 def _launches(ks):
@@ -262,6 +265,72 @@ def test_check_paged_values_matches_check_paged_args():
                lambda: ref.check_paged_values(bad, h[4], s.num_blocks, s.block_size)):
         with pytest.raises(ValueError, match=r"block_table: .* got -1 at \[2, 4\]"):
             fn()
+
+
+# ------------------------------------------------------------------------------------------ flash_attention
+def _attn_case(B=2, Sq=100, Sk=130, Hq=4, Hkv=2, D=64, device=0):
+    rng = np.random.default_rng(0)
+    return [fc.asgpu(rng.standard_normal((B, S, H, D)).astype(np.float16), device)
+            for S, H in ((Sq, Hq), (Sk, Hkv), (Sk, Hkv))]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True, return_lse=True),
+                                dict(window=(10, 0), softcap=30.0, softmax_scale=0.2)])
+def test_flash_second_call_replays_the_first(kernels, kw):
+    d = _attn_case()
+    r1 = attention.flash_attention(*d, **kw)
+    first = _launches(kernels)
+    assert full_calls == ["_flash_gpu"] and len(attention._fast_plans) == 1 and len(first) == 1
+    r2 = attention.flash_attention(*d, **kw)
+    assert full_calls == ["_flash_gpu"]  # served by the plan
+    _same_launches(first, _launches(kernels), d)
+    if kw.get("return_lse"):
+        (o1, l1), (o2, l2) = r1, r2
+        assert l2 is not l1 and l2.shape == l1.shape == (2, 4, 100) and l2.dtype == np.float32
+    else:
+        o1, o2 = r1, r2
+    assert o2 is not o1 and o2.shape == o1.shape and o2.dtype == o1.dtype
+
+
+@pytest.mark.parametrize("good, bad", [
+    (dict(window=(1, 0)), dict(window=(True, 0))),
+    (dict(window=(1, 0)), dict(window=(1.0, 0))),
+    (dict(window=(0, 0)), dict(window=(False, False))),
+    (dict(window=(-1, -1)), dict(window=[-1, -1, 0])),
+    (dict(causal=True), dict(causal=1)),
+    (dict(return_lse=False), dict(return_lse=0)),
+    (dict(softmax_scale=1.0), dict(softmax_scale=True)),
+    (dict(softcap=1.0), dict(softcap=True)),
+])
+def test_flash_option_types_are_part_of_the_signature(kernels, good, bad):
+    d = _attn_case()
+    attention.flash_attention(*d, **good)
+    attention.flash_attention(*d, **good)
+    _launches(kernels)
+    with pytest.raises(TypeError):
+        attention.flash_attention(*d, **bad)
+    assert _launches(kernels) == []
+
+
+def test_flash_views_and_misalignment_take_the_full_path(kernels):
+    d = _attn_case()
+    attention.flash_attention(*d)
+    (name, _, _, args, _), = _launches(kernels)
+    # k of the same shape but strided: the full path launches on a contiguous copy
+    kv = fc.ndarray(np.repeat(d[1].a, 2, axis=3))[..., ::2]
+    assert kv.shape == d[1].shape and not kv.flags.c_contiguous
+    attention.flash_attention(d[0], kv, d[2])
+    (name2, _, _, args2, _), = _launches(kernels)
+    assert args2[1] is not kv and args2[1].flags.c_contiguous and name2 == name
+    # q 2 bytes off 16-byte alignment: the element-wise (VEC = false) mma.sync kernel
+    flat = np.empty(d[0].size + 1, np.float16)
+    qm = fc.ndarray(flat[1:].reshape(d[0].shape))
+    qm.a[...] = d[0].a
+    assert qm.data.ptr % 16
+    attention.flash_attention(qm, *d[1:])
+    (name3, _, _, args3, _), = _launches(kernels)
+    assert args3[0] is qm and name3.startswith("attn_fwd<") and name3.endswith("false>")
+    assert full_calls == ["_flash_gpu"] * 3
 
 
 # ------------------------------------------------------------------------------------------------ quantize

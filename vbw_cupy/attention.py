@@ -393,7 +393,7 @@ def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, o
         launch = _Launch.dense(q, k, v, scale=scale, window=win, softcap=softcap, out=o, lse=lse)
         cfg = launch.pick(config)
         launch.run(cfg)
-    if fast_key is not None and q.data.device_id == fast_key[-4] and q.size:
+    if fast_key is not None and q.size and q.data.device_id == cp.cuda.runtime.getDevice():
         if len(_fast_plans) > 256:
             _fast_plans.clear()
         _fast_plans[fast_key] = launch.bound(cfg) + (launch.vec, q.data.device_id)
@@ -410,17 +410,19 @@ _fast_plans: dict = {}
 def _fast_key(q, k, v, causal, softmax_scale, window, softcap, return_lse):
     cp = rt.cupy
     try:
+        # window's element types too: (1, 0) == (True, 0) == (1.0, 0), but only the first passes check_window
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, type(causal), causal, type(softmax_scale),
                softmax_scale, type(window), window, type(softcap), softcap, type(return_lse), return_lse,
                cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr,
-               _autotune is not None and _autotune.enabled(), getattr(_autotune, "_generation", 0))
+               _autotune is not None and _autotune.enabled(), getattr(_autotune, "_generation", 0),
+               tuple(map(type, window)) if type(window) is tuple else None)
         hash(key)
     except TypeError:  # a list window, an odd scalar: the full path
         return None
     return key
 
 
-def _flash_fast(key, q, k, v):
+def _flash_fast(key, q, k, v, return_lse):
     """The replayed launch, or None when this call must take the full path."""
     plan = _fast_plans.get(key)
     if plan is None:
@@ -433,7 +435,7 @@ def _flash_fast(key, q, k, v):
         return None
     cp = rt.cupy
     o = cp.empty(q.shape, dtype=q.dtype)
-    lse = cp.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=cp.float32) if key[15] else None
+    lse = cp.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=cp.float32) if return_lse else None
     null = np.uint64(0)
     kern(grid, block, (q, k, v, o, null if lse is None else lse, null, null) + scalars, shared_mem=smem)
     return (o, lse) if lse is not None else o
@@ -499,7 +501,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     fast_key = None
     if cp is not None and type(q) is cp.ndarray and type(k) is cp.ndarray and type(v) is cp.ndarray:
         fast_key = _fast_key(q, k, v, causal, softmax_scale, window, softcap, return_lse)
-        res = None if fast_key is None else _flash_fast(fast_key, q, k, v)
+        res = None if fast_key is None else _flash_fast(fast_key, q, k, v, return_lse)
         if res is not None:
             return res
     if _split_host_device(q=q, k=k, v=v):
