@@ -242,6 +242,10 @@ def test_plan_caches_are_bounded(kernels):
     for i in range(300):
         fp4.quantize(x, "nvfp4", 1.0 + i)
     assert 1 <= len(fp4._q_plans) <= fp4._MAX_PLANS
+    d = _attn_case(Sq=8, Sk=8)
+    for i in range(300):
+        attention.flash_attention(*d, softmax_scale=0.1 + i * 1e-3)
+    assert 1 <= len(attention._fast_plans) <= attention._MAX_PLANS
 
 
 def test_paged_numpy_inputs_still_use_the_reference(kernels):

@@ -394,7 +394,7 @@ def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, o
         cfg = launch.pick(config)
         launch.run(cfg)
     if fast_key is not None and q.size and q.data.device_id == cp.cuda.runtime.getDevice():
-        if len(_fast_plans) > 256:
+        if len(_fast_plans) >= _MAX_PLANS:
             _fast_plans.clear()
         _fast_plans[fast_key] = launch.bound(cfg) + (launch.vec, q.data.device_id)
     return (o, lse) if return_lse else o
@@ -405,6 +405,7 @@ def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, o
 # contiguity, device, 16-byte alignment) is re-checked. This saves ~40 us a call, which a short attention
 # (S = 1024) would otherwise pay in full.
 _fast_plans: dict = {}
+_MAX_PLANS = 256  # forgotten all at once when full
 
 
 def _fast_key(q, k, v, causal, softmax_scale, window, softcap, return_lse):
