@@ -436,3 +436,32 @@ def test_cached_config_this_version_does_not_declare_is_retuned(env):
         cfg = at.pick("t_fake", shape, "float16", noop)
     assert cfg in CANDS and cfg == {"BM": 64, "W": 4} and env.calls  # re-tuned, not handed the stale tile
     assert sum("does not declare it" in str(x.message) for x in w) == 1
+
+
+def test_pick_shortcut_forgets_a_replaced_tunable(env):
+    """A re-registered Tunable (module reload, edited tables) is asked again: pick's per-shape shortcut must not
+    hand back a config the new one no longer declares."""
+    shape = {"M": 100, "K": 64}
+    t = at.get("t_fake")
+    make = lambda cands: at.register(at.Tunable(name="t_fake", params=t.params, candidates=cands,  # noqa: E731
+                                                defaults={90: DEFAULTS[90]}, bucket=t.bucket, fits=t.fits,
+                                                source=t.source))
+    make(CANDS)
+    first = at.pick("t_fake", shape, "float16", noop)
+    assert first == {"BM": 64, "W": 4} and first != DEFAULTS[90]
+    gen = at._generation
+    make(tuple(c for c in CANDS if c != first))
+    assert at._generation > gen
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = at.pick("t_fake", shape, "float16", noop)
+    assert again != first and again in at.get("t_fake").candidates + (DEFAULTS[90],)
+
+
+def test_pick_shortcut_is_bounded(env, monkeypatch):
+    monkeypatch.setattr(at, "_MAX_PICKED", 50)
+    for m in range(16, 400):  # one bucket per power of two: few tunings, many exact shapes
+        at.pick("t_fake", {"M": m, "K": 64}, "float16", noop)
+    assert 1 <= len(at._picked) <= 50
+    assert at.pick("t_fake", {"M": 399, "K": 64}, "float16", noop) == at.pick("t_fake", {"M": 300, "K": 64},
+                                                                               "float16", noop)

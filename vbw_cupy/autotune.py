@@ -149,7 +149,11 @@ _registry: dict[str, Tunable] = {}
 
 def register(t: Tunable) -> Tunable:
     """Add (or replace, e.g. on module reload) a Tunable; returns it so modules can keep a handle."""
-    _registry[t.name] = t
+    global _generation
+    with _lock:
+        _registry[t.name] = t
+        _picked.clear()  # a replaced Tunable may no longer declare a remembered config (see _known)
+        _generation += 1
     return t
 
 
@@ -303,8 +307,10 @@ def make_key(name: str, shape: dict, dtype, device: dict | None = None) -> str:
 _lock = threading.RLock()
 _memory: dict[str, dict] = {}
 # (name, device id, dtype, shape items) -> config: pick()'s hit path skips building the key (~5 us a call,
-# which a host-bound short kernel pays in full)
+# which a host-bound short kernel pays in full). Keyed by the exact shape, not its bucket, so it is bounded:
+# forgotten all at once at _MAX_PICKED entries (a decode loop asks with a new sequence length every step).
 _picked: dict[tuple, dict] = {}
+_MAX_PICKED = 4096
 # Bumped whenever a stored config may change: launch-plan caches in the op modules include it in their keys.
 _generation = 0
 _warned: set[str] = set()
@@ -589,6 +595,14 @@ def _capturing() -> bool:
         return False
 
 
+def _remember(fast, cfg: dict) -> None:
+    """pick()'s shortcut for this exact (name, device, dtype, shape); called under _lock."""
+    if fast is not None:
+        if len(_picked) >= _MAX_PICKED:
+            _picked.clear()
+        _picked[fast] = cfg
+
+
 def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
     """The config to launch kernel `name` with for this shape and dtype (a fresh dict; see module docstring).
 
@@ -612,8 +626,7 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
     with _lock:
         e = _lookup(key, t)
         if e is not None:
-            if fast is not None:
-                _picked[fast] = e["config"]
+            _remember(fast, e["config"])
             return dict(e["config"])
         if _capturing():
             _warn_once(f"capture:{key}", f"vbw_cupy.autotune: {name} {_bucket_str(t, shape)} is not tuned and the "
@@ -629,8 +642,7 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
             return dict(e["default"])
         _stats["tuned"] += 1
         _store(key, e)
-        if fast is not None:
-            _picked[fast] = e["config"]
+        _remember(fast, e["config"])
         return dict(e["config"])
 
 
