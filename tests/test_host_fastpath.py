@@ -5,7 +5,7 @@ tests/fake_cupy.py stands in for CuPy: kernels record their launches instead of 
 that a call served from a cached plan launches exactly what the fully checked call launches, that anything
 that can differ between same-signature calls is still checked (bad values, option types, contiguity,
 alignment, devices), and that FP4Tensor's private constructor builds what the checked one builds. The GPU
-halves (results against the reference) are in test_paged.py and test_fp4.py.
+halves (results against the reference) are in test_attention.py, test_paged.py and test_fp4.py.
 """
 import dataclasses
 

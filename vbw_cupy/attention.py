@@ -1,17 +1,23 @@
 """Flash attention forward (SPEC section 3): `flash_attention`, `flash_attention_varlen`.
 
 NumPy inputs run `vbw_cupy.reference` (float64). CuPy inputs (or DLPack / CUDA-array-interface objects such as
-torch tensors) run the tensor-core kernel of ``cuda_src/attention_fwd.cu`` (FlashAttention-2 style: one CTA per
-BLOCK_M query rows of one head, K/V streamed through shared memory with cp.async, mma.sync m16n8k16 with fp32
-accumulation, online softmax in fp32) and return CuPy arrays.
+torch tensors) run a tensor-core kernel of ``cuda_src/attention_fwd.cu`` (FlashAttention-2 style: one CTA per
+BLOCK_M query rows of one head, K/V streamed through shared memory with cp.async, fp32 accumulation, online
+softmax in fp32; ``attn_fwd`` with mma.sync m16n8k16, ``attn_fwd_wg`` with Hopper wgmma) and return CuPy
+arrays.
 
 Head dims: any D from 1 to 256 runs the instance compiled for the next of HEAD_DIMS (32, 64, ..., 256); the
-kernel zero-fills the missing columns and never reads or writes past D. Tiles (BLOCK_M, BLOCK_N, WARPS, Q_REGS)
-are chosen per compiled head dim: a per-architecture default, or the autotuner's pick
-(``vbw_cupy.autotune``, one Tunable per head dim, named ``attention_fwd_d<HEAD_DIM>``; shape bucket =
-(pow2 of the longest query sequence, pow2 of the longest key sequence, each clamped to [64, 16384], 1 if a
-causal/window mask applies, pow2 of batch x query heads clamped to [1, 1024]). On sm_90 the aligned head dims
-64 / 128 / 256 run the wgmma kernel (``attn_fwd_wg``), everything else the mma.sync one.
+kernel zero-fills the missing columns and never reads or writes past D. Configs (KIND "mma" / "wg" / "wgp",
+BLOCK_M, BLOCK_N, WARPS, Q_REGS, STAGES) are chosen per compiled head dim: a per-architecture default, or the
+autotuner's pick (``vbw_cupy.autotune``, one Tunable per head dim, named ``attention_fwd_d<HEAD_DIM>``, timed on
+back-to-back launches (``warm_l2``); shape bucket = (pow2 of the longest query sequence, pow2 of the longest key
+sequence, each clamped to [64, 16384], 1 if a causal/window mask applies, pow2 of batch x query heads clamped to
+[1, 1024]). On sm_90 the aligned head dims 64 / 128 / 256 run the wgmma kernel (``attn_fwd_wg``) by default,
+everything else the mma.sync one; a wgmma config is never launched off sm_90 or on unaligned inputs
+(``_runnable``).
+
+Host cost: a `flash_attention` call whose shapes, dtypes, options, device, stream and tuning state match an
+earlier checked call replays its launch, re-checking only array types, contiguity, devices and alignment.
 
 Extra device memory beyond q, k, v, o (and lse when asked): none, except contiguous copies of
 non-contiguous inputs.

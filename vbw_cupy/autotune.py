@@ -32,10 +32,11 @@ caller's own arrays::
   default, always timed first) is run with CUDA events on the current stream: one warm-up launch (this is
   where NVRTC compiles the instance), then the median of 3..50 timed launches, with a scratch buffer of twice
   the device's L2 written before every timed launch (outside the timed interval) so no config wins from a warm
-  L2. Repetitions are capped by measured time: tuning one key costs about ``VBW_CUPY_AUTOTUNE_BUDGET_S``
-  seconds (default 3) of timed launches plus the compile time of the instances; a candidate whose first
-  timing is over 3x the best so far is not repeated. The winner is stored in memory and merged into the JSON
-  file.
+  L2 (a Tunable with ``warm_l2=True`` is timed instead on WARM_INNER back-to-back launches per sample, the
+  steady state of repeated calls). Repetitions are capped by measured time: tuning one key costs about
+  ``VBW_CUPY_AUTOTUNE_BUDGET_S`` seconds (default 3) of timed launches plus the compile time of the instances;
+  a candidate whose first timing is over 3x the best so far is not repeated. The winner is stored in memory and
+  merged into the JSON file.
   While the current stream is capturing a CUDA graph, a miss returns the default without timing.
 
 Rules for the ``run`` closure (kernel authors, read this):
@@ -67,8 +68,11 @@ show them.
 ``cache_summary()`` describes the file for ``vbw-cupy info``. ``stats()`` counts timer calls and hits.
 
 Tests replace the timer: ``autotune._timer = lambda run, cfg, **kw: ms`` (keywords: ``budget_s``,
-``cutoff_ms``), and ``autotune._device_info`` to run without a GPU; ``autotune.reset()`` forgets the memory
-cache, warnings and counters (a "new process").
+``cutoff_ms``, ``flush``), and ``autotune._device_info`` to run without a GPU; ``autotune.reset()`` forgets the
+memory cache, warnings and counters (a "new process").
+
+Launch-plan caches in the op modules put ``autotune._generation`` in their keys: it changes whenever a stored
+config may change (``reset``, a store, ``register``).
 """
 from __future__ import annotations
 
