@@ -93,6 +93,17 @@ def test_configs_fit_the_architectures():
     assert gemm.smem_bytes(gemm.F32_TILE, 16, 4) <= ampere86["smem_optin"]
 
 
+def test_chosen_config_is_the_newest_plan():
+    """Plans of an earlier tuning generation stay in w's cache: chosen_config reports the newest one."""
+    import types
+    a = np.zeros((16, 64), np.float16)
+    old, new = {"BLOCK_N": 64}, {"BLOCK_N": 128}
+    key = lambda gen: (16, 64, 64, "float16", 0, None, "float16", 0, 0, True, gen)  # noqa: E731
+    w = types.SimpleNamespace(_cache={"gemm_v1_plans": {key(0): (None, old), key(1): (None, new)}})
+    assert gemm.chosen_config(a, w) == new
+    assert gemm.chosen_config(np.zeros((8, 64), np.float16), w) is None
+
+
 def test_regimes():
     assert gemm._regime(1).name == "fp4_gemm_m8" and gemm._regime(16).name == "fp4_gemm_m16"
     assert gemm._regime(17).name == "fp4_gemm_m64" and gemm._regime(100).name == "fp4_gemm_m128"
