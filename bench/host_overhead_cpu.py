@@ -16,7 +16,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
 import fake_cupy as fc  # noqa: E402
 
-from vbw_cupy import fp4, paged, reference as ref  # noqa: E402
+from vbw_cupy import attention, fp4, paged, reference as ref  # noqa: E402
 
 
 def us(fn, n=2000):
@@ -38,31 +38,35 @@ def main():
     lens = fc.asgpu(np.full(B, ctx, np.int32))
     q = fc.asgpu(np.zeros((B, 32, 128), f16))
     x = fc.asgpu(np.zeros((4096, 4096), f16))
+    qa, ka = (fc.asgpu(np.zeros((4, 1024, 16, 64), f16)) for _ in range(2))
     data = np.zeros((4096, 2048), np.uint8)
     scales = np.zeros((4096, 256), np.uint8)
+    # "first call" rows: the full (checking) path, plans forgotten before every call
     rows = [
+        ("flash_attention 4x1024x16x64", lambda: attention.flash_attention(qa, ka, ka)),
+        ("  first call (no plan)", lambda: attention._fast_plans.clear() or attention.flash_attention(qa, ka, ka)),
         ("paged_attention B=8 ctx=4096 check=False",
          lambda: paged.paged_attention(q, kc, vcache, table, lens, check=False)),
+        ("  first call (no plan)", lambda: paged._sigs.clear() or
+         paged.paged_attention(q, kc, vcache, table, lens, check=False)),
         ("paged_attention B=8 ctx=4096 check=True",
          lambda: paged.paged_attention(q, kc, vcache, table, lens)),
         ("quantize mxfp4 4096^2 fp16", lambda: fp4.quantize(x, "mxfp4")),
+        ("  first call (no plan)", lambda: fp4._q_plans.clear() or fp4.quantize(x, "mxfp4")),
         ("quantize nvfp4 4096^2 fp16 global_scale=0.01", lambda: fp4.quantize(x, "nvfp4", 0.01)),
         ("FP4Tensor(...) validated (NumPy arrays)",
          lambda: fp4.FP4Tensor(data, scales, np.float32(1.0), "nvfp4", (4096, 4096))),
+        ("FP4Tensor._trusted(...) (library-built)",
+         lambda: fp4.FP4Tensor._trusted(data, scales, np.float32(1.0), "nvfp4", (4096, 4096))),
         ("reference.check_paged_args check_values=False",
          lambda: ref.check_paged_args(q, kc, vcache, table, lens, dtypes=ref.GPU_ATTENTION_DTYPES,
                                       check_values=False)),
     ]
-    if hasattr(paged, "_sigs"):  # the full (checking) path: plans forgotten before every call
-        rows.insert(1, ("  first call (no plan)", lambda: paged._sigs.clear() or
-                        paged.paged_attention(q, kc, vcache, table, lens, check=False)))
-        rows.insert(4, ("  first call (no plan)", lambda: fp4._q_plans.clear() or fp4.quantize(x, "mxfp4")))
-    if hasattr(fp4.FP4Tensor, "_trusted"):
-        rows.append(("FP4Tensor._trusted(...) (library-built)",
-                     lambda: fp4.FP4Tensor._trusted(data, scales, np.float32(1.0), "nvfp4", (4096, 4096))))
     print(f"{'call (fake CuPy: Python cost only)':52s} {'us/call':>8s}")
     for name, fn in rows:
         print(f"{name:52s} {us(fn):8.2f}", flush=True)
+    for plans in (attention._fast_plans, paged._sigs, fp4._q_plans):  # they hold fake kernels
+        plans.clear()
     mp.undo()
 
 
