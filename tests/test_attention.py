@@ -420,5 +420,8 @@ def test_wgmma_kernel_only_where_it_can_run():
         fits = A._fits(hd)
         lim = {"arch": 100, "max_threads": 1024, "smem_optin": 232448}
         assert not any(fits(c, lim) for c in A._all_configs(hd, True) if c["KIND"] != "mma")
+        from vbw_cupy import autotune as at
+        for arch in (100, 120):  # the tuner's default above sm_90 is a runnable (mma) config
+            assert at.default_config(A._tunable_name(hd), arch)["KIND"] == "mma", (hd, arch)
     with pytest.raises(ValueError, match="aligned"):
         A.instance_name("float16", 64, A.default_config(64, 90), vec=False)

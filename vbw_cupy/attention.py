@@ -211,7 +211,8 @@ if _autotune is not None:
     for _hd in HEAD_DIMS:
         _autotune.register(_autotune.Tunable(
             name=_tunable_name(_hd), params=_PARAMS, candidates=tuple(_all_configs(_hd, True)),
-            defaults={a: default_config(_hd, a) for a in _DEFAULTS[_hd]}, bucket=_bucket, fits=_fits(_hd),
+            # 100: archs above sm_90 take the nearest lower entry, which must not be sm_90a's wgmma config
+            defaults={a: default_config(_hd, a) for a in (*_DEFAULTS[_hd], 100)}, bucket=_bucket, fits=_fits(_hd),
             warm_l2=True,
             source=SOURCE,
             standard_shapes=tuple(({"Sq": s, "Sk": s, "masked": m, "B": 16384 // s, "H": 16}, dt)
