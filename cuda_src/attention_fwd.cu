@@ -172,6 +172,65 @@ __device__ __forceinline__ Cta cta_info(const int* __restrict__ cu_q, const int*
   return c;
 }
 
+// KV tiles that some row of the CTA (rows_q rows) sees: [n_lo, n_hi); tiles in [nm_lo, nm_hi) need no mask.
+template <int BLOCK_N>
+__device__ __forceinline__ void tile_range(const Cta& c, int rows_q, int& n_lo, int& n_hi, int& nm_lo, int& nm_hi) {
+  n_lo = n_hi = 0;
+  const int lo = max(0, c.lo_base);
+  const int hi = min(c.sk, c.hi_base + rows_q - 1);
+  if (hi > lo) {
+    n_lo = lo / BLOCK_N;
+    n_hi = (hi + BLOCK_N - 1) / BLOCK_N;
+  }
+  const int last_lo = c.lo_base + rows_q - 1;  // the last row's first key
+  nm_lo = last_lo > 0 ? (last_lo + BLOCK_N - 1) / BLOCK_N : 0;
+  nm_hi = min(c.sk, c.hi_base) >= 0 ? min(c.sk, c.hi_base) / BLOCK_N : -1;
+}
+
+// The scores of one m16 row tile, as an mma.sync / wgmma accumulator: s[j][e] is row rl0 + g + 8 (e / 2) of the
+// CTA, key 8j + 2t + e % 2 of the KV tile (g = lane / 4, t = lane % 4). Keys a row does not see become -inf:
+// row r sees keys [r + lo_off, min(r + hi_off, hi_cap)) of the tile.
+template <int NN>
+__device__ __forceinline__ void mask_tile(float (&s)[NN][4], int rl0, int lo_off, int hi_off, int hi_cap, int lane) {
+  const float NEG_INF = __int_as_float(0xff800000);
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int rl = rl0 + (lane >> 2) + hf * 8;
+    const int lo_t = rl + lo_off;
+    const int hi_t = min(rl + hi_off, hi_cap);
+#pragma unroll
+    for (int j = 0; j < NN; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = j * 8 + (lane & 3) * 2 + e;
+        if (col < lo_t || col >= hi_t) s[j][2 * hf + e] = NEG_INF;
+      }
+  }
+}
+
+// Online-softmax bookkeeping of one m16 row tile: the new row maxima (over the quad), msc = max * scale_log2 (0
+// for a row that has seen no key) and corr = 2^(old max - new max) (scaled), the factor the row's O and sum
+// must be scaled by (0 while the old max is -inf). Returns whether some corr != 1.
+template <int NN>
+__device__ __forceinline__ bool online_max(const float (&s)[NN][4], float (&row_max)[2], float scale_log2,
+                                           float (&msc)[2], float (&corr)[2]) {
+  const float NEG_INF = __int_as_float(0xff800000);
+  bool moved = false;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float mx = row_max[hf];
+#pragma unroll
+    for (int j = 0; j < NN; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * hf], s[j][2 * hf + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    msc[hf] = (mx == NEG_INF) ? 0.f : mx * scale_log2;
+    corr[hf] = (row_max[hf] == NEG_INF) ? 0.f : vbw::fast_exp2(row_max[hf] * scale_log2 - msc[hf]);
+    moved |= corr[hf] != 1.f;
+    row_max[hf] = mx;
+  }
+  return moved;
+}
+
 }  // namespace vbw_attn
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool Q_REGS, int STAGES, bool VEC>
@@ -212,19 +271,8 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const T* kg = k + cta.k_start * kv_rs + (long long)(cta.h / group) * d;
   const long long vk = v - k;  // V tile = K tile + vk (same layout)
 
-  // KV tiles that some row of this CTA sees: [n_lo, n_hi); tiles in [nm_lo, nm_hi) need no mask at all.
-  int n_lo = 0, n_hi = 0, nm_lo, nm_hi;
-  {
-    const int lo = max(0, cta.lo_base);
-    const int hi = min(sk, cta.hi_base + rows_q - 1);
-    if (hi > lo) {
-      n_lo = lo / BLOCK_N;
-      n_hi = (hi + BLOCK_N - 1) / BLOCK_N;
-    }
-    const int last_lo = cta.lo_base + rows_q - 1;  // the last row's first key
-    nm_lo = last_lo > 0 ? (last_lo + BLOCK_N - 1) / BLOCK_N : 0;
-    nm_hi = min(sk, cta.hi_base) >= 0 ? min(sk, cta.hi_base) / BLOCK_N : -1;
-  }
+  int n_lo, n_hi, nm_lo, nm_hi;
+  vbw_attn::tile_range<BLOCK_N>(cta, rows_q, n_lo, n_hi, nm_lo, nm_hi);
 
   float acc_o[MT][ND][4];
   float row_max[MT][2], row_sum[MT][2];
@@ -354,23 +402,10 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
         const int lo_off = c.lo_base - c0;
         const int hi_off = c.hi_base - c0;
         const int hi_cap = min(BLOCK_N, c.sk - c0);
-        const int ln = threadIdx.x & 31;
         const int wr = (threadIdx.x >> 5) * MT * 16;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {
-            const int rl = wr + mt * 16 + (ln >> 2) + hf * 8;
-            const int lo_t = rl + lo_off;
-            const int hi_t = min(rl + hi_off, hi_cap);
-#pragma unroll
-            for (int j = 0; j < NN; ++j)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int col = j * 8 + (ln & 3) * 2 + e;
-                if (col < lo_t || col >= hi_t) s[mt][j][2 * hf + e] = NEG_INF;
-              }
-          }
+          vbw_attn::mask_tile<NN>(s[mt], wr + mt * 16, lo_off, hi_off, hi_cap, threadIdx.x & 31);
       }
 
       // Online softmax (exp2, scale folded into one FFMA). The rescale of O is skipped when no row max moved
@@ -380,19 +415,7 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
         float corr[MT][2];
         bool moved = false;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {
-            float mx = row_max[mt][hf];
-#pragma unroll
-            for (int j = 0; j < NN; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * hf], s[mt][j][2 * hf + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            msc[mt][hf] = (mx == NEG_INF) ? 0.f : mx * scale_log2;
-            corr[mt][hf] = (row_max[mt][hf] == NEG_INF) ? 0.f : fast_exp2(row_max[mt][hf] * scale_log2 - msc[mt][hf]);
-            moved |= corr[mt][hf] != 1.f;
-            row_max[mt][hf] = mx;
-          }
+        for (int mt = 0; mt < MT; ++mt) moved |= vbw_attn::online_max<NN>(s[mt], row_max[mt], scale_log2, msc[mt], corr[mt]);
         if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt)
@@ -593,18 +616,8 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const T* kg = k + cta.k_start * kv_rs + (long long)(cta.h / group) * d;
   const long long vk = v - k;
 
-  int n_lo = 0, n_hi = 0, nm_lo, nm_hi;
-  {
-    const int lo = max(0, cta.lo_base);
-    const int hi = min(sk, cta.hi_base + rows_q - 1);
-    if (hi > lo) {
-      n_lo = lo / BLOCK_N;
-      n_hi = (hi + BLOCK_N - 1) / BLOCK_N;
-    }
-    const int last_lo = cta.lo_base + rows_q - 1;
-    nm_lo = last_lo > 0 ? (last_lo + BLOCK_N - 1) / BLOCK_N : 0;
-    nm_hi = min(sk, cta.hi_base) >= 0 ? min(sk, cta.hi_base) / BLOCK_N : -1;
-  }
+  int n_lo, n_hi, nm_lo, nm_hi;
+  vbw_attn::tile_range<BLOCK_N>(cta, rows_q, n_lo, n_hi, nm_lo, nm_hi);
 
   float acc_o[NO];
 #pragma unroll
@@ -651,37 +664,14 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
         const int lo_off = c.lo_base - c0;
         const int hi_off = c.hi_base - c0;
         const int hi_cap = min(BLOCK_N, c.sk - c0);
-        const int ln = threadIdx.x & 31;
-        const int wr = (threadIdx.x >> 7) * 64 + ((threadIdx.x >> 5) & 3) * 16;
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int rl = wr + (ln >> 2) + hf * 8;
-          const int lo_t = rl + lo_off;
-          const int hi_t = min(rl + hi_off, hi_cap);
-#pragma unroll
-          for (int j = 0; j < NN; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int col = j * 8 + (ln & 3) * 2 + e;
-              if (col < lo_t || col >= hi_t) s[4 * j + 2 * hf + e] = NEG_INF;
-            }
-        }
+        vbw_attn::mask_tile<NN>(*reinterpret_cast<float(*)[NN][4]>(s),
+                                (threadIdx.x >> 7) * 64 + ((threadIdx.x >> 5) & 3) * 16, lo_off, hi_off, hi_cap,
+                                threadIdx.x & 31);
       }
       float msc[2], corr[2];
       {
-        bool moved = false;
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          float mx = row_max[hf];
-#pragma unroll
-          for (int j = 0; j < NN; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * hf], s[4 * j + 2 * hf + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          msc[hf] = (mx == NEG_INF) ? 0.f : mx * scale_log2;
-          corr[hf] = (row_max[hf] == NEG_INF) ? 0.f : fast_exp2(row_max[hf] * scale_log2 - msc[hf]);
-          moved |= corr[hf] != 1.f;
-          row_max[hf] = mx;
-        }
+        const bool moved =
+            vbw_attn::online_max<NN>(*reinterpret_cast<float(*)[NN][4]>(s), row_max, scale_log2, msc, corr);
         if (!__any_sync(0xffffffffu, moved)) corr[0] = corr[1] = 1.f;
         row_sum[0] *= corr[0];
         row_sum[1] *= corr[1];
