@@ -257,6 +257,31 @@ def test_paged_numpy_inputs_still_use_the_reference(kernels):
     assert _launches(kernels) == [] and not paged._sigs
 
 
+def test_paged_max_seqlen_must_bound_checked_lengths(kernels):
+    """Where seq_lens' values are read (check=True, NumPy inputs), a max_seqlen below the longest sequence is
+    an error, on the full path and on a replay alike; with check=False it is trusted (a bound for the splits)."""
+    d = _paged_case()                                          # room for 40 tokens a sequence
+    d[4].a[1] = 30                                             # longest sequence: 30
+    paged.paged_attention(*d, max_seqlen=35)
+    _launches(kernels)
+    d[4].a[1] = 38                                             # same signature, a sequence past max_seqlen
+    with pytest.raises(ValueError, match="max_seqlen: 35 is below the longest sequence in seq_lens \\(38\\)"):
+        paged.paged_attention(*d, max_seqlen=35)
+    paged._sigs.clear()
+    with pytest.raises(ValueError, match="max_seqlen: 35 is below"):
+        paged.paged_attention(*d, max_seqlen=35)
+    assert _launches(kernels) == []
+    paged.paged_attention(*d, max_seqlen=35, check=False)   # trusted: launches
+    assert _launches(kernels)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="max_seqlen: expected a positive int"):
+            paged.paged_attention(*d, max_seqlen=bad)
+    h = paged.make_case(np.random.default_rng(1), 2, np.asarray([5, 9]), 4, 2, 16, 4, np.float32)
+    with pytest.raises(ValueError, match="max_seqlen: 8 is below"):
+        paged.paged_attention(*h, max_seqlen=8)
+    np.testing.assert_array_equal(paged.paged_attention(*h, max_seqlen=9), ref.paged_attention(*h))
+
+
 def test_check_paged_values_matches_check_paged_args():
     h = paged.make_case(np.random.default_rng(2), 3, np.asarray([5, 40, 17]), 8, 2, 16, 4, np.float16)
     s = ref.check_paged_args(*h)

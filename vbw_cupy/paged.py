@@ -229,7 +229,8 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     alignment and (check=True) the values.
 
     `max_seqlen` (optional, host int) bounds seq_lens; it picks the split count when values are not checked
-    (default bound max_blocks * block_size). Launch shapes never depend on seq_lens' values, so with
+    (default bound max_blocks * block_size). Where the values are read (check=True, NumPy inputs) a max_seqlen
+    below the longest sequence raises ValueError; with check=False it is trusted. Launch shapes never depend on seq_lens' values, so with
     check=False the call can be captured in a CUDA graph and replayed as the sequences grow.
 
     >>> import cupy as cp
@@ -263,6 +264,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
                 plan = sig.plan
                 if plan is None:  # check=True: the values, then the plan of the longest sequence
                     _, lens = ref.check_paged_values(block_table, seq_lens, sig.num_blocks, sig.block_size)
+                    _check_max_seqlen(max_seqlen, lens)
                     max_len = int(lens.max())
                     plan = sig.plans.get(max_len)
                     if plan is None:
@@ -277,6 +279,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
         if out is not None:
             raise TypeError("out: only supported for GPU arrays (the reference path allocates its result)")
         ref.check_flag("check", check)
+        _check_max_seqlen(max_seqlen, seq_lens)
         return ref.paged_attention(q, k_cache, v_cache, block_table, seq_lens, softmax_scale=softmax_scale,
                                    softcap=softcap, window=window)
     for name, a in arrays.items():
@@ -302,11 +305,10 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
         raise ValueError(f"q: expected B <= 65535 and Hkv * ceil(Hq / Hkv / 16) <= 65535, got B={B}, Hq={Hq}, "
                          f"Hkv={Hkv}")
     capacity = shape.max_blocks * shape.block_size
+    _check_max_seqlen(max_seqlen, shape.seq_lens)
     if shape.seq_lens is not None:
         max_len = int(shape.seq_lens.max())
     elif max_seqlen is not None:
-        if not ref._is_int(max_seqlen) or int(max_seqlen) < 1:
-            raise ValueError(f"max_seqlen: expected a positive int, got {max_seqlen!r}")
         max_len = min(int(max_seqlen), capacity)
     else:
         max_len = capacity
@@ -340,6 +342,20 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
 # ------------------------------------------------------------------------------------------- launch plans
 _MAX_PLANS = 256  # signatures kept (all forgotten at once when full); as many plans per check=True signature
 _sigs: dict = {}  # _fast_key(...) -> _Signature
+
+
+def _check_max_seqlen(max_seqlen, lens=None) -> None:
+    """max_seqlen, when given, is a positive int; where seq_lens' values are read (lens), it must bound them."""
+    if max_seqlen is None:
+        return
+    if not ref._is_int(max_seqlen) or int(max_seqlen) < 1:
+        raise ValueError(f"max_seqlen: expected a positive int, got {max_seqlen!r}")
+    if lens is None:
+        return
+    lens = np.asarray(lens)
+    if lens.ndim == 1 and lens.size and lens.dtype.kind in "iu" and int(lens.max()) > int(max_seqlen):
+        raise ValueError(f"max_seqlen: {int(max_seqlen)} is below the longest sequence in seq_lens "
+                         f"({int(lens.max())})")
 
 
 def _fast_key(cp, q, k_cache, v_cache, block_table, seq_lens, softmax_scale, softcap, window, check, max_seqlen,
