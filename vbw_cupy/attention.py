@@ -308,23 +308,22 @@ class _Launch:
         opts = _EXTRA_OPTIONS.get(self.head_dim, ()) if isinstance(_EXTRA_OPTIONS, dict) else _EXTRA_OPTIONS
         return rt.get_kernel(SOURCE, instance_name(self.q.dtype, self.head_dim, cfg, self.vec), tuple(opts))
 
-    def run(self, cfg):
+    def bound(self, cfg):
+        """(kernel, grid, block, smem, scalar args) of a launch with cfg: what run() launches and the fast path
+        replays with new arrays."""
         cfg = _runnable(self.head_dim, cfg, self.vec)
         if cfg["BLOCK_M"] % (16 * cfg["WARPS"]) != 0:
             raise ValueError(f"attention config {cfg}: BLOCK_M must be a multiple of 16 * WARPS")
         kern = self.kernel(cfg)
         num_m = rt.cdiv(self.max_q, cfg["BLOCK_M"])
-        args = self.head_args + (np.int32(num_m), np.int32(self.sect_heads)) + self.tail_args
-        rt.launch(kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), args,
-                  shared_mem=smem_bytes(self.head_dim, cfg))
-
-    def bound(self, cfg):
-        """(kernel, grid, block, smem, scalar args) of run(cfg): what the fast path replays with new arrays."""
-        cfg = _runnable(self.head_dim, cfg, self.vec)
-        kern = self.kernel(cfg)
-        num_m = rt.cdiv(self.max_q, cfg["BLOCK_M"])
         scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + self.tail_args
         return kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), smem_bytes(self.head_dim, cfg), scalars
+
+    def run(self, cfg):
+        """Launch with cfg; returns bound(cfg)."""
+        b = kern, grid, block, smem, scalars = self.bound(cfg)
+        rt.launch(kern, grid, block, self.head_args[:7] + scalars, shared_mem=smem)
+        return b
 
     def pick(self, config=None):
         if config is not None:
@@ -398,12 +397,11 @@ def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, o
             lse = (_check_out(lse_out, (B, Hq, Sq), np.float32, "lse_out") if lse_out is not None
                    else cp.empty((B, Hq, Sq), dtype=cp.float32))
         launch = _Launch.dense(q, k, v, scale=scale, window=win, softcap=softcap, out=o, lse=lse)
-        cfg = launch.pick(config)
-        launch.run(cfg)
+        bound = launch.run(launch.pick(config))
     if fast_key is not None and q.size and q.data.device_id == cp.cuda.runtime.getDevice():
         if len(_fast_plans) >= _MAX_PLANS:
             _fast_plans.clear()
-        _fast_plans[fast_key] = launch.bound(cfg) + (launch.vec, q.data.device_id)
+        _fast_plans[fast_key] = bound + (launch.vec, q.data.device_id)
     return (o, lse) if return_lse else o
 
 
