@@ -479,26 +479,24 @@ def _cuda_event_timer(run: Callable[[dict], None], cfg: dict, budget_s: float = 
     run(cfg)                       # warm-up: NVRTC compile / module load / first touch
     stream.synchronize()
     inner = 1 if flush else WARM_INNER
-    a, b = cp.cuda.Event(), cp.cuda.Event()
-    if flush:
-        _flush_l2(stream)
-    a.record(stream)
-    for _ in range(inner):
-        run(cfg)
-    b.record(stream)
-    b.synchronize()
-    first = cp.cuda.get_elapsed_time(a, b) / inner
-    if cutoff_ms is not None and first > cutoff_ms:
-        return first
-    reps = int(min(MAX_REPS, max(MIN_REPS, budget_s * 1e3 / max(first * inner, 1e-3))))
-    events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(reps)]
-    for a, b in events:
+
+    def sample():  # (start, stop) events around `inner` launches, the L2 flushed first when asked
+        a, b = cp.cuda.Event(), cp.cuda.Event()
         if flush:
             _flush_l2(stream)
         a.record(stream)
         for _ in range(inner):
             run(cfg)
         b.record(stream)
+        return a, b
+
+    a, b = sample()
+    b.synchronize()
+    first = cp.cuda.get_elapsed_time(a, b) / inner
+    if cutoff_ms is not None and first > cutoff_ms:
+        return first
+    reps = int(min(MAX_REPS, max(MIN_REPS, budget_s * 1e3 / max(first * inner, 1e-3))))
+    events = [sample() for _ in range(reps)]
     events[-1][1].synchronize()
     return statistics.median(cp.cuda.get_elapsed_time(a, b) for a, b in events) / inner
 
