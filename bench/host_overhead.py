@@ -32,13 +32,15 @@ def _spin_cycles(ms):
     return np.int64(ms * clock_khz)
 
 
-def gpu_us(fn, n=40, spin_ms=20.0):
+def _events_us(fn, n, reps, spin_ms=None):
+    """Median us per call of n back-to-back calls between two events (queued behind a spin of spin_ms)."""
     fn()
     cp.cuda.Device().synchronize()
     times = []
-    for _ in range(5):
+    for _ in range(reps):
         s, e = cp.cuda.Event(), cp.cuda.Event()
-        _spin((1,), (1,), (_spin_cycles(spin_ms),))
+        if spin_ms:
+            _spin((1,), (1,), (_spin_cycles(spin_ms),))
         s.record()
         for _ in range(n):
             fn()
@@ -46,21 +48,14 @@ def gpu_us(fn, n=40, spin_ms=20.0):
         e.synchronize()
         times.append(cp.cuda.get_elapsed_time(s, e) * 1e3 / n)
     return float(np.median(times))
+
+
+def gpu_us(fn, n=40, spin_ms=20.0):
+    return _events_us(fn, n, 5, spin_ms)
 
 
 def loop_us(fn, n=20):
-    fn()
-    cp.cuda.Device().synchronize()
-    times = []
-    for _ in range(9):
-        s, e = cp.cuda.Event(), cp.cuda.Event()
-        s.record()
-        for _ in range(n):
-            fn()
-        e.record()
-        e.synchronize()
-        times.append(cp.cuda.get_elapsed_time(s, e) * 1e3 / n)
-    return float(np.median(times))
+    return _events_us(fn, n, 9)
 
 
 def host_us(fn, n=200):
