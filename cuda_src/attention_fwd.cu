@@ -233,6 +233,10 @@ __device__ __forceinline__ bool online_max(const float (&s)[NN][4], float (&row_
 
 }  // namespace vbw_attn
 
+// Where this CTA works, recomputed from the kernel's arguments wherever a kernel needs it (see cta_info).
+#define VBW_CTA() vbw_attn::cta_info<BLOCK_M>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, sect_heads, \
+                                              win_left, win_right)
+
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool Q_REGS, int STAGES, bool VEC>
 __global__ void __launch_bounds__(WARPS * 32)
 attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
@@ -262,8 +266,6 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
-#define VBW_CTA() vbw_attn::cta_info<BLOCK_M>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, sect_heads, \
-                                              win_left, win_right)
   const vbw_attn::Cta cta = VBW_CTA();
   if (cta.m0 >= cta.sq) return;
   const int sk = cta.sk;
@@ -481,7 +483,6 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   // warp passed the barrier after its last Q K^T; with STAGES == 2 a warp only ever reads its own rows of Q,
   // which are the rows it overwrites here.
   const vbw_attn::Cta ce = VBW_CTA();
-#undef VBW_CTA
   const int m0 = ce.m0;
   const int rows_e = min(BLOCK_M, ce.sq - m0);
   T* og = o + (ce.q_start + m0) * q_rs + (long long)ce.h * d;
@@ -607,8 +608,6 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const int wg = tid >> 7;
   const int warp = (tid >> 5) & 3;  // warp within the warpgroup
   const int lane = tid & 31;
-#define VBW_CTA() vbw_attn::cta_info<BLOCK_M>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, sect_heads, \
-                                              win_left, win_right)
   const vbw_attn::Cta cta = VBW_CTA();
   if (cta.m0 >= cta.sq) return;
   const int sk = cta.sk;
@@ -783,7 +782,6 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   // Epilogue: normalize, LSE, stage this warpgroup's O rows in its own (swizzled) rows of Q's buffer (no other
   // warpgroup reads them, and this one's wgmma are drained), then 16-byte coalesced stores.
   const vbw_attn::Cta ce = VBW_CTA();
-#undef VBW_CTA
   const int m0 = ce.m0;
   const int rows_e = min(BLOCK_M, ce.sq - m0);
   T* og = o + (ce.q_start + m0) * q_rs + (long long)ce.h * d;
@@ -826,3 +824,5 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   __trap();  // sm_90a only: the launcher never picks this kernel elsewhere
 #endif
 }
+
+#undef VBW_CTA

@@ -521,7 +521,7 @@ using vbw::fence_async_smem;
 using vbw::named_bar;
 using vbw::keep_acc;
 using vbw::keep_regs;
-__device__ __forceinline__ u64 desc_sw128(u32 saddr) { return vbw::desc_sw128_k(saddr); }
+using vbw::desc_sw128_k;
 
 // CTA = WGS warpgroups x 64 weight rows, BC tokens, BK = 64 (one atom per warp per k-tile). cp.async ring of
 // STAGES (activation tile in 128B-swizzled rows + the raw FP4 atoms); each warp decodes its atom (SIR) into a
@@ -645,8 +645,8 @@ fp4_gemm_wgmma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restr
     wg_fence();
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      WgmmaSS<OT, BC>::run(acc, desc_sw128(a_wg + (it & 1) * A_BYTES + j * 32),
-                           desc_sw128(sbase + buf * STAGE + j * 32));
+      WgmmaSS<OT, BC>::run(acc, desc_sw128_k(a_wg + (it & 1) * A_BYTES + j * 32),
+                           desc_sw128_k(sbase + buf * STAGE + j * 32));
     wg_commit();
     if (it + 1 < nk) {
       vbw::cp_async_wait<STAGES - 4>();  // tile it+1 landed (this thread's copies)
@@ -796,7 +796,7 @@ fp4_gemm_wgrs(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
     for (int u = 0; u < KSUB; ++u)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        desc[4 * u + j] = desc_sw128(sbase + buf * STAGE + u * SUB + j * 32);
+        desc[4 * u + j] = desc_sw128_k(sbase + buf * STAGE + u * SUB + j * 32);
         asm volatile("" : "+l"(desc[4 * u + j]) :: "memory");
       }
     keep_regs(af);
