@@ -29,6 +29,11 @@
 //   fp4_gemm_mma   <T, BLK, MODE, BR, BC, BK, WARPS_R, WARPS_C, STAGES>: mma.sync m16n8k16, any sm_80+.
 //      CTA = BR weight rows x BC tokens, BK k per stage, cp.async multi-stage ring for weights and activations
 //      (activations in 128B-swizzled rows, read with ldmatrix), split-K over gridDim.z. The decode path.
+//   fp4_gemm_mmv   <T, BLK, BC, BK, WARPS, STAGES, DIAG>: mma.sync, SIR mode, M <= 16. One warp per 16 weight
+//      rows; the weights go from global memory straight into registers (a lane's 16 bytes of an atom are its
+//      A fragment), only the activations through shared memory. DIAG (M = 1): the activation tile is
+//      "diagonal" (row r holds token 0 in the blocks b = r mod 8), so MMA column r collects block r's partial
+//      and the block scales are applied in fp32 once per 8 blocks: 16 instead of 24 ALU/FMA ops per 8 weights.
 //   fp4_gemm_wgrs  <T, BLK, BC, WGS, STAGES, KSUB>: Hopper (sm_90a) wgmma m64nBCk16, A = the decoded weights
 //      straight from registers, B = activations from 128B-swizzled smem; WGS warpgroups x 64 rows, KSUB 64-k
 //      sub-tiles per stage. Drains wgmma every k-tile (ptxas serializes wgmma if an A register is written while
@@ -55,6 +60,19 @@
 //      480-520 TFLOP/s vs cuBLAS 717-767 us (0.67-0.70x). Errors 2.1e-4 against a SPEC 7 bound of 4.2e-4.
 //   Left: decode-path instructions per weight (bars: 3x at M <= 16) and the per-k-tile wgmma drain of the RS
 //   kernel (bar: 0.8x at M = 4096): warp-specialized loads (TMA + mbarriers) and ping-pong warpgroups next.
+//   v5 (first H100 run, H100 80GB HBM3 at 1980 MHz; cuBLAS 50-53 us at N = K = 8192, M <= 16, not TARGETS.md's
+//      71-78): before, tuned, M=1 24.6 us (2.13x), M=16 26.0 us (2.01x), M=4096 0.55-0.84x. ncu (M=1, mma_s8
+//      split 2): 10.5M instructions = 40 per warp k16 step, 1.9 warps per scheduler, IPC 0.56, DRAM 53%;
+//      the cp.async copy code alone was ~7 instructions per step. fp4_gemm_mmv (weights straight to
+//      registers) + DIAG halves the count (7.8M, 20 per step) yet the kernel stays at 21-23 us: stall
+//      long_scoreboard 2.86 with DRAM at 53% of peak. A bare streaming read of the same 37.7 MB (512-byte
+//      chunks per warp, any order) takes 15.5-16.2 us back to back, so the floor for this launch is ~16 us
+//      (3.2x) and the 3x bar needs <= 17.3 us. Measured per config (kernel alone, M=1): mmvd split 4 with one
+//      k-tile of weights in flight 21.1 us, two 22.4, three 26.6 (more requests in flight is slower); split
+//      3/5/8: 23.4/24.6/26.5; 8 warps 22.6; L2::256B prefetch hint +0.5 us; old mma_s8k 21.7. M=16: mmv 25.8
+//      vs mma_sk 24.3. After tuning: M=1 21.7 us (2.44x), M=16 unchanged.
+//      Next for M <= 16: the ~5 us between this kernel and the bare read -- the CTA barrier per k-tile (one
+//      late warp stalls four), the split-K fixup's fence + atomic + re-read, the first k-tile's latency.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
@@ -491,6 +509,246 @@ fp4_gemm_mma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
           store_out(out, bias, flags, n, m, N, v);
         }
       }
+}
+
+// ---------------------------------------------------------------------------------------------- mmv (M <= 16)
+// Streaming loads for the weights: each lane's 16 bytes of an atom are its A fragment, so they go from global
+// memory straight into registers (one k-tile ahead, not through shared memory, not kept in L1).
+__device__ __forceinline__ uint4 ldg_stream16(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ldg_stream8(const void* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u32 ldg_stream4(const void* p) {
+  u32 v;
+  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// fp32 multiplier of a block's fp32 partial in DIAG mode, from its SIR code placed in bits 16..23 of x
+// (see sir_code: code = ((e_u + 29) << 3) | mantissa3, u = scale * 2^-c): u * 2^14 for float16 operands
+// (decoded weights carry 2^-14), u for bfloat16 (decoded weights are multiplied back to exact e2m1).
+template <typename OT> __device__ __forceinline__ float diag_mult(u32 x);
+template <> __device__ __forceinline__ float diag_mult<__half>(u32 x) { return __uint_as_float(x * 16u + 0x38000000u); }
+template <> __device__ __forceinline__ float diag_mult<__nv_bfloat16>(u32 x) {
+  return __uint_as_float(x * 16u + 0x31000000u);
+}
+
+// fp4_gemm_mmv <T, BLK, BC, BK, WARPS, STAGES, DIAG>: the decode path (M <= 16), SIR mode, mma.sync.
+//   CTA = WARPS row groups of 16 weights rows (one per warp) x BC tokens; split-K over gridDim.z. Only the
+//   activations go through shared memory (cp.async ring of STAGES k-tiles, 128B-swizzled rows; rows past M
+//   are zeroed once and never copied); the weights of the next STAGES - 1 k-tiles wait in registers.
+//   DIAG (M = 1, BC = 8): row r of the activation tile holds token 0's values in the blocks b = r (mod 8) and
+//   zeros elsewhere, so column r of the MMA output collects block r's partial sum. Every 8 blocks the lane's
+//   two columns are scaled in fp32 and added up: no per-weight scale multiply and no scale build per k16 step.
+template <typename T, int BLK, int BC, int BK, int WARPS, int STAGES, bool DIAG>
+__global__ void __launch_bounds__(32 * WARPS)
+fp4_gemm_mmv(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restrict__ out,
+             const void* __restrict__ bias, void* __restrict__ ws, int* __restrict__ counters,
+             int M, int N, int K, int lda, int katoms, int kt_per_split, float out_scale, int flags) {
+  using OT = typename OpT<T>::type;
+  static_assert(!same<T, float>::value, "16-bit activations only");
+  constexpr int NT = 32 * WARPS, KA = BK / 64, ATOM = atom_bytes(BLK), FC = BC / 8;
+  constexpr int ROWB = BK * 2, CPR = ROWB / 16, STAGE = BC * ROWB;
+  constexpr int GA = 8 * BLK / 64;  // DIAG: atoms per group of 8 blocks
+  static_assert(BK % 64 == 0 && (BC == 8 || BC == 16) && STAGES >= 2, "tile shape");
+  static_assert(!DIAG || (BC == 8 && KA % GA == 0), "DIAG: 8 columns, k-tiles of whole 8-block groups");
+  // copies per k-tile: DIAG one row's CPR chunks (each to its diagonal row), else BC rows x CPR chunks
+  constexpr int ACH = DIAG ? CPR : BC * CPR, AIT = (ACH + NT - 1) / NT;
+
+  extern __shared__ __align__(128) u8 smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_rg = (N + 15) >> 4;
+  const int rg = blockIdx.x * WARPS + warp;
+  const bool rg_ok = rg < n_rg;
+  const int m0 = blockIdx.y * BC;
+  const int nkt = (katoms + KA - 1) / KA;
+  const int kt0 = blockIdx.z * kt_per_split;
+  const int nk = max(0, min(nkt, kt0 + kt_per_split) - kt0);
+
+  // Zero the ring once: tile rows that are never copied (tokens past M, DIAG's off-diagonal chunks) stay 0.
+  for (int i = tid; i < STAGES * STAGE / 16; i += NT) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  __syncthreads();
+
+  // Per-thread activation copy plan, fixed over the k-tiles.
+  const u32 s_base = vbw::smem_addr(smem);
+  u32 a_dst[AIT];
+  const T* a_src[AIT];
+  int a_k[AIT];
+  unsigned a_ok = 0u;
+#pragma unroll
+  for (int i = 0; i < AIT; ++i) {
+    const int c = tid + i * NT;
+    const int r = DIAG ? ((c * 8) / BLK) & 7 : c / CPR;   // tile row
+    const int ch = DIAG ? c : c % CPR;                     // 16-byte chunk in the row
+    const int tok = DIAG ? m0 : m0 + r;
+    a_dst[i] = s_base + r * ROWB + ((ch ^ (r & 7)) << 4);
+    a_src[i] = A + (size_t)tok * lda + ch * 8;
+    a_k[i] = ch * 8;
+    if (c < ACH && tok < M) a_ok |= 1u << i;
+  }
+  auto load_act = [&](int kt, int buf) {
+#pragma unroll
+    for (int i = 0; i < AIT; ++i) {
+      if ((a_ok >> i) & 1u) {
+        const bool ok = kt * BK + a_k[i] < K;
+        vbw::cp_async_16(a_dst[i] + buf * STAGE, ok ? (const void*)(a_src[i] + (size_t)kt * BK) : (const void*)A, ok);
+      }
+    }
+  };
+
+  // Per-lane ldmatrix addresses: row (lane & 7) of n-tile pair (lane >> 4); the 128B swizzle of chunk
+  // 2kk + hi only touches its low 3 bits, so four offsets (kk mod 4) cover every k16 step.
+  u32 b_addr[4];
+  {
+    const int r = (FC == 2 ? (lane >> 4) * 8 : 0) + (lane & 7);
+    const int hi = (lane >> 3) & 1;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) b_addr[q] = s_base + r * ROWB + ((((2 * q) | hi) ^ (lane & 7)) << 4);
+  }
+
+  // This lane's 16 bytes and its rows' scale bytes in atom 0 of its row group (row group 0 for idle warps).
+  const u8* wl = Wp + (size_t)(rg_ok ? rg : 0) * katoms * ATOM + lane * 16;
+  const u8* wsl = wl - lane * 16 + 512 + g * (BLK == 16 ? 8 : 4);
+  auto load_w = [&](int kt, uint4 (&q)[KA], uint2 (&s)[KA]) {
+    const size_t off = (size_t)kt * KA * ATOM;
+    const int valid = rg_ok ? min(KA, katoms - kt * KA) : 0;  // atoms of this k-tile inside the weight
+#pragma unroll
+    for (int a = 0; a < KA; ++a) {
+      if (valid == KA || a < valid) {
+        q[a] = ldg_stream16(wl + off + a * ATOM);
+        if (BLK == 16) s[a] = ldg_stream8(wsl + off + a * ATOM);
+        else s[a] = make_uint2(ldg_stream4(wsl + off + a * ATOM), 0u);
+      } else {
+        q[a] = make_uint4(0u, 0u, 0u, 0u);
+        s[a] = make_uint2(0u, 0u);
+      }
+    }
+  };
+
+  float acc[FC][4];
+  float part[4] = {0.f, 0.f, 0.f, 0.f};  // DIAG: the current 8-block group's columns
+  float dsum[2] = {0.f, 0.f};            // DIAG: rows g and g + 8, this lane's two blocks of every group
+#pragma unroll
+  for (int c = 0; c < FC; ++c)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[c][r] = 0.f;
+
+  auto compute = [&](int buf, const uint4 (&wq)[KA], const uint2 (&sc)[KA]) {
+    const u32 so = buf * STAGE;
+#pragma unroll
+    for (int a = 0; a < KA; ++a) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int kk = a * 4 + j;
+        u32 bf[FC][2];
+        if (FC == 2) vbw::ldsm_x4(bf[0][0], bf[0][1], bf[1][0], bf[1][1], b_addr[kk & 3] + so + (kk >> 2) * 128);
+        else vbw::ldsm_x2(bf[0][0], bf[0][1], b_addr[kk & 3] + so + (kk >> 2) * 128);
+        const u32 q = j == 0 ? wq[a].x : j == 1 ? wq[a].y : j == 2 ? wq[a].z : wq[a].w;
+        u32 af[4];
+        decode_word<OT>(q, af);
+        if constexpr (DIAG) {
+          if (same<OT, __nv_bfloat16>::value) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) af[r] = mul2<OT>(af[r], exact_k2<OT>());
+          }
+          mma<OT>(part, af, bf[0][0], bf[0][1]);
+        } else {
+          const int byte = BLK == 16 ? j : (j >> 1);
+          const u32 sel = (u32)byte | 0x40u | ((u32)byte << 8) | 0x4000u;  // [b, 0, b, 0]
+          const u32 hg = sir_h<OT>(__byte_perm(sc[a].x, 0u, sel));
+          const u32 hg8 = sir_h<OT>(__byte_perm(BLK == 16 ? sc[a].y : sc[a].x >> 16, 0u, sel));
+          af[0] = mul2<OT>(af[0], hg); af[2] = mul2<OT>(af[2], hg);
+          af[1] = mul2<OT>(af[1], hg8); af[3] = mul2<OT>(af[3], hg8);
+#pragma unroll
+          for (int c = 0; c < FC; ++c) mma<OT>(acc[c], af, bf[c][0], bf[c][1]);
+        }
+      }
+      if constexpr (DIAG) {
+        if ((a + 1) % GA == 0) {  // end of an 8-block group: columns 2t, 2t + 1 are blocks 2t, 2t + 1
+          u32 wg_, wg8;
+          if (BLK == 16) {  // 4 blocks per atom: blocks 2t, 2t+1 are bytes 2(t&1), +1 of atom t >> 1
+            const uint2 s = (t >> 1) ? sc[a - GA + 2] : sc[a - GA + 1];
+            wg_ = s.x; wg8 = s.y;
+          } else {          // 2 blocks per atom: atom t, row g in bytes 0-1, row g + 8 in bytes 2-3
+            const u32 s = t == 0 ? sc[a - GA + 1].x : t == 1 ? sc[a - GA + 2].x : t == 2 ? sc[a - GA + 3].x : sc[a].x;
+            wg_ = s; wg8 = s >> 16;
+          }
+          const u32 sh = BLK == 16 ? (t & 1) * 2 : 0;  // first byte
+          // [byte] -> bits 16..23 (byte_perm with 0x4 selectors = zero bytes)
+          const u32 c0 = __byte_perm(wg_, 0u, 0x4044u | (sh << 8)), c1 = __byte_perm(wg_, 0u, 0x4044u | ((sh + 1) << 8));
+          const u32 c2 = __byte_perm(wg8, 0u, 0x4044u | (sh << 8)), c3 = __byte_perm(wg8, 0u, 0x4044u | ((sh + 1) << 8));
+          dsum[0] = fmaf(part[0], diag_mult<OT>(c0), fmaf(part[1], diag_mult<OT>(c1), dsum[0]));
+          dsum[1] = fmaf(part[2], diag_mult<OT>(c2), fmaf(part[3], diag_mult<OT>(c3), dsum[1]));
+#pragma unroll
+          for (int r = 0; r < 4; ++r) part[r] = 0.f;
+        }
+      }
+    }
+  };
+
+  // STAGES - 1 k-tiles in flight for both operands: the activation ring in shared memory and the weights in
+  // STAGES register buffers. The k-loop is unrolled by STAGES, so buffer and stage indices are static.
+  uint4 wq[STAGES][KA];
+  uint2 sc[STAGES][KA];
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nk) {
+      load_act(kt0 + s, s);
+      load_w(kt0 + s, wq[s], sc[s]);
+    }
+    vbw::cp_async_commit();
+  }
+  for (int it0 = 0; it0 < nk; it0 += STAGES) {
+#pragma unroll
+    for (int b = 0; b < STAGES; ++b) {
+      const int it = it0 + b;
+      if (it < nk) {
+        vbw::cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        const int pf = it + STAGES - 1;
+        if (pf < nk) {
+          load_act(kt0 + pf, (b + STAGES - 1) % STAGES);
+          load_w(kt0 + pf, wq[(b + STAGES - 1) % STAGES], sc[(b + STAGES - 1) % STAGES]);
+        }
+        vbw::cp_async_commit();
+        compute(b, wq[b], sc[b]);
+      }
+    }
+  }
+  vbw::cp_async_wait<0>();
+
+  if constexpr (DIAG) {  // sum each row over the quad's 8 blocks; column 0 (token 0) is lane t = 0's
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 1);
+      dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
+    }
+    acc[0][0] = dsum[0]; acc[0][2] = dsum[1]; acc[0][1] = acc[0][3] = 0.f;
+  }
+  constexpr int NACC = FC * 4;
+  float flat[NACC];
+#pragma unroll
+  for (int c = 0; c < FC; ++c)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) flat[c * 4 + r] = acc[c][r];
+  if (!splitk_reduce<NACC, NT>(flat, ws, counters)) return;
+  if (!rg_ok) return;
+#pragma unroll
+  for (int c = 0; c < FC; ++c)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int n = rg * 16 + g + ((r & 2) ? 8 : 0);
+      const int m = m0 + c * 8 + 2 * t + (r & 1);
+      if (n < N && m < M && (!DIAG || t == 0)) store_out(out, bias, flags, n, m, N, flat[c * 4 + r] * out_scale);
+    }
 }
 
 // The two wgmma kernels' ending: split-K reduction (only the tile's last CTA goes on), then the epilogue.

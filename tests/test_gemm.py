@@ -86,10 +86,10 @@ def test_configs_fit_the_architectures():
     ampere86 = {"arch": 86, "smem_optin": 101376, "max_threads": 1024}
     for name, cfg in gemm.TILES.items():
         assert gemm._fits(cfg, hopper), name
-        assert gemm._fits(cfg, ampere86) == (cfg["KIND"] == "mma"), name
+        assert gemm._fits(cfg, ampere86) == (cfg["KIND"] not in gemm._WG), name
     for _, t in gemm._TUNABLES:
         for arch in (80, 86, 89):
-            assert t.defaults[arch]["KIND"] == "mma"
+            assert t.defaults[arch]["KIND"] not in gemm._WG
     assert gemm.smem_bytes(gemm.F32_TILE, 16, 4) <= ampere86["smem_optin"]
 
 
@@ -105,7 +105,8 @@ def test_chosen_config_is_the_newest_plan():
 
 
 def test_regimes():
-    assert gemm._regime(1).name == "fp4_gemm_m8" and gemm._regime(16).name == "fp4_gemm_m16"
+    assert gemm._regime(1).name == "fp4_gemm_m1" and gemm._regime(2).name == "fp4_gemm_m8"
+    assert gemm._regime(8).name == "fp4_gemm_m8" and gemm._regime(16).name == "fp4_gemm_m16"
     assert gemm._regime(17).name == "fp4_gemm_m64" and gemm._regime(100).name == "fp4_gemm_m128"
     assert gemm._regime(4096).name == "fp4_gemm_big"
     assert gemm.default_config(4096, 90)["KIND"] != "mma" and gemm.default_config(4096, 80)["KIND"] == "mma"
@@ -188,13 +189,31 @@ _CFGS = [(name, split) for name in gemm.TILES for split in (0, 1, 3)]
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_every_config_tails_nan_poisoned(name, split, fmt):
     cfg = dict(gemm.TILES[name], SPLIT=split)
-    if cfg["KIND"] != "mma" and rt.device_arch() != 90:
+    if cfg["KIND"] in gemm._WG and rt.device_arch() != 90:
         pytest.skip("wgmma configs run on sm_90 only")
+    M = 1 if cfg["KIND"] == "mmvd" else 203  # the DIAG kernel runs M = 1 only
     for dtype in (np.float16, BF16):
-        a, w = _gpu_case(203, 1000, 1000, fmt, dtype, seed=split)  # M, N, K all off the tile grid
+        a, w = _gpu_case(M, 1000, 1000, fmt, dtype, seed=split)  # M, N, K all off the tile grid
         got = _run_nan_poisoned(a, w, cfg)
         err, bound = _check(got, a, w)
         assert err <= bound, (name, split, dtype, err, bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("K", [4095, 4096 + 64, 8192])
+def test_diag_decode_kernel_m1(fmt, K):
+    """M = 1 through the DIAG kernel (scales applied per 8 blocks in fp32): odd K, K not a whole 8-block group,
+    a row tail, every split; and M = 2 is refused before launch."""
+    for dtype in (np.float16, BF16):
+        a, w = _gpu_case(1, 1000, K, fmt, dtype, seed=K)
+        for split in (0, 1, 5):
+            got = _run_nan_poisoned(a, w, dict(gemm.TILES["mmvd"], SPLIT=split), act="silu")
+            err, bound = _check(got, a, w, act="silu")
+            assert err <= bound, (dtype, split, err, bound)
+    a2 = rt.require_cupy().ones((2, K), np.float16)
+    with pytest.raises(ValueError, match="M = 1 only"):
+        gemm.fp4_matmul(a2, w, _config=dict(gemm.TILES["mmvd"], SPLIT=0))
 
 
 @pytest.mark.gpu

@@ -20,10 +20,12 @@
 
 NumPy inputs (``a`` and ``w`` on the host) run ``vbw_cupy.reference.fp4_matmul``.
 
-Autotuning (issue 5): five tunables by token count, ``fp4_gemm_m8``, ``fp4_gemm_m16``, ``fp4_gemm_m64``,
-``fp4_gemm_m128`` (M up to 8, 16, 64, 128) and ``fp4_gemm_big``; the bucket is (pow2(M), pow2(N), pow2(K),
-format). A config is ``KIND`` ("mma": mma.sync, any sm_80+; "wgmma": Hopper, decoded weights staged in shared
-memory; "wgrs": Hopper, decoded weights as register operands), the tile (``BR`` weight rows, ``BC`` tokens, ``BK``),
+Autotuning (issue 5): six tunables by token count, ``fp4_gemm_m1``, ``fp4_gemm_m8``, ``fp4_gemm_m16``,
+``fp4_gemm_m64``, ``fp4_gemm_m128`` (M up to 1, 8, 16, 64, 128) and ``fp4_gemm_big``; the bucket is
+(pow2(M), pow2(N), pow2(K), format). A config is ``KIND`` ("mma": mma.sync, any sm_80+; "mmv": mma.sync with the
+weights streamed into registers, for M <= 16; "mmvd": the same for M = 1 with the block scales applied per 8
+blocks in fp32; "wgmma": Hopper, decoded weights staged in shared memory; "wgrs": Hopper, decoded weights as
+register operands), the tile (``BR`` weight rows, ``BC`` tokens, ``BK``),
 the warps (``WR`` x ``WC``; warpgroups for wgmma), ``STAGES`` and ``SPLIT`` (split-K factor, 0 = automatic).
 Only configs listed by ``kernel_instances`` exist. The float32 path and the fp32-partial mode use fixed
 configs.
@@ -53,6 +55,8 @@ _IN_DTYPES = ref.FLOAT_DTYPES
 _OUT_KIND = {"float16": 0, "bfloat16": 1, "float32": 2}
 _BIAS_KIND = {"float16": 1, "bfloat16": 2, "float32": 3}
 _ATOM = {16: 576, 32: 544}
+_WG = ("wgmma", "wgrs")      # Hopper-only kinds
+_MMV = ("mmv", "mmvd")       # decode kinds (fp4_gemm_mmv); "mmvd" (DIAG) runs M = 1 only
 _SIR, _FPP = 0, 1
 _MAX_DIM = 2**31 - 1
 
@@ -72,6 +76,10 @@ TILES = {  # every tile that has compiled instances (kernel_instances); SPLIT is
     "mma_t": _cfg("mma", 128, 16, 128, 8, 1, 4),    # 8 warps, activations shared by 128 rows
     "mma_m": _cfg("mma", 64, 64, 128, 2, 2, 4),
     "mma_l": _cfg("mma", 128, 128, 64, 2, 4, 4),
+    "mmv8": _cfg("mmv", 64, 8, 256, 4, 1, 2),      # M <= 16: weights streamed into registers, 1 warp / 16 rows
+    "mmv16": _cfg("mmv", 128, 16, 256, 8, 1, 2),
+    "mmvd": _cfg("mmvd", 64, 8, 256, 4, 1, 2),    # M = 1: block scales applied per 8 blocks in fp32 (DIAG)
+    "mmvdw": _cfg("mmvd", 128, 8, 256, 8, 1, 2),
     "wg64": _cfg("wgmma", 128, 64, 64, 2, 1, 8),   # Hopper: 2 warpgroups x 64 weight rows, BC tokens
     "wg128": _cfg("wgmma", 128, 128, 64, 2, 1, 6),
     "wg256": _cfg("wgmma", 128, 256, 64, 2, 1, 5),
@@ -97,6 +105,8 @@ def _with_split(name, split=0):
 
 def smem_bytes(cfg, blk: int, itemsize: int = 2) -> int:
     atom = _ATOM[blk]
+    if cfg["KIND"] in _MMV:
+        return cfg["STAGES"] * cfg["BC"] * cfg["BK"] * itemsize
     if cfg["KIND"] == "mma":
         return cfg["STAGES"] * ((cfg["BR"] // 16) * (cfg["BK"] // 64) * atom + cfg["BC"] * cfg["BK"] * itemsize)
     ksub = cfg["BK"] // 64
@@ -107,26 +117,31 @@ def smem_bytes(cfg, blk: int, itemsize: int = 2) -> int:
 
 
 def _threads(cfg) -> int:
-    return 32 * cfg["WR"] * cfg["WC"] if cfg["KIND"] == "mma" else 128 * cfg["WR"]
+    return 128 * cfg["WR"] if cfg["KIND"] in _WG else 32 * cfg["WR"] * cfg["WC"]
 
 
 def _fits(cfg, lim) -> bool:
     if _tile_key(cfg) not in _TILE_BY_KEY:
         return False
-    if cfg["KIND"] != "mma" and lim.get("arch") != 90:
+    if cfg["KIND"] in _WG and lim.get("arch") != 90:
         return False
     return smem_bytes(cfg, 16) <= lim["smem_optin"] and _threads(cfg) <= lim["max_threads"]
 
 
-_SMALL = ("mma_s", "mma_sk", "mma_t")
-_SMALL8 = _SMALL + ("mma_s8", "mma_s8k")
+_SMALL = ("mma_s", "mma_sk", "mma_t", "mmv16")
+_SMALL8 = _SMALL + ("mma_s8", "mma_s8k", "mmv8")
+_SPLITS = (1, 2, 4, 8)
 _REGIMES = (  # (tunable name, largest M, per-arch defaults, candidates)
+    ("fp4_gemm_m1", 1,
+     {80: _with_split("mmvd"), 90: _with_split("mmvd")},
+     [_with_split(n) for n in _SMALL8 + ("mmvd", "mmvdw")] + [_with_split("mmvd", s) for s in _SPLITS] +
+     [_with_split("mmv8", s) for s in _SPLITS] + [_with_split("mma_s8", 2)]),
     ("fp4_gemm_m8", 8,
      {80: _with_split("mma_s8k"), 90: _with_split("mma_s8k")},
-     [_with_split(n) for n in _SMALL8] + [_with_split("mma_s8", s) for s in (1, 2, 4, 8)]),
+     [_with_split(n) for n in _SMALL8] + [_with_split("mmv8", s) for s in _SPLITS] + [_with_split("mma_s8", 2)]),
     ("fp4_gemm_m16", 16,
      {80: _with_split("mma_sk"), 90: _with_split("mma_sk")},
-     [_with_split(n) for n in _SMALL] + [_with_split("mma_s", s) for s in (1, 2, 4, 8)] + [_with_split("wg64")]),
+     [_with_split(n) for n in _SMALL] + [_with_split("mmv16", s) for s in _SPLITS] + [_with_split("wg64")]),
     ("fp4_gemm_m64", 64,
      {80: _with_split("mma_m"), 90: _with_split("mma_m")},
      [_with_split("mma_s"), _with_split("mma_m"), _with_split("mma_m", 2), _with_split("wg64"),
@@ -158,7 +173,8 @@ def _bench_factory(shape, dtype):
 
 
 _STD = {
-    "fp4_gemm_m8": [({"M": 1, "N": 8192, "K": 8192}, "float16")],
+    "fp4_gemm_m1": [({"M": 1, "N": 8192, "K": 8192}, "float16")],
+    "fp4_gemm_m8": [({"M": 8, "N": 8192, "K": 8192}, "float16")],
     "fp4_gemm_m16": [({"M": 16, "N": 8192, "K": 8192}, "float16")],
     "fp4_gemm_m64": [({"M": 64, "N": 8192, "K": 8192}, "float16")],
     "fp4_gemm_m128": [({"M": 128, "N": 8192, "K": 8192}, "float16")],
@@ -197,7 +213,14 @@ def _wg_name(T, blk, cfg):
     return f"{_NS}fp4_gemm_wgrs<{T}, {blk}, {cfg['BC']}, {cfg['WR']}, {cfg['STAGES']}, {cfg['BK'] // 64}>"
 
 
+def _mmv_name(T, blk, cfg):
+    return (f"{_NS}fp4_gemm_mmv<{T}, {blk}, {cfg['BC']}, {cfg['BK']}, {cfg['WR']}, {cfg['STAGES']}, "
+            f"{'true' if cfg['KIND'] == 'mmvd' else 'false'}>")
+
+
 def _kernel_name(T, blk, mode, cfg):
+    if cfg["KIND"] in _MMV:
+        return _mmv_name(T, blk, cfg)
     return _mma_name(T, blk, mode, cfg) if cfg["KIND"] == "mma" else _wg_name(T, blk, cfg)
 
 
@@ -302,8 +325,11 @@ def _auto_split(cfg, ntiles, nkt, blk, itemsize, limits) -> int:
         return max(1, min(int(cfg["SPLIT"]), nkt))
     smem = smem_bytes(cfg, blk, itemsize)
     per_sm = max(1, min(limits["smem_per_sm"] // max(smem + 1024, 1), 2048 // _threads(cfg)))
-    if cfg["KIND"] != "mma":
+    if cfg["KIND"] in _WG:
         per_sm = 1
+    elif cfg["KIND"] in _MMV:
+        # about 16 warps per SM: deeper splits (more requests in flight) measured slower on the H100
+        per_sm = max(1, 16 // cfg["WR"])
     slots = limits["num_sms"] * per_sm
     if ntiles >= 0.5 * slots:
         return 1
@@ -332,8 +358,10 @@ def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
             raise ValueError(f"config {cfg}: not available in fp32-partial mode (tiles {_FPP_TILES})")
     elif _tile_key(cfg) not in _TILE_BY_KEY:
         raise ValueError(f"config {cfg}: no compiled instance with this tile")
-    if cfg["KIND"] != "mma" and limits.get("arch") != 90:
+    if cfg["KIND"] in _WG and limits.get("arch") != 90:
         raise ValueError("wgmma configs need an sm_90 (Hopper) device")
+    if cfg["KIND"] == "mmvd" and M != 1:
+        raise ValueError(f"config {cfg}: the DIAG decode kernel runs M = 1 only, got M = {M}")
     itemsize = np.dtype(adt).itemsize
     kern = rt.get_kernel(_SOURCE, _kernel_name(rt.ctype(adt), blk, mode, cfg))
     smem = smem_bytes(cfg, blk, itemsize)
