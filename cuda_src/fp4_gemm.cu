@@ -70,7 +70,12 @@
 //      (3.2x) and the 3x bar needs <= 17.3 us. Measured per config (kernel alone, M=1): mmvd split 4 with one
 //      k-tile of weights in flight 21.1 us, two 22.4, three 26.6 (more requests in flight is slower); split
 //      3/5/8: 23.4/24.6/26.5; 8 warps 22.6; L2::256B prefetch hint +0.5 us; old mma_s8k 21.7. M=16: mmv 25.8
-//      vs mma_sk 24.3. After tuning: M=1 21.7 us (2.44x), M=16 unchanged.
+//      vs mma_sk 24.3. Also tried: the CTA's 4 warps splitting K of one row group (own activation ring and
+//      barrier per warp, partials added in shared memory, no split-K fixup): M=1 23.7 us, M=16 39.1 us --
+//      dropped. Every structure lands at 21.3-21.8 us for M=1, so the limit is below the code: next, time a
+//      bare read with this layout's 576-byte atom stride (data and scales interleaved, every other atom off
+//      the 128-byte grid) against 512-byte aligned chunks before changing the layout of all four kernels.
+//      After tuning: M=1 21.7 us (2.44x), M=16 unchanged.
 //      Next for M <= 16: the ~5 us between this kernel and the bare read -- the CTA barrier per k-tile (one
 //      late warp stalls four), the split-K fixup's fence + atomic + re-read, the first k-tile's latency.
 #include <cuda_fp16.h>
