@@ -72,12 +72,15 @@
 //      3/5/8: 23.4/24.6/26.5; 8 warps 22.6; L2::256B prefetch hint +0.5 us; old mma_s8k 21.7. M=16: mmv 25.8
 //      vs mma_sk 24.3. Also tried: the CTA's 4 warps splitting K of one row group (own activation ring and
 //      barrier per warp, partials added in shared memory, no split-K fixup): M=1 23.7 us, M=16 39.1 us --
-//      dropped. Every structure lands at 21.3-21.8 us for M=1, so the limit is below the code: next, time a
-//      bare read with this layout's 576-byte atom stride (data and scales interleaved, every other atom off
-//      the 128-byte grid) against 512-byte aligned chunks before changing the layout of all four kernels.
-//      After tuning: M=1 21.7 us (2.44x), M=16 unchanged.
-//      Next for M <= 16: the ~5 us between this kernel and the bare read -- the CTA barrier per k-tile (one
-//      late warp stalls four), the split-K fixup's fence + atomic + re-read, the first k-tile's latency.
+//      dropped. Every structure lands at 21.3-21.8 us for M=1, so the limit is below the code. A bare read in
+//      this layout's pattern (per warp 512 data bytes + 8 scale bytes per 8 lanes, atoms 576 bytes apart,
+//      every other one off the 128-byte grid) moves 2.09 TB/s; 512-byte aligned atoms 2.38 TB/s, 640-byte
+//      (128-aligned, padded) 2.25: the interleaved layout alone costs ~12% of the bandwidth.
+//      Final run (H100, tuned): M=1 21.1 / 27.0 / 23.5 us at 8192^2 / 14336x4096 / 4096x14336 (2.36x / 1.69x /
+//      1.97x), M=16 25.2 / 25.2 / 24.6 us (2.02x / 1.81x / 1.94x), M=4096 0.63x / 0.56x / 0.77x (cuBLAS ran
+//      772 TFLOP/s at 8192^2 here, 575 in the session's first run, where the same kernel was 0.84x).
+//      Next for M <= 16: scales in their own 128-byte aligned array (data atoms 512 bytes, aligned), then the
+//      ~3 us between the kernel and a bare read (CTA barrier per k-tile, split-K fixup, first-tile latency).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
