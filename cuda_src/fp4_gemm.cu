@@ -79,8 +79,13 @@
 //      Final run (H100, tuned): M=1 21.1 / 27.0 / 23.5 us at 8192^2 / 14336x4096 / 4096x14336 (2.36x / 1.69x /
 //      1.97x), M=16 25.2 / 25.2 / 24.6 us (2.02x / 1.81x / 1.94x), M=4096 0.63x / 0.56x / 0.77x (cuBLAS ran
 //      772 TFLOP/s at 8192^2 here, 575 in the session's first run, where the same kernel was 0.84x).
-//      Next for M <= 16: scales in their own 128-byte aligned array (data atoms 512 bytes, aligned), then the
-//      ~3 us between the kernel and a bare read (CTA barrier per k-tile, split-K fixup, first-tile latency).
+//      Tried next: the scales in their own array after all nibbles (nibble atoms 512 bytes on the 128-byte grid,
+//      staged kernels copying both parts into the same shared-memory atom): correct (352 GPU tests) but slower
+//      everywhere, M=1 25.4 us vs 21.1, M=16 27.7 vs 25.2: a second stream of 64-byte reads per warp costs more
+//      than the misalignment. Reverted. Untried: atom pairs (nibbles 0, nibbles 1, both scale blocks = 1152
+//      bytes, 9 x 128) keep the scales beside their data on the grid; the BK = 64 tiles then need two copy
+//      offsets per k-tile. Also left: the ~3 us between the kernel and a bare read (CTA barrier per k-tile,
+//      split-K fixup, first-tile latency).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
