@@ -5,14 +5,16 @@ python bench/bare_read.py
 Each warp reads 36 consecutive "atoms" (512 data bytes as one 16-byte load per lane, and for strides above 512
 the atom's scale bytes as 8 bytes per 8 lanes, as fp4_gemm_mmv does), 4 atoms in flight, 2048 warps, buffers
 rotated past the L2, CUDA events over 10 back-to-back launches (median of 10). Stride 576 is the layout of
-fp4_gemm.cu (data and scales interleaved); 512 is data alone, 128-byte aligned; 640 pads each atom to the grid.
-On the lent H100 (2026-11-22): 2.09, 2.38 and 2.25 TB/s.
+fp4_gemm.cu (data and scales interleaved); 512 is data alone, 128-byte aligned; 640 pads each atom to the grid;
+"pairs" keeps 576 bytes per atom but stores two atoms' data, then both scale blocks (1152 = 9 x 128 bytes).
+On the lent H100s (2026-11-22), two leases: 576: 2.09-2.11 TB/s on the first, 2.41-2.45 on the second; 512:
+2.38-2.43 on both; 640: 2.25-2.28, then 2.56-2.60; pairs (second only): 2.36-2.43. Compare within one run.
 """
 import cupy as cp
 import numpy as np
 
 _SRC = r'''
-extern "C" __global__ void bare_read(const unsigned char* __restrict__ p, int cpw, int stride, uint4* sink) {
+extern "C" __global__ void bare_read(const unsigned char* __restrict__ p, int cpw, int stride, int pairs, uint4* sink) {
   const int lane = threadIdx.x & 31;
   const long long w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   uint4 acc = make_uint4(0, 0, 0, 0);
@@ -22,11 +24,17 @@ extern "C" __global__ void bare_read(const unsigned char* __restrict__ p, int cp
     uint2 sv[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const unsigned char* q = p + (w * cpw + i0 + j) * stride;
+      const long long atom = w * cpw + i0 + j;
+      const unsigned char* q = p + atom * stride;  // data, then scales at q + 512
+      const unsigned char* qs = q + 512;
+      if (pairs) {  // [data 2i][data 2i+1][scales 2i][scales 2i+1]
+        q = p + (atom >> 1) * 2 * stride + (atom & 1) * 512;
+        qs = p + (atom >> 1) * 2 * stride + 1024 + (atom & 1) * 64;
+      }
       asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
           : "=r"(v[j].x), "=r"(v[j].y), "=r"(v[j].z), "=r"(v[j].w) : "l"(q + lane * 16));
       if (stride > 512)
-        asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(sv[j].x), "=r"(sv[j].y) : "l"(q + 512 + (lane >> 2) * 8));
+        asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(sv[j].x), "=r"(sv[j].y) : "l"(qs + (lane >> 2) * 8));
       else
         sv[j] = make_uint2(0, 0);
     }
@@ -43,8 +51,9 @@ def main():
     warps, blocks, threads = 2048, 512, 128
     bufs = [cp.random.randint(0, 2**31, 48_000_000 // 4, dtype=cp.int32) for _ in range(5)]
     sink = cp.zeros(4, cp.uint32)
-    for stride, cpw in ((512, 36), (576, 36), (640, 28)):
-        run = lambda i: k((blocks,), (threads,), (bufs[i % 5], np.int32(cpw), np.int32(stride), sink))  # noqa: E731
+    for stride, cpw, pairs in ((512, 36, 0), (576, 36, 0), (640, 28, 0), (576, 36, 1)):
+        run = lambda i: k((blocks,), (threads,), (bufs[i % 5], np.int32(cpw), np.int32(stride), np.int32(pairs),  # noqa: E731
+                                                  sink))
         for i in range(5):
             run(i)
         s, e = cp.cuda.Event(), cp.cuda.Event()
@@ -58,7 +67,7 @@ def main():
             ts.append(cp.cuda.get_elapsed_time(s, e) / 10)
         t = float(np.median(ts))
         nbytes = warps * cpw * stride
-        print(f"atom stride {stride}: {t * 1e3:.1f} us for {nbytes / 1e6:.1f} MB = {nbytes / (t * 1e-3) / 1e12:.2f} TB/s",
+        print(f"atom stride {stride}{' (pairs)' if pairs else ''}: {t * 1e3:.1f} us for {nbytes / 1e6:.1f} MB = {nbytes / (t * 1e-3) / 1e12:.2f} TB/s",
               flush=True)
 
 

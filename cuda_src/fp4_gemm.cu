@@ -73,19 +73,19 @@
 //      vs mma_sk 24.3. Also tried: the CTA's 4 warps splitting K of one row group (own activation ring and
 //      barrier per warp, partials added in shared memory, no split-K fixup): M=1 23.7 us, M=16 39.1 us --
 //      dropped. Every structure lands at 21.3-21.8 us for M=1, so the limit is below the code. A bare read in
-//      this layout's pattern (per warp 512 data bytes + 8 scale bytes per 8 lanes, atoms 576 bytes apart,
-//      every other one off the 128-byte grid) moves 2.09 TB/s; 512-byte aligned atoms 2.38 TB/s, 640-byte
-//      (128-aligned, padded) 2.25: the interleaved layout alone costs ~12% of the bandwidth.
+//      this layout's pattern (bench/bare_read.py: per warp 512 data bytes + 8 scale bytes per 8 lanes, atoms
+//      576 bytes apart, every other one off the 128-byte grid) moved 2.09 TB/s against 2.38 for 512-byte
+//      aligned atoms on one H100 lease, but 2.41-2.45 against 2.39-2.42 on the next (atom pairs, 1152 bytes
+//      on the grid: 2.36-2.43): no layout penalty that holds across machines.
 //      Final run (H100, tuned): M=1 21.1 / 27.0 / 23.5 us at 8192^2 / 14336x4096 / 4096x14336 (2.36x / 1.69x /
 //      1.97x), M=16 25.2 / 25.2 / 24.6 us (2.02x / 1.81x / 1.94x), M=4096 0.63x / 0.56x / 0.77x (cuBLAS ran
 //      772 TFLOP/s at 8192^2 here, 575 in the session's first run, where the same kernel was 0.84x).
 //      Tried next: the scales in their own array after all nibbles (nibble atoms 512 bytes on the 128-byte grid,
 //      staged kernels copying both parts into the same shared-memory atom): correct (352 GPU tests) but slower
-//      everywhere, M=1 25.4 us vs 21.1, M=16 27.7 vs 25.2: a second stream of 64-byte reads per warp costs more
-//      than the misalignment. Reverted. Untried: atom pairs (nibbles 0, nibbles 1, both scale blocks = 1152
-//      bytes, 9 x 128) keep the scales beside their data on the grid; the BK = 64 tiles then need two copy
-//      offsets per k-tile. Also left: the ~3 us between the kernel and a bare read (CTA barrier per k-tile,
-//      split-K fixup, first-tile latency).
+//      everywhere, M=1 25.4 us vs 21.1, M=16 27.7 vs 25.2 (a second stream of 64-byte reads per warp).
+//      Reverted. Atom pairs were not built: their bare read is no faster (above). Left: the ~4-5 us between
+//      the kernel and a bare read of its bytes (15.5-18 us); removing the CTA barrier and the split-K fixup
+//      (K split inside the CTA) did not close it.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
