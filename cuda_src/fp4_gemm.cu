@@ -82,8 +82,9 @@
 //      772 TFLOP/s at 8192^2 here, 575 in the session's first run, where the same kernel was 0.84x).
 //      Tried next: the scales in their own array after all nibbles (nibble atoms 512 bytes on the 128-byte grid,
 //      staged kernels copying both parts into the same shared-memory atom): correct (352 GPU tests) but slower
-//      everywhere, M=1 25.4 us vs 21.1, M=16 27.7 vs 25.2 (a second stream of 64-byte reads per warp).
-//      Reverted. Atom pairs were not built: their bare read is no faster (above). Left: the ~4-5 us between
+//      for every kernel, A/B interleaved on one lease (kernel alone): M=1 mmvd 22.4 us vs 21.1-21.3, M=16
+//      mma_sk 25.5-25.9 vs 24.1-24.2, M=64 mma_m 51.8-52.1 vs 49.2-49.5 (a second stream of 64-byte reads
+//      per warp). Reverted. Atom pairs were not built: their bare read is no faster (above). Left: the ~4-5 us between
 //      the kernel and a bare read of its bytes (15.5-18 us); removing the CTA barrier and the split-K fixup
 //      (K split inside the CTA) did not close it.
 #include <cuda_fp16.h>
