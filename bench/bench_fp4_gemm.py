@@ -124,8 +124,9 @@ def print_table(rows, out=sys.stdout):
 
 
 def diagnose(out=sys.stdout):
-    """Where the time goes: the public call vs the bare kernel launch vs a CUDA graph of the call, and every
-    config at M = 4096 (N = K = 8192)."""
+    """Where the time goes: the public call vs the bare kernel launch vs a CUDA graph of the call, every
+    non-wgmma tuning candidate at M = 1 and 16 (kernel alone, weights rotated past the L2), and the wgmma
+    configs at M = 4096 (N = K = 8192)."""
     for M in (1, 16):
         ours, peer, (a, w, bias, act), wbytes = setup(M, 8192, 8192)
         t_call = time_us(ours)
@@ -157,14 +158,13 @@ def diagnose(out=sys.stdout):
               f"cuBLAS {time_us(peer):.1f} us, plan {plan[1]} {plan[-1]}", file=out, flush=True)
         n_q = max(1, math.ceil(ROTATE_BYTES / w.nbytes))
         wsr = [w] + [quantize(cp.random.standard_normal((8192, 8192), dtype=cp.float32)) for _ in range(n_q - 1)]
-        small = ("mma_s", "mma_s8", "mma_sk", "mma_s8k", "mma_t") if M <= 8 else ("mma_s", "mma_sk", "mma_t")
-        for name in small:
-            for split in (0, 2, 4, 8):
-                cfg = dict(gemm.TILES[name], SPLIT=split)
-                plans = [gemm._matmul_gpu(a, x, None, None, np.dtype(np.float16), cfg=cfg)[1] for x in wsr]
-                t = time_us(lambda i: gemm._launch(plans[i % len(plans)], a, o, None))
-                print(f"  M={M} {name} split={split} (-> {plans[0][1]}): {t:.1f} us {wbytes / t / 1e3:.0f} GB/s",
-                      file=out, flush=True)
+        for cfg in gemm._regime(M).candidates:  # the tuner's candidates for this M, kernel time alone
+            if cfg["KIND"] in gemm._WG:
+                continue
+            plans = [gemm._matmul_gpu(a, x, None, None, np.dtype(np.float16), cfg=dict(cfg))[1] for x in wsr]
+            t = time_us(lambda i: gemm._launch(plans[i % len(plans)], a, o, None))
+            print(f"  M={M} {cfg['KIND']} {cfg['BR']}x{cfg['BC']}x{cfg['BK']} stages={cfg['STAGES']} "
+                  f"split={cfg['SPLIT']} (-> {plans[0][1]}): {t:.1f} us {wbytes / t / 1e3:.0f} GB/s", file=out, flush=True)
     ours, peer, (a, w, bias, act), wbytes = setup(4096, 8192, 8192)
     flop = 2 * 4096 * 8192 * 8192
     for name in ("wg256", "wgrs256", "wgrs256k", "wgrs128k", "wg128"):
