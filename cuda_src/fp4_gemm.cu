@@ -527,7 +527,7 @@ fp4_gemm_mma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
 
 // ---------------------------------------------------------------------------------------------- mmv (M <= 16)
 // Streaming loads for the weights: each lane's 16 bytes of an atom are its A fragment, so they go from global
-// memory straight into registers (one k-tile ahead, not through shared memory, not kept in L1).
+// memory straight into registers (STAGES - 1 k-tiles ahead, not through shared memory, not kept in L1).
 __device__ __forceinline__ uint4 ldg_stream16(const void* p) {
   uint4 v;
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
