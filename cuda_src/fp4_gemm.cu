@@ -158,6 +158,20 @@ __device__ __forceinline__ void decode_word(u32 q, u32 (&f)[4]) {
   f[3] = e2m1x2<OT>(q << 12);
 }
 
+// SIR mode: word j of a lane's atom decoded and scaled, the A fragment of k16 step j. sg / sg8 hold the scale
+// codes of rows g / g + 8 (byte j of the atom's blocks for nvfp4, byte j / 2 for mxfp4).
+template <typename OT, int BLK>
+__device__ __forceinline__ void decode_sir(u32 q, u32 sg, u32 sg8, int j, u32 (&f)[4]) {
+  decode_word<OT>(q, f);
+  const u32 byte = BLK == 16 ? j : (j >> 1);
+  const u32 sel = byte | 0x40u | (byte << 8) | 0x4000u;  // [b, 0, b, 0]
+  const u32 hg = sir_h<OT>(__byte_perm(sg, 0u, sel)), hg8 = sir_h<OT>(__byte_perm(sg8, 0u, sel));
+  f[0] = mul2<OT>(f[0], hg);
+  f[1] = mul2<OT>(f[1], hg8);
+  f[2] = mul2<OT>(f[2], hg);
+  f[3] = mul2<OT>(f[3], hg8);
+}
+
 // d = a * b + c  (m16n8k16, fp32 accumulators)
 template <typename OT> __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
   vbw::mma_16816<OT>(d, a, b0, b1);
@@ -461,15 +475,12 @@ fp4_gemm_mma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
         for (int i = 0; i < FR; ++i) {
           const u32 q = j == 0 ? wq[i].x : j == 1 ? wq[i].y : j == 2 ? wq[i].z : wq[i].w;
           u32 af[4];
-          decode_word<OT>(q, af);
           if constexpr (MODE == MODE_SIR) {
-            const u32 sel = (u32)byte | 0x40u | ((u32)byte << 8) | 0x4000u;  // [b, 0, b, 0]
-            const u32 hg = sir_h<OT>(__byte_perm(s0[i], 0u, sel)), hg8 = sir_h<OT>(__byte_perm(s1[i], 0u, sel));
-            af[0] = mul2<OT>(af[0], hg); af[2] = mul2<OT>(af[2], hg);
-            af[1] = mul2<OT>(af[1], hg8); af[3] = mul2<OT>(af[3], hg8);
+            decode_sir<OT, BLK>(q, s0[i], s1[i], j, af);
 #pragma unroll
             for (int c = 0; c < FC; ++c) mma<OT>(acc[i][c], af, bf[c][0][0], bf[c][0][1]);
           } else {
+            decode_word<OT>(q, af);
             const u32 k2 = exact_k2<OT>();
 #pragma unroll
             for (int r = 0; r < 4; ++r) af[r] = mul2<OT>(af[r], k2);
@@ -667,20 +678,15 @@ fp4_gemm_mmv(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
         else vbw::ldsm_x2(bf[0][0], bf[0][1], b_addr[kk & 3] + so + (kk >> 2) * 128);
         const u32 q = j == 0 ? wq[a].x : j == 1 ? wq[a].y : j == 2 ? wq[a].z : wq[a].w;
         u32 af[4];
-        decode_word<OT>(q, af);
         if constexpr (DIAG) {
+          decode_word<OT>(q, af);
           if (same<OT, __nv_bfloat16>::value) {
 #pragma unroll
             for (int r = 0; r < 4; ++r) af[r] = mul2<OT>(af[r], exact_k2<OT>());
           }
           mma<OT>(part, af, bf[0][0], bf[0][1]);
         } else {
-          const int byte = BLK == 16 ? j : (j >> 1);
-          const u32 sel = (u32)byte | 0x40u | ((u32)byte << 8) | 0x4000u;  // [b, 0, b, 0]
-          const u32 hg = sir_h<OT>(__byte_perm(sc[a].x, 0u, sel));
-          const u32 hg8 = sir_h<OT>(__byte_perm(BLK == 16 ? sc[a].y : sc[a].x >> 16, 0u, sel));
-          af[0] = mul2<OT>(af[0], hg); af[2] = mul2<OT>(af[2], hg);
-          af[1] = mul2<OT>(af[1], hg8); af[3] = mul2<OT>(af[3], hg8);
+          decode_sir<OT, BLK>(q, sc[a].x, BLK == 16 ? sc[a].y : sc[a].x >> 16, j, af);
 #pragma unroll
           for (int c = 0; c < FC; ++c) mma<OT>(acc[c], af, bf[c][0], bf[c][1]);
         }
@@ -832,14 +838,8 @@ fp4_gemm_wgmma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restr
   const int a_ch = tid & 7, a_r0 = tid >> 3;
   const T* a_base = A + (size_t)(m0 + a_r0) * lda + a_ch * 8;
   size_t w_off[WIT];
-  unsigned w_ok = 0u;
-#pragma unroll
-  for (int i = 0; i < WIT; ++i) {
-    const int c = tid + i * NT;
-    const int r = c / CPA, rem = c % CPA;
-    w_off[i] = (size_t)(rg0 + r) * katoms * ATOM + rem * 16;
-    if (c < WCH && rg0 + r < n_rg) w_ok |= 1u << i;
-  }
+  int w_atom[WIT];  // all 0: one atom per row group and stage
+  const unsigned w_ok = weight_copy_plan<WIT, NT, CPA, CPA, WCH, ATOM>(tid, rg0, n_rg, katoms, w_off, w_atom);
   auto load_stage = [&](int kt, int buf) {
     u8* sb = smem + buf * STAGE;
     u8* sw = sb + B_BYTES;
@@ -881,15 +881,12 @@ fp4_gemm_wgmma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restr
     for (int j = 0; j < 4; ++j) {
       const u32 q = j == 0 ? wq.x : j == 1 ? wq.y : j == 2 ? wq.z : wq.w;
       u32 f[4];
-      decode_word<OT>(q, f);
-      const u32 byte = BLK == 16 ? j : (j >> 1);
-      const u32 sel = byte | 0x40u | (byte << 8) | 0x4000u;
-      const u32 hg = sir_h<OT>(__byte_perm(s0, 0u, sel)), hg8 = sir_h<OT>(__byte_perm(s1, 0u, sel));
+      decode_sir<OT, BLK>(q, s0, s1, j, f);
       const int c0 = ((2 * j) ^ g) << 4, c1 = ((2 * j + 1) ^ g) << 4;
-      *reinterpret_cast<u32*>(arow0 + c0 + 4 * t) = mul2<OT>(f[0], hg);
-      *reinterpret_cast<u32*>(arow1 + c0 + 4 * t) = mul2<OT>(f[1], hg8);
-      *reinterpret_cast<u32*>(arow0 + c1 + 4 * t) = mul2<OT>(f[2], hg);
-      *reinterpret_cast<u32*>(arow1 + c1 + 4 * t) = mul2<OT>(f[3], hg8);
+      *reinterpret_cast<u32*>(arow0 + c0 + 4 * t) = f[0];
+      *reinterpret_cast<u32*>(arow1 + c0 + 4 * t) = f[1];
+      *reinterpret_cast<u32*>(arow0 + c1 + 4 * t) = f[2];
+      *reinterpret_cast<u32*>(arow1 + c1 + 4 * t) = f[3];
     }
     fence_async_smem();
     named_bar(1 + wg, 128);  // the warpgroup's 64 rows are written before its wgmma reads them
@@ -1054,14 +1051,9 @@ fp4_gemm_wgrs(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
       for (int j = 0; j < 4; ++j) {
         const u32 q = j == 0 ? wq[u].x : j == 1 ? wq[u].y : j == 2 ? wq[u].z : wq[u].w;
         u32 f[4];
-        decode_word<OT>(q, f);
-        const u32 byte = BLK == 16 ? j : (j >> 1);
-        const u32 sel = byte | 0x40u | (byte << 8) | 0x4000u;
-        const u32 hg = sir_h<OT>(__byte_perm(s0[u], 0u, sel)), hg8 = sir_h<OT>(__byte_perm(s1[u], 0u, sel));
-        af[16 * u + 4 * j + 0] = mul2<OT>(f[0], hg);
-        af[16 * u + 4 * j + 1] = mul2<OT>(f[1], hg8);
-        af[16 * u + 4 * j + 2] = mul2<OT>(f[2], hg);
-        af[16 * u + 4 * j + 3] = mul2<OT>(f[3], hg8);
+        decode_sir<OT, BLK>(q, s0[u], s1[u], j, f);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) af[16 * u + 4 * j + r] = f[r];
       }
     u64 desc[4 * KSUB];
 #pragma unroll
