@@ -198,9 +198,16 @@ def sweep(Ds=(64, 128, 256), Ss=(4096,), rep=10, out=sys.stdout):
         hd = A.head_dim_bucket(D)
         for S, causal in ((S, c) for S in Ss for c in (False, True)):
             case = Case(D, S, causal, "float16")
+            fms = _time_peer(case, "FLASH", rep)
+            if fms:
+                print(f"D={D:>3} S={S:>5} causal={str(causal):>5} FLASH {case.tflops(fms):7.1f} TFLOP/s", file=out,
+                      flush=True)
             best = None
-            for cfg in A._all_configs(hd, True):
-                k = rt.get_kernel(A.SOURCE, A.instance_name("float16", hd, cfg, True))
+            # wgmma configs twice: Q, K, V by TMA and by cp.async (attention._USE_TMA)
+            for cfg, tma in ((c, t) for c in A._all_configs(hd, True)
+                             for t in ((True, False) if c["KIND"] != "mma" else (False,))):
+                A._USE_TMA = tma
+                k = rt.get_kernel(A.SOURCE, A.instance_name("float16", hd, cfg, True, tma))
                 at = k.attributes
                 try:
                     ms = cuda_ms(case.ours(cfg), warmup=2, rep=rep)
@@ -208,13 +215,15 @@ def sweep(Ds=(64, 128, 256), Ss=(4096,), rep=10, out=sys.stdout):
                     print(f"D={D} causal={causal} {cfg}: FAILED {type(e).__name__}: {e}", file=out)
                     continue
                 tf = case.tflops(ms)
-                tag = " (default)" if cfg == A.default_config(hd, arch) else ""
+                tag = (" tma" if tma else "") + (" (default)" if cfg == A.default_config(hd, arch) else "")
                 print(f"D={D:>3} S={S:>5} causal={str(causal):>5} {cfg['KIND']:>3} BM={cfg['BLOCK_M']:>3} BN={cfg['BLOCK_N']:>3} "
                       f"W={cfg['WARPS']} QR={cfg['Q_REGS']} ST={cfg['STAGES']} regs={at['num_regs']:>3} local={at['local_size_bytes']:>3}"
                       f" : {ms:8.3f} ms {tf:7.1f} TFLOP/s{tag}", file=out, flush=True)
                 if best is None or tf > best[0]:
-                    best = (tf, cfg)
-            print(f"  best D={D} S={S} causal={causal}: {best[0]:.1f} {best[1]}", file=out, flush=True)
+                    best = (tf, cfg, tma)
+            A._USE_TMA = True
+            print(f"  best D={D} S={S} causal={causal}: {best[0]:.1f} {best[1]}{' tma' if best[2] else ''}"
+                  + (f" ({best[0] / case.tflops(fms):.2f}x FLASH)" if fms else ""), file=out, flush=True)
             del case
 
 

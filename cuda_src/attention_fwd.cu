@@ -576,13 +576,15 @@ __device__ __forceinline__ vbw::u32 sw_offset(int r, int c) {
 
 }  // namespace vbw_attn
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP, bool TMA>
 __global__ void __launch_bounds__(WGS * 128, 1)
 attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
             float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
             int batch, int seqlen_q, int seqlen_k, int heads, int group, int d, int num_m, int sect_heads,
             float scale_log2, int score_mode, float cap_prescale, int win_left, int win_right,
-            long long q_rs, long long kv_rs, long long lse_stride_h) {
+            long long q_rs, long long kv_rs, long long lse_stride_h,
+            const __grid_constant__ vbw::TmaDesc tm_q, const __grid_constant__ vbw::TmaDesc tm_k,
+            const __grid_constant__ vbw::TmaDesc tm_v) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace vbw;
   constexpr int BLOCK_M = 64 * WGS;
@@ -626,14 +628,41 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   if (n_lo < n_hi) {
     // K and V of tile m live in slot m & 1 (K at kslot(m), its V KV_BYTES after).
     auto kslot = [&](int m) -> u32 { return sK + (u32)(m & 1) * (2 * KV_BYTES); };
+    // TMA: mbarriers after the K/V slots: [0] Q, [1 + s] K of slot s, [3 + s] V of slot s. Tiles run from
+    // n_hi - 1 down, so tile m is fill number (n_hi - 1 - m) / 2 of its slot: that fill's phase parity.
+    const u32 bar = sK + 4 * KV_BYTES;
+    auto phase = [&](int m) -> u32 { return (u32)((n_hi - 1 - m) >> 1) & 1u; };
+    // One thread issues a tile's TMA boxes (one per 64-column panel); rows past the sequence and columns past
+    // d are zero-filled by the tensor map's bounds ([d, heads, seqlen, batch], see attention.py).
+    auto tma_tile = [&](u32 dst, const vbw::TmaDesc* map, u32 b, int rows, int head, int row0) {
+      if (threadIdx.x == 0) {
+        mbar_expect_tx(b, (u32)rows * HEAD_DIM * 2);
+#pragma unroll
+        for (int p = 0; p < HEAD_DIM / 64; ++p)
+          tma_load_4d(dst + p * rows * 128, map, b, p * 64, head, row0, cta.b);
+      }
+    };
     auto load_k = [&](int m) {
-      vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(m), kg + (long long)m * BLOCK_N * kv_rs, kv_rs,
-                                                    sk - m * BLOCK_N, d);
+      if constexpr (TMA) {
+        tma_tile(kslot(m), &tm_k, bar + 8 + 8 * (m & 1), BLOCK_N, cta.h / group, m * BLOCK_N);
+      } else {
+        vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(m), kg + (long long)m * BLOCK_N * kv_rs, kv_rs,
+                                                      sk - m * BLOCK_N, d);
+      }
     };
     auto load_v = [&](int m) {
-      vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(m) + KV_BYTES, kg + vk + (long long)m * BLOCK_N * kv_rs,
-                                                    kv_rs, sk - m * BLOCK_N, d);
+      if constexpr (TMA) {
+        tma_tile(kslot(m) + KV_BYTES, &tm_v, bar + 24 + 8 * (m & 1), BLOCK_N, cta.h / group, m * BLOCK_N);
+      } else {
+        vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(m) + KV_BYTES,
+                                                      kg + vk + (long long)m * BLOCK_N * kv_rs, kv_rs,
+                                                      sk - m * BLOCK_N, d);
+      }
     };
+    // TMA: wait until tile m's K (V) has landed (its mbarrier phase completed). cp.async: nothing, the group
+    // waits and the barrier before them did that.
+    auto wait_k = [&](int m) { if constexpr (TMA) mbar_wait(bar + 8 + 8 * (m & 1), phase(m)); };
+    auto wait_v = [&](int m) { if constexpr (TMA) mbar_wait(bar + 24 + 8 * (m & 1), phase(m)); };
     const u32 q_wg = sQ + wg * 64 * 128;  // this warpgroup's rows of every Q panel
     // S = Q K(m)^T, issued and committed (not waited for).
     auto issue_s = [&](float (&s)[NS], int m) {
@@ -707,23 +736,35 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       wg_commit();
     };
 
-    vbw_attn::load_tile_sw<BLOCK_M, HEAD_DIM, NT>(sQ, q + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d,
-                                                  q_rs, rows_q, d);
     int n = n_hi - 1;
+    if constexpr (TMA) {
+      if (threadIdx.x == 0)
+        for (int i = 0; i < 5; ++i) mbar_init(bar + 8 * i, 1);
+      __syncthreads();  // the barriers are initialized before anyone waits on them
+      tma_tile(sQ, &tm_q, bar, BLOCK_M, cta.h, cta.m0);
+    } else {
+      vbw_attn::load_tile_sw<BLOCK_M, HEAD_DIM, NT>(sQ, q + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d,
+                                                    q_rs, rows_q, d);
+    }
     load_k(n);
     float s[NS];
     if constexpr (!OVERLAP) {
       load_v(n);
       cp_async_commit();
+      if constexpr (TMA) mbar_wait(bar, 0);  // Q
       for (; n >= n_lo; --n) {
-        cp_async_wait<0>();
-        fence_async_smem();  // this thread's cp.async writes -> the async proxy that wgmma reads through
-        __syncthreads();     // everyone's K(n), V(n) landed; everyone is done with tile n+1, refilled now
+        if constexpr (!TMA) {
+          cp_async_wait<0>();
+          fence_async_smem();  // this thread's cp.async writes -> the async proxy that wgmma reads through
+        }
+        __syncthreads();  // (cp.async: everyone's K(n), V(n) landed;) everyone is done with tile n+1, refilled now
         if (n > n_lo) {
           load_k(n - 1);
           load_v(n - 1);
           cp_async_commit();
         }
+        wait_k(n);
+        wait_v(n);
         issue_s(s, n);
         wg_wait<0>();
         u32 pa[BLOCK_N / 16][4];
@@ -740,9 +781,14 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       load_v(n);
       if (n > n_lo) load_k(n - 1);
       cp_async_commit();
-      cp_async_wait<1>();
-      fence_async_smem();
-      __syncthreads();  // Q, K(n) landed
+      if constexpr (TMA) {
+        mbar_wait(bar, 0);  // Q
+        wait_k(n);
+      } else {
+        cp_async_wait<1>();
+        fence_async_smem();
+        __syncthreads();  // Q, K(n) landed
+      }
       issue_s(s, n);
       wg_wait<0>();
       u32 pa0[BLOCK_N / 16][4], pa1[BLOCK_N / 16][4];
@@ -750,12 +796,16 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       // Iterations m > n_lo; the last one (no S(m-1)) is peeled off so every wgmma group here is unconditional
       // (with a conditional one, ptxas cannot tell which group wait_group 1 retires and serializes them all).
       auto step = [&](const u32 (&pa_cur)[BLOCK_N / 16][4], u32 (&pa_next)[BLOCK_N / 16][4], int m) {
-        cp_async_wait<0>();
-        fence_async_smem();
-        __syncthreads();  // K(m-1), V(m) landed; everyone is done with K(m) and V(m+1)
+        if constexpr (!TMA) {
+          cp_async_wait<0>();
+          fence_async_smem();
+        }
+        __syncthreads();  // (cp.async: K(m-1), V(m) landed;) everyone is done with K(m) and V(m+1)
         if (m - 1 > n_lo) load_k(m - 2);
         load_v(m - 1);
         cp_async_commit();
+        wait_k(m - 1);
+        wait_v(m);
         issue_s(s, m - 1);
         issue_pv(pa_cur, m);
         wg_wait<1>();
@@ -764,9 +814,12 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
         rescale_o(corr);
       };
       auto last = [&](const u32 (&pa_cur)[BLOCK_N / 16][4]) {
-        cp_async_wait<0>();
-        fence_async_smem();
-        __syncthreads();  // V(n_lo) landed
+        if constexpr (!TMA) {
+          cp_async_wait<0>();
+          fence_async_smem();
+          __syncthreads();  // V(n_lo) landed
+        }
+        wait_v(n_lo);
         issue_pv(pa_cur, n_lo);
         wg_wait<0>();
       };

@@ -16,6 +16,12 @@
 //                                                swizzled), one row per k, 8-k groups 1024 B apart, 64-wide N
 //                                                panels lbo bytes apart
 //   keep_acc(r) / keep_regs(r)                   compiler barriers that pin registers in place
+//   TmaDesc                                      a CUtensorMap (128 bytes, encoded on the host by
+//                                                cuTensorMapEncodeTiled), passed as a __grid_constant__ parameter
+//   mbar_init / mbar_expect_tx / mbar_wait       mbarrier init (arrival count), arrive with an expected byte
+//                                                count, spin until the phase of the given parity completes
+//   tma_load_4d(dst, map, bar, c0..c3)           one TMA box from global into shared memory (coordinates
+//                                                innermost first), completing `bar`'s transaction bytes
 // 128-byte swizzle: 16-byte chunk c of row r (r counted from a 1024-byte-aligned base) lives at chunk c ^ (r % 8).
 // wgmma must be issued by all 128 threads of a warpgroup; everything here is compiled only for sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL); the kernels that use it trap on other targets.
@@ -109,6 +115,29 @@ __device__ __forceinline__ u64 desc_sw128_k(u32 saddr) {
 __device__ __forceinline__ u64 desc_sw128_mn(u32 saddr, u32 lbo) {
   return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)((lbo >> 4) & 0x3FFFu) << 16) | ((u64)(1024 >> 4) << 32) |
          ((u64)1 << 62);
+}
+
+struct __align__(64) TmaDesc {
+  u64 w[16];
+};
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the async proxy (TMA)
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  asm volatile("{\n.reg .pred p;\nVBW_MBAR_WAIT:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+               "@!p bra VBW_MBAR_WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, u32 bar, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+               :: "r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
 }
 
 template <int R> __device__ __forceinline__ void keep_acc(float (&r)[R]) {

@@ -169,6 +169,10 @@ def test_fast_path_replays_only_matching_calls(monkeypatch):
     full = A._flash_gpu
     monkeypatch.setattr(A, "_flash_gpu", lambda *a, **kw: pytest.fail("the full path ran for a replayable call"))
     check(A.flash_attention(q, k, v, causal=True, return_lse=True), causal=True)
+    # new arrays of the same shape replay too, and must be the ones read (the TMA maps hold the addresses)
+    qh, kh, vh = (x[::-1].copy() for x in (qh, kh, vh))
+    check(A.flash_attention(cp.asarray(qh), cp.asarray(kh), cp.asarray(vh), causal=True, return_lse=True),
+          causal=True)
     calls = []
     monkeypatch.setattr(A, "_flash_gpu", lambda *a, **kw: calls.append(1) or full(*a, **kw))
 
@@ -181,6 +185,28 @@ def test_fast_path_replays_only_matching_calls(monkeypatch):
     check(A.flash_attention(q, strided, v, causal=True, return_lse=True), causal=True)
     check(A.flash_attention(q, k, v, window=(50, 10), return_lse=True), window=(50, 10))
     assert len(calls) == 3
+
+
+@gpu
+def test_dense_wgmma_launch_loads_by_tma():
+    """On sm_90 a dense, aligned input of a wgmma config takes tensor maps (TMA loads); varlen and
+    _USE_TMA = False take the cp.async kernel. The sweep and the shape tests check both give right answers."""
+    cp = pytest.importorskip("cupy")
+    if rt.device_arch() != 90:
+        pytest.skip("TMA loads are the sm_90 wgmma kernel's")
+    q = cp.ones((2, 300, 4, 64), dtype=cp.float16)
+    k = cp.ones((2, 200, 2, 64), dtype=cp.float16)
+    launch = A._Launch.dense(q, k, k, scale=0.125, window=(-1, 0), softcap=0.0, out=cp.empty_like(q), lse=None)
+    cfg = A._wg(128, 1)
+    assert launch.bound(cfg)[5:] == (True, (64, 128))
+    maps = A._map_args(q, k, k, (64, 128))
+    assert all(m.dtype.itemsize == rt.TENSOR_MAP_BYTES and m.size == 1 for m in maps)
+    assert bytes(maps[0].tobytes()) != bytes(maps[1].tobytes())
+    cu_q, cu_k = cp.asarray([0, 300, 600], dtype=cp.int32), cp.asarray([0, 200, 400], dtype=cp.int32)
+    qv, kv = q.reshape(600, 4, 64), k.reshape(400, 2, 64)
+    varlen = A._Launch(qv, kv, kv, cp.empty_like(qv), None, cu_q, cu_k, 2, 0, 0, 300, 200, 4, 2, 64, 0.125, -1,
+                       0, 0.0, 600)
+    assert varlen.bound(cfg)[5:] == (True, None)
 
 
 @gpu
@@ -271,14 +297,21 @@ def _sweep_configs():
     out = []
     for hd in A.HEAD_DIMS:
         for vec in (True, False):
-            for cfg in A._all_configs(hd, vec):
+            for cfg, tma in _sweep_cases(hd, vec):
                 D = hd if vec else hd - 3
+                A._USE_TMA = tma
                 try:
                     err, bound = run_dense(1, 150, 333, 2, 1, D, "float16", causal=True, seed=hd, config=cfg)
-                    out.append({"hd": hd, "vec": vec, "cfg": cfg, "err": err, "bound": bound, "ok": True})
+                    out.append({"hd": hd, "vec": vec, "tma": tma, "cfg": cfg, "err": err, "bound": bound, "ok": True})
                 except AssertionError as e:
-                    out.append({"hd": hd, "vec": vec, "cfg": cfg, "ok": False, "why": str(e)[:200]})
+                    out.append({"hd": hd, "vec": vec, "tma": tma, "cfg": cfg, "ok": False, "why": str(e)[:200]})
+    A._USE_TMA = True
     print(json.dumps(out))
+
+
+def _sweep_cases(hd, vec):
+    """(config, TMA loads) pairs of the sweep: wgmma configs with Q, K, V by TMA and by cp.async."""
+    return [(c, t) for c in A._all_configs(hd, vec) for t in ((True, False) if c["KIND"] != "mma" else (False,))]
 
 
 @gpu
@@ -293,7 +326,7 @@ def test_every_config_subprocess():
     rows = json.loads(p.stdout.strip().splitlines()[-1])
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
-    assert len(rows) == sum(len(A._all_configs(hd, v)) for hd in A.HEAD_DIMS for v in (True, False))
+    assert len(rows) == sum(len(_sweep_cases(hd, v)) for hd in A.HEAD_DIMS for v in (True, False))
 
 
 # ---- CPU: argument errors before launch, dispatch, tables -----------------------------------------------------

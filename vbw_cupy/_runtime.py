@@ -287,6 +287,64 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, stream=None) -> None:
            stream=stream if stream is not None else cupy.cuda.get_current_stream())
 
 
+# ---- TMA tensor maps (Hopper): encoded on the host by the driver's cuTensorMapEncodeTiled, which CuPy does not
+# wrap, so it is called through ctypes. A map is 128 opaque bytes passed to the kernel by value (a size-one
+# NumPy array of dtype V128 is passed by value by CuPy's launcher).
+TENSOR_MAP_BYTES = 128
+_TMAP_SWIZZLE_128B = 3
+_TMAP_L2_256B = 3
+_TMAP_UINT16 = 1
+_tmap_fn = None          # the driver function, False when it cannot be loaded
+_tmap_cache: dict = {}   # (ptr, dims, strides, box) -> map; forgotten all at once when full
+_TMAP_CACHE_MAX = 1024
+
+
+def _tensor_map_encoder():
+    global _tmap_fn
+    if _tmap_fn is None:
+        import ctypes
+        try:
+            lib = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
+            fn = lib.cuTensorMapEncodeTiled
+        except (OSError, AttributeError):
+            _tmap_fn = False
+            return _tmap_fn
+        u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        _tmap_fn = fn
+    return _tmap_fn
+
+
+def tensor_map_16bit(ptr: int, dims: tuple, strides: tuple, box: tuple):
+    """A tiled TMA map of a 16-bit tensor with the 128-byte swizzle: dims innermost first, strides (bytes) of
+    dims 1.., box the tile each copy moves (box[0] * 2 = 128 bytes, one swizzled row). Reads outside dims are
+    zero-filled. Returns a size-one V128 NumPy array (a kernel argument), or None where the driver cannot
+    encode it (no driver entry point, or arguments it rejects)."""
+    key = (ptr, dims, strides, box)
+    m = _tmap_cache.get(key)
+    if m is not None:
+        return m
+    fn = _tensor_map_encoder()
+    if not fn:
+        return None
+    import ctypes
+    rank = len(dims)
+    raw = np.zeros(TENSOR_MAP_BYTES + 64, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 64  # the driver wants the map 64-byte aligned
+    out = raw[off:off + TENSOR_MAP_BYTES]
+    res = fn(out.ctypes.data, _TMAP_UINT16, rank, ptr, (ctypes.c_uint64 * rank)(*dims),
+             (ctypes.c_uint64 * (rank - 1))(*strides), (ctypes.c_uint32 * rank)(*box),
+             (ctypes.c_uint32 * rank)(*([1] * rank)), 0, _TMAP_SWIZZLE_128B, _TMAP_L2_256B, 0)
+    if res != 0:
+        return None
+    if len(_tmap_cache) >= _TMAP_CACHE_MAX:
+        _tmap_cache.clear()
+    m = _tmap_cache[key] = out.view(f"V{TENSOR_MAP_BYTES}")
+    return m
+
+
 def device_attributes() -> dict:
     """cupy's Device().attributes of the current device, cached: the query reads every attribute (~0.1 ms)."""
     return _device_attributes(require_cupy().cuda.Device().id)

@@ -114,19 +114,22 @@ def head_dim_bucket(D: int) -> int:
 
 def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     """Dynamic shared memory of one CTA. mma: Q [BLOCK_M] + K, V [STAGES][BLOCK_N] rows of HEAD_DIM + 8
-    elements; wg: the same unpadded (swizzled rows) plus 1 KB to align the base to 1024 bytes."""
+    elements; wg: the same unpadded (swizzled rows), 1 KB to align the base to 1024 bytes and 64 bytes of TMA
+    mbarriers."""
     if cfg["KIND"] != "mma":
-        return (cfg["BLOCK_M"] + 4 * cfg["BLOCK_N"]) * head_dim * itemsize + 1024
+        return (cfg["BLOCK_M"] + 4 * cfg["BLOCK_N"]) * head_dim * itemsize + 1024 + 64
     return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize
 
 
-def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True) -> str:
+def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True, tma: bool = False) -> str:
+    """The kernel template instance of cfg. tma (wgmma configs): Q, K and V arrive by TMA (dense inputs, with
+    tensor maps) instead of cp.async."""
+    b = lambda x: "true" if x else "false"
     if cfg["KIND"] != "mma":
         if not vec:
             raise ValueError(f"attention config {cfg}: the wgmma kernel needs 16-byte aligned rows (d % 8 == 0)")
         return (f"attn_fwd_wg<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_N']}, {cfg['BLOCK_M'] // 64}, "
-                f"{'true' if cfg['KIND'] == 'wgp' else 'false'}>")
-    b = lambda x: "true" if x else "false"
+                f"{b(cfg['KIND'] == 'wgp')}, {b(tma)}>")
     return (f"attn_fwd<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['WARPS']}, "
             f"{b(cfg['Q_REGS'])}, {cfg['STAGES']}, {b(vec)}>")
 
@@ -151,8 +154,9 @@ def _all_configs(head_dim: int, vec: bool = True) -> list[dict]:
 
 def kernel_instances() -> list[tuple[str, str]]:
     """Every (file, template instance) this module can launch, fp16 and bf16."""
-    return [(SOURCE, instance_name(dt, hd, c, vec)) for dt in ("float16", "bfloat16") for hd in HEAD_DIMS
-            for vec in (True, False) for c in _all_configs(hd, vec)]
+    return [(SOURCE, instance_name(dt, hd, c, vec, tma)) for dt in ("float16", "bfloat16") for hd in HEAD_DIMS
+            for vec in (True, False) for c in _all_configs(hd, vec)
+            for tma in ((False, True) if c["KIND"] != "mma" else (False,))]
 
 
 def default_config(head_dim: int, arch: int, vec: bool = True) -> dict:
@@ -270,7 +274,8 @@ class _Launch:
 
     def __init__(self, q, k, v, o, lse, cu_q, cu_k, B, seqlen_q, seqlen_k, max_q, max_k, Hq, Hkv, D,
                  scale, left, right, softcap, lse_stride_h):
-        self.q, self.o = q, o
+        self.q, self.k, self.v, self.o = q, k, v, o
+        self.dense = cu_q is None
         self.B, self.max_q, self.max_k, self.Hq, self.Hkv, self.D = B, max_q, max_k, Hq, Hkv, D
         self.head_dim = head_dim_bucket(D)
         left, right = _clamp_window(left, right, max_q, max_k)
@@ -304,25 +309,30 @@ class _Launch:
         return cls(q, k, v, out, lse, None, None, B, Sq, Sk, Sq, Sk, Hq, Hkv, D, scale, window[0], window[1],
                    softcap, Sq)
 
-    def kernel(self, cfg):
-        opts = _EXTRA_OPTIONS.get(self.head_dim, ()) if isinstance(_EXTRA_OPTIONS, dict) else _EXTRA_OPTIONS
-        return rt.get_kernel(SOURCE, instance_name(self.q.dtype, self.head_dim, cfg, self.vec), tuple(opts))
-
     def bound(self, cfg):
-        """(kernel, grid, block, smem, scalar args) of a launch with cfg: what run() launches and the fast path
-        replays with new arrays."""
+        """(kernel, grid, block, smem, scalar args, wg, boxes) of a launch with cfg: what run() launches and the
+        fast path replays with new arrays. wg: the wgmma kernel, which takes three tensor-map arguments; boxes:
+        (BLOCK_M, BLOCK_N) when they are TMA maps of q, k, v (`_map_args`), None when they are unused."""
         cfg = _runnable(self.head_dim, cfg, self.vec)
         if cfg["BLOCK_M"] % (16 * cfg["WARPS"]) != 0:
             raise ValueError(f"attention config {cfg}: BLOCK_M must be a multiple of 16 * WARPS")
-        kern = self.kernel(cfg)
+        wg = cfg["KIND"] != "mma"
+        boxes = (cfg["BLOCK_M"], cfg["BLOCK_N"]) if wg and self.dense and _USE_TMA else None
+        if boxes is not None and _map_args(self.q, self.k, self.v, boxes) is None:
+            boxes = None  # the driver cannot encode the maps: cp.async
+        opts = _EXTRA_OPTIONS.get(self.head_dim, ()) if isinstance(_EXTRA_OPTIONS, dict) else _EXTRA_OPTIONS
+        kern = rt.get_kernel(SOURCE, instance_name(self.q.dtype, self.head_dim, cfg, self.vec, boxes is not None),
+                             tuple(opts))
         num_m = rt.cdiv(self.max_q, cfg["BLOCK_M"])
         scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + self.tail_args
-        return kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), smem_bytes(self.head_dim, cfg), scalars
+        return (kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), smem_bytes(self.head_dim, cfg), scalars,
+                wg, boxes)
 
     def run(self, cfg):
         """Launch with cfg; returns bound(cfg)."""
-        b = kern, grid, block, smem, scalars = self.bound(cfg)
-        rt.launch(kern, grid, block, self.head_args[:7] + scalars, shared_mem=smem)
+        b = kern, grid, block, smem, scalars, wg, boxes = self.bound(cfg)
+        maps = _map_args(self.q, self.k, self.v, boxes) if wg else ()
+        rt.launch(kern, grid, block, self.head_args[:7] + scalars + maps, shared_mem=smem)
         return b
 
     def pick(self, config=None):
@@ -336,6 +346,26 @@ class _Launch:
 
 # NVRTC options (a tuple, or {HEAD_DIM: tuple}) for A/B experiments (bench/bench_attention.py --ab); empty in use
 _EXTRA_OPTIONS = ()
+# Dense inputs on the wgmma kernel load Q, K and V by TMA (False: cp.async, as varlen always does; for A/B runs)
+_USE_TMA = True
+_NO_MAP = np.zeros(1, dtype=f"V{rt.TENSOR_MAP_BYTES}")
+
+
+def _map_args(q, k, v, boxes):
+    """The wgmma kernel's three tensor-map arguments: with boxes = (BLOCK_M, BLOCK_N), TMA maps of dense q, k, v
+    as [D, heads, seqlen, batch] (innermost first; the bounds zero-fill rows past a sequence and columns past
+    D) with boxes of 64 columns x BLOCK_M (q) / BLOCK_N (k, v) rows; with boxes None, three unused zero maps.
+    None when the driver cannot encode a map."""
+    if boxes is None:
+        return (_NO_MAP,) * 3
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+
+    def tmap(x, S, H, rows):
+        return rt.tensor_map_16bit(x.data.ptr, (D, H, S, B), (2 * D, 2 * H * D, 2 * S * H * D), (64, 1, rows, 1))
+
+    maps = (tmap(q, Sq, Hq, boxes[0]), tmap(k, Sk, Hkv, boxes[1]), tmap(v, Sk, Hkv, boxes[1]))
+    return None if any(m is None for m in maps) else maps
 _L2 = {}
 
 
@@ -433,17 +463,20 @@ def _flash_fast(key, q, k, v, return_lse):
     plan = _fast_plans.get(key)
     if plan is None:
         return None
-    kern, grid, block, smem, scalars, vec, dev = plan
+    kern, grid, block, smem, scalars, wg, boxes, vec, dev = plan
     if not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous) or \
             not (q.data.device_id == k.data.device_id == v.data.device_id == dev):
         return None
     if vec != (q.shape[-1] % 8 == 0 and (q.data.ptr | k.data.ptr | v.data.ptr) % 16 == 0):
         return None
+    maps = _map_args(q, k, v, boxes) if wg else ()  # the maps hold the array addresses: new arrays, new maps
+    if maps is None:
+        return None
     cp = rt.cupy
     o = cp.empty(q.shape, dtype=q.dtype)
     lse = cp.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=cp.float32) if return_lse else None
     null = np.uint64(0)
-    kern(grid, block, (q, k, v, o, null if lse is None else lse, null, null) + scalars, shared_mem=smem)
+    kern(grid, block, (q, k, v, o, null if lse is None else lse, null, null) + scalars + maps, shared_mem=smem)
     return (o, lse) if lse is not None else o
 
 
