@@ -576,7 +576,7 @@ __device__ __forceinline__ vbw::u32 sw_offset(int r, int c) {
 
 }  // namespace vbw_attn
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP, bool TMA>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP, bool TMA, int STAGES>
 __global__ void __launch_bounds__(WGS * 128, 1)
 attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
             float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
@@ -591,6 +591,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   constexpr int NT = 128 * WGS;
   static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 192, "BLOCK_N: a wgmma N");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM: a wgmma N");
+  static_assert(STAGES >= 2 && STAGES <= 4 && (!OVERLAP || STAGES == 2), "STAGES");
   constexpr int NS = BLOCK_N / 2;    // S accumulators a thread
   constexpr int NO = HEAD_DIM / 2;   // O accumulators a thread
   constexpr int NN = BLOCK_N / 8;    // n8 column tiles of S
@@ -603,7 +604,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const u32 raw = smem_addr(smem_raw);
   const u32 sbase = (raw + 1023u) & ~1023u;
   const u32 sQ = sbase;
-  const u32 sK = sbase + Q_BYTES;             // stage st: sK + st * 2 * KV_BYTES; V follows its K
+  const u32 sK = sbase + Q_BYTES;             // slot st: sK + st * 2 * KV_BYTES; V follows its K
   unsigned char* const sQ_ptr = smem_raw + (sbase - raw);
 
   const int tid = threadIdx.x;
@@ -626,12 +627,15 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};
 
   if (n_lo < n_hi) {
-    // K and V of tile m live in slot m & 1 (K at kslot(m), its V KV_BYTES after).
-    auto kslot = [&](int m) -> u32 { return sK + (u32)(m & 1) * (2 * KV_BYTES); };
-    // TMA: mbarriers after the K/V slots: [0] Q, [1 + s] K of slot s, [3 + s] V of slot s. Tiles run from
-    // n_hi - 1 down, so tile m is fill number (n_hi - 1 - m) / 2 of its slot: that fill's phase parity.
-    const u32 bar = sK + 4 * KV_BYTES;
-    auto phase = [&](int m) -> u32 { return (u32)((n_hi - 1 - m) >> 1) & 1u; };
+    // Tiles run from n_hi - 1 down; tile m is the i-th (i = n_hi - 1 - m) and lives in slot i % STAGES (K at
+    // kslot(m), its V KV_BYTES after), as that slot's fill number i / STAGES.
+    auto kslot = [&](int m) -> u32 { return sK + ((u32)(n_hi - 1 - m) % STAGES) * (2 * KV_BYTES); };
+    // TMA: mbarriers after the K/V slots: [0] Q, [1 + s] K of slot s, [1 + STAGES + s] V of slot s; a fill
+    // completes its barrier's phase of parity (fill number) & 1.
+    const u32 bar = sK + 2 * STAGES * KV_BYTES;
+    auto kbar = [&](int m) -> u32 { return bar + 8 + 8 * ((u32)(n_hi - 1 - m) % STAGES); };
+    auto vbar = [&](int m) -> u32 { return kbar(m) + 8 * STAGES; };
+    auto phase = [&](int m) -> u32 { return ((u32)(n_hi - 1 - m) / STAGES) & 1u; };
     // One thread issues a tile's TMA boxes (one per 64-column panel); rows past the sequence and columns past
     // d are zero-filled by the tensor map's bounds ([d, heads, seqlen, batch], see attention.py).
     auto tma_tile = [&](u32 dst, const vbw::TmaDesc* map, u32 b, int rows, int head, int row0) {
@@ -644,7 +648,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     };
     auto load_k = [&](int m) {
       if constexpr (TMA) {
-        tma_tile(kslot(m), &tm_k, bar + 8 + 8 * (m & 1), BLOCK_N, cta.h / group, m * BLOCK_N);
+        tma_tile(kslot(m), &tm_k, kbar(m), BLOCK_N, cta.h / group, m * BLOCK_N);
       } else {
         vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(m), kg + (long long)m * BLOCK_N * kv_rs, kv_rs,
                                                       sk - m * BLOCK_N, d);
@@ -652,7 +656,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     };
     auto load_v = [&](int m) {
       if constexpr (TMA) {
-        tma_tile(kslot(m) + KV_BYTES, &tm_v, bar + 24 + 8 * (m & 1), BLOCK_N, cta.h / group, m * BLOCK_N);
+        tma_tile(kslot(m) + KV_BYTES, &tm_v, vbar(m), BLOCK_N, cta.h / group, m * BLOCK_N);
       } else {
         vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(m) + KV_BYTES,
                                                       kg + vk + (long long)m * BLOCK_N * kv_rs, kv_rs,
@@ -661,8 +665,8 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     };
     // TMA: wait until tile m's K (V) has landed (its mbarrier phase completed). cp.async: nothing, the group
     // waits and the barrier before them did that.
-    auto wait_k = [&](int m) { if constexpr (TMA) mbar_wait(bar + 8 + 8 * (m & 1), phase(m)); };
-    auto wait_v = [&](int m) { if constexpr (TMA) mbar_wait(bar + 24 + 8 * (m & 1), phase(m)); };
+    auto wait_k = [&](int m) { if constexpr (TMA) mbar_wait(kbar(m), phase(m)); };
+    auto wait_v = [&](int m) { if constexpr (TMA) mbar_wait(vbar(m), phase(m)); };
     const u32 q_wg = sQ + wg * 64 * 128;  // this warpgroup's rows of every Q panel
     // S = Q K(m)^T, issued and committed (not waited for).
     auto issue_s = [&](float (&s)[NS], int m) {
@@ -739,7 +743,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     int n = n_hi - 1;
     if constexpr (TMA) {
       if (threadIdx.x == 0)
-        for (int i = 0; i < 5; ++i) mbar_init(bar + 8 * i, 1);
+        for (int i = 0; i < 1 + 2 * STAGES; ++i) mbar_init(bar + 8 * i, 1);
       __syncthreads();  // the barriers are initialized before anyone waits on them
       tma_tile(sQ, &tm_q, bar, BLOCK_M, cta.h, cta.m0);
     } else {
@@ -749,20 +753,31 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     load_k(n);
     float s[NS];
     if constexpr (!OVERLAP) {
+      // Tiles n .. n - STAGES + 2 in flight before the loop; each iteration refills the slot of the tile just
+      // finished with the tile STAGES - 1 ahead. cp.async commits a group every time (empty past the last
+      // tile) so that "all but the newest STAGES - 2 groups" is always tile n.
       load_v(n);
       cp_async_commit();
+#pragma unroll
+      for (int i = 1; i < STAGES - 1; ++i) {
+        if (n - i >= n_lo) {
+          load_k(n - i);
+          load_v(n - i);
+        }
+        cp_async_commit();
+      }
       if constexpr (TMA) mbar_wait(bar, 0);  // Q
       for (; n >= n_lo; --n) {
         if constexpr (!TMA) {
-          cp_async_wait<0>();
+          cp_async_wait<STAGES - 2>();
           fence_async_smem();  // this thread's cp.async writes -> the async proxy that wgmma reads through
         }
         __syncthreads();  // (cp.async: everyone's K(n), V(n) landed;) everyone is done with tile n+1, refilled now
-        if (n > n_lo) {
-          load_k(n - 1);
-          load_v(n - 1);
-          cp_async_commit();
+        if (n - (STAGES - 1) >= n_lo) {
+          load_k(n - (STAGES - 1));
+          load_v(n - (STAGES - 1));
         }
+        cp_async_commit();
         wait_k(n);
         wait_v(n);
         issue_s(s, n);

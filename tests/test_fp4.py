@@ -319,3 +319,22 @@ def test_quantize_round_trip_error_is_bounded_per_block(values, fmt):
     err = np.abs(d - x[0]) / unit
     ok = (err <= step / 2 * (1 + 1e-6)) | (scaled > 6)
     assert ok.all(), (x[0][~ok], d[~ok], unit[~ok])
+
+
+@pytest.mark.parametrize("amax", [1.401298464324817e-45, 1.0e-42, 0.0])
+def test_global_scale_never_underflows_to_zero(amax):
+    """A tensor whose amax / (448 * 6) underflows (found by the property test above: one subnormal value)
+    gets global_scale 1.0 like an all-zero one, and round-trips to zeros instead of raising."""
+    x = np.array([[amax, -amax / 2]], np.float32)
+    t = vc.quantize(x, "nvfp4")
+    assert t.global_scale == np.float32(1.0)
+    assert np.all(vc.dequantize(t) == 0)
+
+
+@pytest.mark.gpu
+def test_global_scale_underflow_gpu_matches_host():
+    cp = pytest.importorskip("cupy")
+    x = np.array([[1.0e-42, -5.0e-43] + [0.0] * 30], np.float32)
+    t, r = vc.quantize(cp.asarray(x), "nvfp4"), vc.quantize(x, "nvfp4")
+    assert t.global_scale == r.global_scale == np.float32(1.0)
+    assert np.array_equal(cp.asnumpy(t.data), r.data) and np.array_equal(cp.asnumpy(t.scales), r.scales)

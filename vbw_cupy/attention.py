@@ -51,11 +51,12 @@ def _cfg(m, n, w, qr=0, st=2):
     return {"KIND": "mma", "BLOCK_M": m, "BLOCK_N": n, "WARPS": w, "Q_REGS": qr, "STAGES": st}
 
 
-def _wg(n, wgs=2, overlap=False):
-    """An attn_fwd_wg (wgmma, sm_90a only, 16-byte aligned inputs) config: WGS warpgroups of 64 query rows;
-    KIND "wgp" overlaps each warpgroup's softmax with its own Q K^T of the next tile."""
+def _wg(n, wgs=2, overlap=False, stages=2):
+    """An attn_fwd_wg (wgmma, sm_90a only, 16-byte aligned inputs) config: WGS warpgroups of 64 query rows,
+    STAGES K/V tiles in shared memory (STAGES - 1 loads in flight); KIND "wgp" overlaps each warpgroup's
+    softmax with its own Q K^T of the next tile (two stages only)."""
     return {"KIND": "wgp" if overlap else "wg", "BLOCK_M": 64 * wgs, "BLOCK_N": n, "WARPS": 4 * wgs, "Q_REGS": 0,
-            "STAGES": 2}
+            "STAGES": stages}
 
 
 # Per compiled head dim: {arch: default config} and the candidates the tuner may time. Warp w owns
@@ -87,10 +88,12 @@ for _d in _DEFAULTS.values():
 # vs 294 / 253 with two; the overlapped variant (wgp) 284 / 260; D=128 128x128 404 / 352 (wgp 362-371 /
 # 315-323, and it spills at 128x128); D=256 128x64 403 / 330. The wgp tiles that do not spill stay candidates.
 _WG_DEFAULTS = {64: _wg(128, 1), 128: _wg(128), 256: _wg(64)}
-_WG_CANDIDATES = {64: (_wg(128), _wg(128, 1), _wg(64), _wg(128, 2, True), _wg(64, 2, True), _wg(192, 1),
-                       _wg(192, 2)),
-                  128: (_wg(128), _wg(64), _wg(128, 1), _wg(64, 2, True)),
-                  256: (_wg(64), _wg(64, 1))}
+_WG_CANDIDATES = {64: (_wg(128), _wg(128, 1), _wg(64), _wg(128, 2, True), _wg(192, 1),
+                       _wg(64, 2, stages=3), _wg(64, 2, stages=4), _wg(128, 1, stages=3), _wg(192, 1, stages=3),
+                       _wg(64, 1), _wg(64, 1, stages=3), _wg(64, 1, stages=4)),
+                  128: (_wg(128), _wg(64), _wg(128, 1), _wg(64, 2, True), _wg(128, stages=3), _wg(64, stages=3),
+                        _wg(64, stages=4)),
+                  256: (_wg(64), _wg(64, 1), _wg(64, 1, stages=3))}
 _CANDIDATES = {
     32: (_C(128, 128, 4, 1, 2), _C(128, 64, 4, 1, 2), _C(128, 128, 4, 1, 1)),
     64: (_C(128, 128, 4, 0, 2), _C(128, 64, 4, 1, 2), _C(128, 128, 4, 0, 1), _C(128, 64, 4, 1, 1)),
@@ -114,10 +117,10 @@ def head_dim_bucket(D: int) -> int:
 
 def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     """Dynamic shared memory of one CTA. mma: Q [BLOCK_M] + K, V [STAGES][BLOCK_N] rows of HEAD_DIM + 8
-    elements; wg: the same unpadded (swizzled rows), 1 KB to align the base to 1024 bytes and 64 bytes of TMA
+    elements; wg: the same unpadded (swizzled rows), 1 KB to align the base to 1024 bytes and 128 bytes of TMA
     mbarriers."""
     if cfg["KIND"] != "mma":
-        return (cfg["BLOCK_M"] + 4 * cfg["BLOCK_N"]) * head_dim * itemsize + 1024 + 64
+        return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * head_dim * itemsize + 1024 + 128
     return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize
 
 
@@ -129,7 +132,7 @@ def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True, tma: bool =
         if not vec:
             raise ValueError(f"attention config {cfg}: the wgmma kernel needs 16-byte aligned rows (d % 8 == 0)")
         return (f"attn_fwd_wg<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_N']}, {cfg['BLOCK_M'] // 64}, "
-                f"{b(cfg['KIND'] == 'wgp')}, {b(tma)}>")
+                f"{b(cfg['KIND'] == 'wgp')}, {b(tma)}, {cfg['STAGES']}>")
     return (f"attn_fwd<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['WARPS']}, "
             f"{b(cfg['Q_REGS'])}, {cfg['STAGES']}, {b(vec)}>")
 

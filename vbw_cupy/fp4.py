@@ -143,7 +143,8 @@ def quantize(x, format: str = "nvfp4", global_scale=None) -> FP4Tensor:
 
     MXFP4: blocks of 32, E8M0 scale 2^(floor(log2(amax)) - 2); a block holding NaN/Inf gets scale code
     255 (decodes to NaN). NVFP4: blocks of 16, E4M3 scale, float32 `global_scale` (default
-    amax / (448 * 6)); NaN or Inf anywhere is a ValueError. Any K: the last block is zero-padded.
+    amax / (448 * 6), or 1.0 where that is 0: all zeros, or amax under ~1.9e-42); NaN or Inf anywhere is a
+    ValueError. Any K: the last block is zero-padded.
     On the GPU, NVFP4 reads the tensor twice when `global_scale` is None (amax first) and synchronizes
     once to check for NaN/Inf. A CuPy call with the shape, dtype, format, global_scale and device of an
     earlier checked call reuses its launch plan (contiguity, alignment and device are checked every time).
@@ -299,7 +300,7 @@ def _global_scale_gpu(x) -> np.float32:
     amax = out.get().view(np.float32)[0]
     if not np.isfinite(amax):
         raise ValueError(_NAN_MSG)
-    return np.float32(1.0) if amax == 0 else np.float32(amax / np.float32(448.0 * 6.0))
+    return ref.nvfp4_global_scale_of_amax(amax)
 
 
 def dequantize(t: FP4Tensor, dtype=np.float32):

@@ -108,7 +108,15 @@ def _unpack(data: np.ndarray) -> np.ndarray:
 def nvfp4_global_scale(x: np.ndarray) -> np.float32:
     """SPEC: float32(amax_tensor) / float32(448 * 6); 1.0 when the tensor is all zeros."""
     amax = np.float32(np.max(np.abs(x.astype(np.float32)))) if x.size else np.float32(0)
-    return np.float32(1.0) if amax == 0 else np.float32(amax / np.float32(448.0 * 6.0))
+    return nvfp4_global_scale_of_amax(amax)
+
+
+def nvfp4_global_scale_of_amax(amax) -> np.float32:
+    """float32(amax) / float32(448 * 6), or 1.0 where that is 0: an all-zero tensor, or one whose amax is below
+    448 * 6 half subnormal steps (~1.9e-42), where the quotient underflows (its elements all quantize to 0 anyway)."""
+    with np.errstate(under="ignore"):
+        gs = np.float32(np.float32(amax) / np.float32(448.0 * 6.0))
+    return np.float32(1.0) if gs == 0 else gs
 
 
 def quantize_mxfp4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
