@@ -63,6 +63,14 @@
 //       at S=1024 the mma.sync 128x128 1-stage tile (16 B spill) is the fastest D=64 config: 271 / 195 vs 243 /
 //       183. Tuned, after the GPU suite in the same cache, vs FLASH: D=64 0.86-1.00x, D=128 1.00-1.30x,
 //       D=256 1.12-1.48x (fp16 and bf16, S = 1024 / 4096 / 16384).
+//   v5 (lent H100, 1980 MHz): TMA loads of Q, K, V for dense inputs (one thread issues each tile, mbarrier
+//       waits; tensor maps [d, heads, seqlen, batch] zero-fill past the sequence and d) and STAGES K/V slots.
+//       The cp.async issue was the cost: same run, fp16, S = 4096 full / causal, D=64 64x128 254 / 242 ->
+//       383 / 328 TFLOP/s, D=128 128x128 (2 stages) 362 / 309 -> 465 / 426; registers drop (D=64 64x128 223 ->
+//       184). Next sweep, vs FLASH in the same run: D=64 1.06-1.37x, D=128 1.04-1.70x (best tile per shape,
+//       S = 1024..16384), D=256 1.51-1.65x at S = 4096. More stages help D=128 at long S (3: 544 vs 482 causal
+//       S = 16384), not D=64 or S = 1024. S = 1024 causal stays the thin case (D=64 212 vs FLASH 199; D=128 241
+//       vs 231): short CTAs, whose prologue (barrier init, first loads) and epilogue are not hidden.
 #include "mma.cuh"
 #include "wgmma.cuh"
 
@@ -536,11 +544,15 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
 // ---------------------------------------------------------------------------------------------- Hopper (sm_90a)
 // attn_fwd_wg: the same computation and arguments as attn_fwd, with wgmma instead of mma.sync (VEC inputs only,
-// d a multiple of 8 up to HEAD_DIM, HEAD_DIM a multiple of 64). CTA = WGS warpgroups; warpgroup g owns query
-// rows 64g..64g+63 of the CTA's BLOCK_M = 64 WGS. Shared memory (1024-byte aligned): Q [BLOCK_M][HEAD_DIM], and
-// two stages of K and V [BLOCK_N][HEAD_DIM], each stored as HEAD_DIM / 64 column panels of 128-byte rows with
-// the 128-byte swizzle (wgmma.cuh). Per KV tile (keys from the last visible tile down):
-//   wait K(n), V(n) ; barrier ; cp.async K(n-1), V(n-1) into the other stage
+// d a multiple of 8 up to HEAD_DIM, HEAD_DIM a multiple of 64), plus three TMA tensor maps (tm_q, tm_k, tm_v;
+// used when TMA, zero otherwise). CTA = WGS warpgroups; warpgroup g owns query rows 64g..64g+63 of the CTA's
+// BLOCK_M = 64 WGS. Shared memory (1024-byte aligned): Q [BLOCK_M][HEAD_DIM], STAGES slots of K and V
+// [BLOCK_N][HEAD_DIM], each stored as HEAD_DIM / 64 column panels of 128-byte rows with the 128-byte swizzle
+// (wgmma.cuh; TMA's SWIZZLE_128B writes exactly this), then the mbarriers. Loads: TMA (dense inputs: thread 0
+// issues a tile, everyone waits on its mbarrier) or cp.async by every thread (varlen: a tensor map cannot stop
+// at a sequence's end). Per KV tile (keys from the last visible tile down):
+//   barrier (everyone is done with tile n+1) ; load K, V of tile n - STAGES + 1 into tile n+1's slot
+//   wait K(n), V(n)
 //   S = Q K^T   wgmma SS, m64 n=BLOCK_N k16, K-major Q and K (scale-d 0 on the first k step)
 //   mask / online softmax in registers (the accumulator layout is mma.sync's, so the code is attn_fwd's, MT = 1)
 //   O += P V    wgmma RS, m64 n=HEAD_DIM k16: P packed from S in registers, V read MN-major (transposed B)

@@ -2,9 +2,9 @@
 
 NumPy inputs run `vbw_cupy.reference` (float64). CuPy inputs (or DLPack / CUDA-array-interface objects such as
 torch tensors) run a tensor-core kernel of ``cuda_src/attention_fwd.cu`` (FlashAttention-2 style: one CTA per
-BLOCK_M query rows of one head, K/V streamed through shared memory with cp.async, fp32 accumulation, online
-softmax in fp32; ``attn_fwd`` with mma.sync m16n8k16, ``attn_fwd_wg`` with Hopper wgmma) and return CuPy
-arrays.
+BLOCK_M query rows of one head, K/V streamed through shared memory, fp32 accumulation, online softmax in fp32;
+``attn_fwd`` with mma.sync m16n8k16 and cp.async, ``attn_fwd_wg`` with Hopper wgmma and TMA loads (dense inputs;
+the driver encodes the tensor maps, see `_map_args`) or cp.async (varlen)) and return CuPy arrays.
 
 Head dims: any D from 1 to 256 runs the instance compiled for the next of HEAD_DIMS (32, 64, ..., 256); the
 kernel zero-fills the missing columns and never reads or writes past D. Configs (KIND "mma" / "wg" / "wgp",
@@ -83,17 +83,16 @@ _DEFAULTS = {
 }
 for _d in _DEFAULTS.values():
     _d[89] = _d[86]
-# sm_90a, 16-byte aligned inputs, head dims whose bucket is a wgmma N (64 / 128 / 256): the wgmma kernel.
-# H200, S = 4096 fp16 (bench_attention.py --sweep): D=64 one-warpgroup CTAs 295 / 266 TFLOP/s (full / causal)
-# vs 294 / 253 with two; the overlapped variant (wgp) 284 / 260; D=128 128x128 404 / 352 (wgp 362-371 /
-# 315-323, and it spills at 128x128); D=256 128x64 403 / 330. The wgp tiles that do not spill stay candidates.
-_WG_DEFAULTS = {64: _wg(128, 1), 128: _wg(128), 256: _wg(64)}
-_WG_CANDIDATES = {64: (_wg(128), _wg(128, 1), _wg(64), _wg(128, 2, True), _wg(192, 1),
-                       _wg(64, 2, stages=3), _wg(64, 2, stages=4), _wg(128, 1, stages=3), _wg(192, 1, stages=3),
-                       _wg(64, 1), _wg(64, 1, stages=3), _wg(64, 1, stages=4)),
-                  128: (_wg(128), _wg(64), _wg(128, 1), _wg(64, 2, True), _wg(128, stages=3), _wg(64, stages=3),
-                        _wg(64, stages=4)),
-                  256: (_wg(64), _wg(64, 1), _wg(64, 1, stages=3))}
+# sm_90a, 16-byte aligned inputs, head dims whose bucket is a wgmma N (64 / 128 / 256): the wgmma kernel, Q, K and
+# V by TMA for dense inputs (cp.async for varlen). H100, fp16, TFLOP/s at S = 1024 / 4096 / 16384 (full; causal),
+# bench_attention.py --sweep: D=64 128x64 296 / 373 / 359 (200 / 314 / 395), 64x192 272 / 388 / 389 (188 / 343 /
+# 375), 64x64 296 / 367 / 346 (212 / 328 / 340); D=128 128x128 3-stage 378 / 495 / 496 (239 / 439 / 544), 2-stage
+# 383 / 477 / 498 (241 / 427 / 482); D=256 128x64 519 (440) at S = 4096. Never best and dropped: 128x128 and the
+# overlapped (wgp) 128x128 at D=64, 3- and 4-stage tiles of 64 rows at D=64.
+_WG_DEFAULTS = {64: _wg(64), 128: _wg(128, stages=3), 256: _wg(64)}
+_WG_CANDIDATES = {64: (_wg(64), _wg(128, 1), _wg(192, 1), _wg(64, 1), _wg(128, 1, stages=3)),
+                  128: (_wg(128), _wg(128, stages=3), _wg(64, 2, True), _wg(64, stages=4)),
+                  256: (_wg(64), _wg(64, 1, stages=3))}
 _CANDIDATES = {
     32: (_C(128, 128, 4, 1, 2), _C(128, 64, 4, 1, 2), _C(128, 128, 4, 1, 1)),
     64: (_C(128, 128, 4, 0, 2), _C(128, 64, 4, 1, 2), _C(128, 128, 4, 0, 1), _C(128, 64, 4, 1, 1)),
