@@ -945,11 +945,12 @@ fp4_gemm_wgmma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restr
 // activations) from 128B-swizzled smem; KSUB 64-k sub-tiles per stage. ptxas serializes wgmma when an A
 // register is written while any wgmma is in flight, so every k-tile drains (wait_group 0) before the next
 // decode; the two warpgroups overlap each other, and KSUB = 2 halves the drains per FLOP.
-template <typename T, int BLK, int BC, int WGS, int STAGES, int KSUB>
+template <typename T, int BLK, int BC, int WGS, int STAGES, int KSUB, bool TMA>
 __global__ void __launch_bounds__(128 * WGS, 1)
 fp4_gemm_wgrs(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restrict__ out,
               const void* __restrict__ bias, void* __restrict__ ws, int* __restrict__ counters,
-              int M, int N, int K, int lda, int katoms, int kt_per_split, float out_scale, int flags) {
+              int M, int N, int K, int lda, int katoms, int kt_per_split, float out_scale, int flags,
+              const __grid_constant__ vbw::TmaDesc tm_a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!same<T, float>::value, "wgmma path: float16 / bfloat16 activations");
   static_assert(STAGES >= 3 && (BC == 64 || BC == 128 || BC == 256) && (KSUB == 1 || KSUB == 2), "wgmma config");
@@ -977,10 +978,37 @@ fp4_gemm_wgrs(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
   constexpr int CPA = ATOM / 16, CPR = KSUB * CPA, WCH = (BR / 16) * CPR, WIT = (WCH + NT - 1) / NT;
   const int a_ch = tid & 7, a_r0 = tid >> 3;
   const T* a_base = A + (size_t)(m0 + a_r0) * lda + a_ch * 8;
-  size_t w_off[WIT];
-  int w_atom[WIT];
-  const unsigned w_ok = weight_copy_plan<WIT, NT, CPR, CPA, WCH, ATOM>(tid, rg0, n_rg, katoms, w_off, w_atom);
+  size_t w_off[TMA ? 1 : WIT];
+  int w_atom[TMA ? 1 : WIT];
+  unsigned w_ok = 0;
+  if constexpr (!TMA) w_ok = weight_copy_plan<WIT, NT, CPR, CPA, WCH, ATOM>(tid, rg0, n_rg, katoms, w_off, w_atom);
+  // TMA: buffer b's mbarrier at bar0 + 8 b; the j-th k-tile of this CTA is that buffer's fill j / STAGES.
+  const u32 bar0 = sbase + STAGES * STAGE;
+  if constexpr (TMA) {
+    if (tid == 0)
+      for (int b = 0; b < STAGES; ++b) vbw::mbar_init(bar0 + 8 * b, 1);
+    __syncthreads();
+  }
   auto load_stage = [&](int kt, int buf) {
+    if constexpr (TMA) {
+      // One thread: the activation sub-tiles by TMA (rows past M and k past K zero-filled; the map's 128-byte
+      // swizzle is this layout), each 16-row group's atoms by bulk copies. Atoms past katoms and row groups
+      // past n_rg re-read the last real ones: finite SIR weights times zero activations, or rows never stored.
+      if (tid == 0) {
+        const u32 sb = sbase + buf * STAGE, bar = bar0 + 8 * buf;
+        vbw::mbar_expect_tx(bar, B_BYTES + W_BYTES);
+#pragma unroll
+        for (int u = 0; u < KSUB; ++u) vbw::tma_load_2d(sb + u * SUB, &tm_a, bar, (kt * KSUB + u) * 64, m0);
+#pragma unroll
+        for (int r = 0; r < BR / 16; ++r)
+#pragma unroll
+          for (int u = 0; u < KSUB; ++u) {
+            const size_t at = (size_t)min(rg0 + r, n_rg - 1) * katoms + min(kt * KSUB + u, katoms - 1);
+            vbw::bulk_load(sb + B_BYTES + (r * KSUB + u) * ATOM, Wp + at * ATOM, ATOM, bar);
+          }
+      }
+      return;
+    }
     u8* sb = smem + buf * STAGE;
     u8* sw = sb + B_BYTES;
 #pragma unroll
@@ -1037,9 +1065,13 @@ fp4_gemm_wgrs(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
     }
   };
   if (nk > 0) {
-    vbw::cp_async_wait<STAGES - 2>();
-    fence_async_smem();
-    __syncthreads();
+    if constexpr (TMA) {
+      vbw::mbar_wait(bar0, 0);
+    } else {
+      vbw::cp_async_wait<STAGES - 2>();
+      fence_async_smem();
+      __syncthreads();
+    }
     load_words(0);
   }
   for (int it = 0; it < nk; ++it) {
@@ -1071,12 +1103,15 @@ fp4_gemm_wgrs(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
       WgmmaRS<OT, BC>::run(acc, af[4 * x], af[4 * x + 1], af[4 * x + 2], af[4 * x + 3], desc[x]);
     wg_commit();
     if (it + 1 < nk) {
-      vbw::cp_async_wait<STAGES - 3>();  // groups committed: STAGES-1 + it; tile it+1 is group it+1
-      fence_async_smem();
-      __syncthreads();  // tile it+1 landed everywhere; every warpgroup drained tile it-1 (its buffer is free)
+      if constexpr (!TMA) {
+        vbw::cp_async_wait<STAGES - 3>();  // groups committed: STAGES-1 + it; tile it+1 is group it+1
+        fence_async_smem();
+      }
+      __syncthreads();  // (cp.async: tile it+1 landed everywhere;) every warpgroup drained tile it-1 (its buffer is free)
       const int pf = it + STAGES - 1;
       if (pf < nk) load_stage(kt0 + pf, pf % STAGES);
       vbw::cp_async_commit();
+      if constexpr (TMA) vbw::mbar_wait(bar0 + 8 * ((it + 1) % STAGES), (u32)((it + 1) / STAGES) & 1u);
       load_words((it + 1) % STAGES);
     }
     wg_wait<0>();

@@ -20,8 +20,9 @@
 //                                                cuTensorMapEncodeTiled), passed as a __grid_constant__ parameter
 //   mbar_init / mbar_expect_tx / mbar_wait       mbarrier init (arrival count), arrive with an expected byte
 //                                                count, spin until the phase of the given parity completes
-//   tma_load_4d(dst, map, bar, c0..c3)           one TMA box from global into shared memory (coordinates
+//   tma_load_4d / _2d(dst, map, bar, c0, ...)    one TMA box from global into shared memory (coordinates
 //                                                innermost first), completing `bar`'s transaction bytes
+//   bulk_load(dst, src, bytes, bar)              a plain contiguous bulk copy (no tensor map), same completion
 // 128-byte swizzle: 16-byte chunk c of row r (r counted from a 1024-byte-aligned base) lives at chunk c ^ (r % 8).
 // wgmma must be issued by all 128 threads of a warpgroup; everything here is compiled only for sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL); the kernels that use it trap on other targets.
@@ -138,6 +139,17 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, u32 bar
                " [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
                :: "r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, u32 bar, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%3, %4}], [%2];\n"
+               :: "r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1) : "memory");
+}
+// A contiguous copy of `bytes` (a multiple of 16; both addresses 16-byte aligned), completing `bar`'s bytes.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
 template <int R> __device__ __forceinline__ void keep_acc(float (&r)[R]) {

@@ -184,6 +184,32 @@ def test_shapes_default_config(M, N, K, fmt, dtype):
 _CFGS = [(name, split) for name in gemm.TILES for split in (0, 1, 3)]
 
 
+_WGRS = [n for n, c in gemm.TILES.items() if c["KIND"] == "wgrs"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "cp_async"])
+@pytest.mark.parametrize("name", _WGRS)
+def test_wgrs_loads_by_tma_and_by_cp_async(name, tma, monkeypatch):
+    """The register-A wgmma kernel with activations by TMA and weights by bulk copies (the sm_90 default) and
+    with cp.async: K = 936 leaves an odd last atom (a two-atom k-tile half past K), N = 1000 a partial row
+    group, M = 203 a partial token tile; split-K 3, bias and SiLU; NaN-poisoned output."""
+    cp = pytest.importorskip("cupy")
+    if rt.device_arch() != 90:
+        pytest.skip("wgmma configs run on sm_90 only")
+    monkeypatch.setattr(gemm, "_USE_TMA", tma)
+    cfg = dict(gemm.TILES[name], SPLIT=3)
+    for fmt, K, dtype in (("nvfp4", 936, np.float16), ("mxfp4", 4095, BF16)):
+        a, w = _gpu_case(203, 1000, K, fmt, dtype, seed=K)
+        bias = cp.asarray(np.random.default_rng(K).standard_normal(1000).astype(dtype))
+        got = _run_nan_poisoned(a, w, cfg, act="silu", bias=bias)
+        err, bound = _check(got, a, w, bias=bias, act="silu")
+        assert err <= bound, (name, tma, fmt, err, bound)
+        plan = gemm._plan(w, 203, K, np.dtype(dtype).name, -(-K // 8) * 8, gemm._BIAS_KIND[np.dtype(dtype).name],
+                          "silu", np.dtype(dtype), cfg)
+        assert plan[8] == (cfg["BC"] if tma else 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,split", _CFGS, ids=[f"{n}-s{s}" for n, s in _CFGS])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

@@ -317,6 +317,11 @@ def _tensor_map_encoder():
     return _tmap_fn
 
 
+def have_tensor_maps() -> bool:
+    """Whether the driver's tensor-map encoder can be called (TMA kernels can be launched)."""
+    return bool(_tensor_map_encoder())
+
+
 def tensor_map_16bit(ptr: int, dims: tuple, strides: tuple, box: tuple):
     """A tiled TMA map of a 16-bit tensor with the 128-byte swizzle: dims innermost first, strides (bytes) of
     dims 1.., box the tile each copy moves (box[0] * 2 = 128 bytes, one swizzled row). Reads outside dims are

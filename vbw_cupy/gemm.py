@@ -112,7 +112,7 @@ def smem_bytes(cfg, blk: int, itemsize: int = 2) -> int:
     ksub = cfg["BK"] // 64
     stage = -(-ksub * (cfg["BC"] * 128 + (cfg["BR"] // 16) * atom) // 1024) * 1024
     if cfg["KIND"] == "wgrs":
-        return cfg["STAGES"] * stage + 1024
+        return cfg["STAGES"] * stage + 1024 + 64  # + the TMA mbarriers
     return cfg["STAGES"] * stage + 2 * cfg["BR"] * 128 + 1024  # ring + double-buffered decoded A tile + align
 
 
@@ -207,10 +207,12 @@ def _mma_name(T, blk, mode, cfg):
             f"{cfg['WC']}, {cfg['STAGES']}>")
 
 
-def _wg_name(T, blk, cfg):
+def _wg_name(T, blk, cfg, tma=False):
+    """tma (wgrs): activations by TMA and weights by bulk copies (one thread, mbarriers) instead of cp.async."""
     if cfg["KIND"] == "wgmma":
         return f"{_NS}fp4_gemm_wgmma<{T}, {blk}, {cfg['BC']}, {cfg['WR']}, {cfg['STAGES']}>"
-    return f"{_NS}fp4_gemm_wgrs<{T}, {blk}, {cfg['BC']}, {cfg['WR']}, {cfg['STAGES']}, {cfg['BK'] // 64}>"
+    return (f"{_NS}fp4_gemm_wgrs<{T}, {blk}, {cfg['BC']}, {cfg['WR']}, {cfg['STAGES']}, {cfg['BK'] // 64}, "
+            f"{'true' if tma else 'false'}>")
 
 
 def _mmv_name(T, blk, cfg):
@@ -218,10 +220,10 @@ def _mmv_name(T, blk, cfg):
             f"{'true' if cfg['KIND'] == 'mmvd' else 'false'}>")
 
 
-def _kernel_name(T, blk, mode, cfg):
+def _kernel_name(T, blk, mode, cfg, tma=False):
     if cfg["KIND"] in _MMV:
         return _mmv_name(T, blk, cfg)
-    return _mma_name(T, blk, mode, cfg) if cfg["KIND"] == "mma" else _wg_name(T, blk, cfg)
+    return _mma_name(T, blk, mode, cfg) if cfg["KIND"] == "mma" else _wg_name(T, blk, cfg, tma)
 
 
 def kernel_instances() -> list[tuple[str, str]]:
@@ -233,6 +235,8 @@ def kernel_instances() -> list[tuple[str, str]]:
         for T in ("__half", "__nv_bfloat16"):
             for name, cfg in TILES.items():
                 out.append((_SOURCE, _kernel_name(T, blk, _SIR, cfg)))
+                if cfg["KIND"] == "wgrs":
+                    out.append((_SOURCE, _kernel_name(T, blk, _SIR, cfg, tma=True)))
             for name in _FPP_TILES:
                 out.append((_SOURCE, _mma_name(T, blk, _FPP, TILES[name])))
         out.append((_SOURCE, _mma_name("float", blk, _FPP, F32_TILE)))
@@ -363,7 +367,11 @@ def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
     if cfg["KIND"] == "mmvd" and M != 1:
         raise ValueError(f"config {cfg}: the DIAG decode kernel runs M = 1 only, got M = {M}")
     itemsize = np.dtype(adt).itemsize
-    kern = rt.get_kernel(_SOURCE, _kernel_name(rt.ctype(adt), blk, mode, cfg))
+    # wgrs takes a tensor map of a (built per launch, `_launch`): the TMA variant where the driver encodes maps
+    amap = None
+    if cfg["KIND"] == "wgrs":
+        amap = cfg["BC"] if (_USE_TMA and rt.have_tensor_maps()) else 0
+    kern = rt.get_kernel(_SOURCE, _kernel_name(rt.ctype(adt), blk, mode, cfg, tma=bool(amap)))
     smem = smem_bytes(cfg, blk, itemsize)
     if smem > 48 * 1024 and kern.max_dynamic_shared_size_bytes < smem:
         kern.max_dynamic_shared_size_bytes = smem
@@ -381,13 +389,29 @@ def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
     flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
     tail = (np.int32(M), np.int32(N), np.int32(K), np.int32(lda), np.int32(katoms), np.int32(kps),
             out_scale, np.int32(flags))
-    return (kern, (gx, gy, split), (_threads(cfg),), smem, wp, ws, cnt, tail, cfg)
+    return (kern, (gx, gy, split), (_threads(cfg),), smem, wp, ws, cnt, tail, amap, cfg)
+
+
+# wgrs loads by TMA / bulk copies where the driver encodes tensor maps (False: cp.async, for A/B runs)
+_USE_TMA = True
+_NO_MAP = np.zeros(1, dtype=f"V{rt.TENSOR_MAP_BYTES}")
+
+
+def _a_map(a2, rows: int):
+    """The TMA map of a2 [M, lda] (K real columns; boxes of 64 columns x `rows` rows, 128-byte swizzle)."""
+    M, lda = a2.shape
+    m = rt.tensor_map_16bit(a2.data.ptr, (lda, M), (2 * lda,), (64, rows))
+    if m is None:
+        raise RuntimeError(f"fp4_matmul: the driver did not encode a TMA map for a {a2.shape} (ptr "
+                           f"{a2.data.ptr:#x}); set vbw_cupy.gemm._USE_TMA = False")
+    return m
 
 
 def _launch(plan, a2, out, bias):
-    kern, grid, block, smem, wp, ws, cnt, tail, _ = plan  # launches on the current stream
+    kern, grid, block, smem, wp, ws, cnt, tail, amap, _ = plan  # launches on the current stream
+    extra = () if amap is None else ((_a_map(a2, amap) if amap else _NO_MAP),)
     kern(grid, block, (a2, wp, out, out if bias is None else bias, out if ws is None else ws,
-                       out if cnt is None else cnt) + tail, shared_mem=smem)
+                       out if cnt is None else cnt) + tail + extra, shared_mem=smem)
 
 
 def _matmul_gpu(a2, w, bias, act, out_dtype, cfg=None, out=None):
