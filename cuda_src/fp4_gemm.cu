@@ -87,6 +87,12 @@
 //      per warp). Reverted. Atom pairs were not built: their bare read is no faster (above). Left: the ~4-5 us between
 //      the kernel and a bare read of its bytes (15.5-18 us); removing the CTA barrier and the split-K fixup
 //      (K split inside the CTA) did not close it.
+//   v6 (H100) wgrs with TMA: thread 0 loads the activation sub-tiles with a 2-D tensor map (128-byte swizzle,
+//      zero fill past M and K) and each 16-row group's weight atoms with bulk copies, all completing one
+//      mbarrier per stage; nobody else issues a load. Same run vs cuBLAS fp16 (733 / 660 / 701 TFLOP/s), M=4096,
+//      8192^2 / 14336x4096 / 4096x14336: wgrs256k 603 / 490 / 630 TFLOP/s (0.82 / 0.74 / 0.90x; cp.async 0.67 /
+//      0.62 / 0.69x), wgrs256 0.77 / 0.73 / 0.86x (cp.async 0.70 / 0.67 / 0.74x); wgrs128k unchanged (0.55-0.58x).
+//      M=256 8192^2: 0.76x (0.67x). wgrs256k is now the sm_90 default for M > 128.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
