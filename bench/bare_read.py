@@ -45,6 +45,78 @@ extern "C" __global__ void bare_read(const unsigned char* __restrict__ p, int cp
 }
 '''
 
+# The same bytes by bulk copies (cp.async.bulk, the copy engine behind TMA): one thread per CTA keeps `stages`
+# chunks of `chunk` bytes in flight into a shared-memory ring (one mbarrier per slot); every thread reads one
+# word of each landed chunk, then the slot is refilled. No per-thread load instructions.
+_BULK_SRC = r'''
+extern "C" __global__ void bulk_read(const unsigned char* __restrict__ p, long long per_cta, int chunk, int stages,
+                                     unsigned* sink) {
+  extern __shared__ __align__(128) unsigned char sm[];
+  const unsigned base = (unsigned)__cvta_generic_to_shared(sm);
+  const unsigned bar0 = base + chunk * stages;
+  const unsigned char* src = p + blockIdx.x * per_cta;
+  const int n = (int)(per_cta / chunk);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar0 + 8 * s));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  auto issue = [&](int i) {
+    const unsigned slot = i % stages, bar = bar0 + 8 * slot;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(chunk) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(base + slot * chunk), "l"(src + (long long)i * chunk), "r"(chunk), "r"(bar) : "memory");
+  };
+  if (threadIdx.x == 0)
+    for (int i = 0; i < stages && i < n; ++i) issue(i);
+  unsigned acc = 0;
+  for (int i = 0; i < n; ++i) {
+    const unsigned slot = i % stages, bar = bar0 + 8 * slot, par = (i / stages) & 1;
+    asm volatile("{ .reg .pred q; W: mbarrier.try_wait.parity.shared::cta.b64 q, [%0], %1; @!q bra W; }"
+                 :: "r"(bar), "r"(par) : "memory");
+    acc += *reinterpret_cast<const unsigned*>(sm + slot * chunk + (threadIdx.x * 4) % chunk);
+    __syncthreads();
+    if (threadIdx.x == 0 && i + stages < n) issue(i + stages);
+  }
+  if (acc == 0x12345678u) sink[0] = acc;
+}
+'''
+
+
+def bulk(bufs, nbytes=37_748_736):
+    k = cp.RawKernel(_BULK_SRC, "bulk_read", options=("--std=c++17", "-arch=sm_90"))
+    sink = cp.zeros(4, cp.uint32)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    for chunk, stages, per_sm in ((4096, 8, 2), (8192, 8, 2), (16384, 6, 2), (16384, 12, 1), (32768, 6, 1),
+                                  (8192, 12, 2), (4608, 16, 2)):
+        ctas = sms * per_sm
+        per_cta = nbytes // ctas // chunk * chunk
+        smem = chunk * stages + 8 * stages
+        k.max_dynamic_shared_size_bytes = smem
+        run = lambda i: k((ctas,), (128,), (bufs[i % 5], np.int64(per_cta), np.int32(chunk), np.int32(stages), sink),  # noqa: E731
+                          shared_mem=smem)
+        t = _time(run)
+        moved = per_cta * ctas
+        print(f"bulk chunk {chunk} x {stages} stages, {per_sm} CTAs/SM: {t * 1e3:.1f} us for {moved / 1e6:.1f} MB = "
+              f"{moved / (t * 1e-3) / 1e12:.2f} TB/s", flush=True)
+
+
+def _time(run):
+    for i in range(5):
+        run(i)
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    ts = []
+    for _ in range(10):
+        s.record()
+        for i in range(10):
+            run(i)
+        e.record()
+        e.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(s, e) / 10)
+    return float(np.median(ts))
+
 
 def main():
     k = cp.RawKernel(_SRC, "bare_read", options=("--std=c++17",))
@@ -54,21 +126,12 @@ def main():
     for stride, cpw, pairs in ((512, 36, 0), (576, 36, 0), (640, 28, 0), (576, 36, 1)):
         run = lambda i: k((blocks,), (threads,), (bufs[i % 5], np.int32(cpw), np.int32(stride), np.int32(pairs),  # noqa: E731
                                                   sink))
-        for i in range(5):
-            run(i)
-        s, e = cp.cuda.Event(), cp.cuda.Event()
-        ts = []
-        for _ in range(10):
-            s.record()
-            for i in range(10):
-                run(i)
-            e.record()
-            e.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(s, e) / 10)
-        t = float(np.median(ts))
+        t = _time(run)
         nbytes = warps * cpw * stride
         print(f"atom stride {stride}{' (pairs)' if pairs else ''}: {t * 1e3:.1f} us for {nbytes / 1e6:.1f} MB = {nbytes / (t * 1e-3) / 1e12:.2f} TB/s",
               flush=True)
+    if cp.cuda.Device().compute_capability >= "90":
+        bulk(bufs)
 
 
 if __name__ == "__main__":
