@@ -150,13 +150,12 @@ struct Cta {
   long long q_start, k_start;
 };
 
-// work >= 0: that work item (a persistent CTA's current one) instead of the block index.
 template <int BLOCK_M>
-__device__ __forceinline__ Cta cta_info(int work, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
-                                        int batch, int seqlen_q, int seqlen_k, int heads, int num_m,
-                                        int sect_heads, int win_left, int win_right) {
-  unsigned bid = (unsigned)work;
-  if (work < 0) asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bid));
+__device__ __forceinline__ Cta cta_info(const int* __restrict__ cu_q, const int* __restrict__ cu_k, int batch,
+                                        int seqlen_q, int seqlen_k, int heads, int num_m, int sect_heads,
+                                        int win_left, int win_right) {
+  unsigned bid;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bid));
   Cta c;
   const int total = batch * heads;
   const int per_sec = sect_heads * num_m;
@@ -247,11 +246,9 @@ __device__ __forceinline__ bool online_max(const float (&s)[NN][4], float (&row_
 
 }  // namespace vbw_attn
 
-// Where this CTA works, recomputed from the kernel's arguments wherever a kernel needs it (see cta_info);
-// VBW_WORK_AT(w) for work item w.
-#define VBW_WORK_AT(w) vbw_attn::cta_info<BLOCK_M>((w), cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, \
-                                                   sect_heads, win_left, win_right)
-#define VBW_CTA() VBW_WORK_AT(-1)
+// Where this CTA works, recomputed from the kernel's arguments wherever a kernel needs it (see cta_info).
+#define VBW_CTA() vbw_attn::cta_info<BLOCK_M>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, sect_heads, \
+                                              win_left, win_right)
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool Q_REGS, int STAGES, bool VEC>
 __global__ void __launch_bounds__(WARPS * 32)
@@ -596,7 +593,7 @@ __device__ __forceinline__ vbw::u32 sw_offset(int r, int c) {
 
 }  // namespace vbw_attn
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP, bool TMA, int STAGES, bool PERSIST>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP, bool TMA, int STAGES>
 __global__ void __launch_bounds__(WGS * 128, 1)
 attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
             float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
@@ -612,7 +609,6 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 192, "BLOCK_N: a wgmma N");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM: a wgmma N");
   static_assert(STAGES >= 2 && STAGES <= 4 && (!OVERLAP || STAGES == 2), "STAGES");
-  static_assert(!PERSIST || (TMA && !OVERLAP), "persistent CTAs: TMA loads, no overlap");
   constexpr int NS = BLOCK_N / 2;    // S accumulators a thread
   constexpr int NO = HEAD_DIM / 2;   // O accumulators a thread
   constexpr int NN = BLOCK_N / 8;    // n8 column tiles of S
@@ -624,80 +620,16 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const u32 raw = smem_addr(smem_raw);
   const u32 sbase = (raw + 1023u) & ~1023u;
-  constexpr int QBUFS = PERSIST ? 2 : 1;  // persistent: the next item's Q lands while this one runs
-  const u32 sK = sbase + QBUFS * Q_BYTES;  // slot st: sK + st * 2 * KV_BYTES; V follows its K
-  // mbarriers after the K/V slots: [q] Q buffer q, [QBUFS + s] K of slot s, [QBUFS + STAGES + s] V of slot s
-  const u32 bar = sK + 2 * STAGES * KV_BYTES;
+  const u32 sQ = sbase;
+  const u32 sK = sbase + Q_BYTES;             // slot st: sK + st * 2 * KV_BYTES; V follows its K
+  unsigned char* const sQ_ptr = smem_raw + (sbase - raw);
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;
   const int warp = (tid >> 5) & 3;  // warp within the warpgroup
   const int lane = tid & 31;
-
-  // Persistent CTAs (PERSIST): CTA c runs work items c, c + gridDim.x, ... (the non-persistent grid's blocks, in
-  // its order). Their K/V tiles form one stream: stream tile i lives in slot i % STAGES as that slot's fill
-  // i / STAGES. Thread 0 keeps up to STAGES tiles of the stream in flight, across item boundaries, and the
-  // next item's Q in the other Q buffer (at most one item ahead), so an item's first loads overlap the last
-  // item's final tiles and epilogue.
-  const int n_work = batch * heads * num_m;
-  int work = blockIdx.x, item = 0;
-  u32 c_seq = 0, qpar = 0;  // stream index of the next tile computed; Q barrier parities (bit per buffer)
-  int l_work = blockIdx.x, l_item = 0, l_m = 0, l_lo = 1, l_b = 0, l_h = 0;  // loader (thread 0)
-  u32 l_seq = 0;
-  auto tma_box = [&](u32 dst, const vbw::TmaDesc* map, u32 b, int rows, int head, int row0, int batch_i) {
-    mbar_expect_tx(b, (u32)rows * HEAD_DIM * 2);
-#pragma unroll
-    for (int p = 0; p < HEAD_DIM / 64; ++p) tma_load_4d(dst + p * rows * 128, map, b, p * 64, head, row0, batch_i);
-  };
-  // Loader step (thread 0, after a barrier: every stream tile before `cur` is done): start items up to one
-  // ahead of the computed one (their Q) and keep stream tiles cur .. cur + STAGES - 1 in flight.
-  auto top_up = [&](u32 cur) {
-    for (;;) {
-      if (l_m < l_lo) {
-        if (l_item > item || l_work + (int)gridDim.x >= n_work) break;
-        l_work += gridDim.x;
-        ++l_item;
-        const vbw_attn::Cta c = VBW_WORK_AT(l_work);
-        int hi, a, b2;
-        vbw_attn::tile_range<BLOCK_N>(c, min(BLOCK_M, c.sq - c.m0), l_lo, hi, a, b2);
-        l_m = hi - 1;
-        l_b = c.b;
-        l_h = c.h;
-        if (l_m >= l_lo)
-          tma_box(sbase + (l_item & 1) * Q_BYTES, &tm_q, bar + 8 * (l_item & 1), BLOCK_M, c.h, c.m0, c.b);
-        continue;
-      }
-      if (l_seq >= cur + STAGES) break;
-      const u32 slot = l_seq % STAGES;
-      tma_box(sK + slot * (2 * KV_BYTES), &tm_k, bar + 8 * (QBUFS + slot), BLOCK_N, l_h / group, l_m * BLOCK_N,
-              l_b);
-      tma_box(sK + slot * (2 * KV_BYTES) + KV_BYTES, &tm_v, bar + 8 * (QBUFS + STAGES + slot), BLOCK_N,
-              l_h / group, l_m * BLOCK_N, l_b);
-      ++l_seq;
-      --l_m;
-    }
-  };
-  if constexpr (PERSIST) {
-    if (tid == 0) {
-      for (int i = 0; i < QBUFS + 2 * STAGES; ++i) mbar_init(bar + 8 * i, 1);
-      // item 0: its range, its Q (the loop above starts items 1, 2, ...)
-      const vbw_attn::Cta c = VBW_WORK_AT(work);
-      int hi, a, b2;
-      vbw_attn::tile_range<BLOCK_N>(c, min(BLOCK_M, c.sq - c.m0), l_lo, hi, a, b2);
-      l_m = hi - 1;
-      l_b = c.b;
-      l_h = c.h;
-      if (l_m >= l_lo) tma_box(sbase, &tm_q, bar, BLOCK_M, c.h, c.m0, c.b);
-      top_up(0);
-    }
-    __syncthreads();  // the barriers are initialized before anyone waits on them
-  }
-
-  for (;;) {  // work items: one unless PERSIST
-  const u32 sQ = sbase + (item & 1) * Q_BYTES;
-  unsigned char* const sQ_ptr = smem_raw + (sQ - raw);
-  const vbw_attn::Cta cta = PERSIST ? VBW_WORK_AT(work) : VBW_CTA();
-  if (cta.m0 < cta.sq) {  // (varlen: a batch shorter than the longest has Q tiles past its end)
+  const vbw_attn::Cta cta = VBW_CTA();
+  if (cta.m0 >= cta.sq) return;
   const int sk = cta.sk;
   const int rows_q = min(BLOCK_M, cta.sq - cta.m0);
   const T* kg = k + cta.k_start * kv_rs + (long long)(cta.h / group) * d;
@@ -712,17 +644,24 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};
 
   if (n_lo < n_hi) {
-    // Tiles run from n_hi - 1 down; tile m is stream tile i = c_seq + n_hi - 1 - m (c_seq = 0 unless
-    // persistent) and lives in slot i % STAGES (K at kslot(m), its V KV_BYTES after), as that slot's fill
-    // number i / STAGES, which completes its barrier's phase of parity (i / STAGES) & 1.
-    auto kslot = [&](int m) -> u32 { return sK + ((c_seq + (u32)(n_hi - 1 - m)) % STAGES) * (2 * KV_BYTES); };
-    auto kbar = [&](int m) -> u32 { return bar + 8 * (QBUFS + (c_seq + (u32)(n_hi - 1 - m)) % STAGES); };
+    // Tiles run from n_hi - 1 down; tile m is the i-th (i = n_hi - 1 - m) and lives in slot i % STAGES (K at
+    // kslot(m), its V KV_BYTES after), as that slot's fill number i / STAGES.
+    auto kslot = [&](int m) -> u32 { return sK + ((u32)(n_hi - 1 - m) % STAGES) * (2 * KV_BYTES); };
+    // TMA: mbarriers after the K/V slots: [0] Q, [1 + s] K of slot s, [1 + STAGES + s] V of slot s; a fill
+    // completes its barrier's phase of parity (fill number) & 1.
+    const u32 bar = sK + 2 * STAGES * KV_BYTES;
+    auto kbar = [&](int m) -> u32 { return bar + 8 + 8 * ((u32)(n_hi - 1 - m) % STAGES); };
     auto vbar = [&](int m) -> u32 { return kbar(m) + 8 * STAGES; };
-    auto phase = [&](int m) -> u32 { return ((c_seq + (u32)(n_hi - 1 - m)) / STAGES) & 1u; };
+    auto phase = [&](int m) -> u32 { return ((u32)(n_hi - 1 - m) / STAGES) & 1u; };
     // One thread issues a tile's TMA boxes (one per 64-column panel); rows past the sequence and columns past
     // d are zero-filled by the tensor map's bounds ([d, heads, seqlen, batch], see attention.py).
     auto tma_tile = [&](u32 dst, const vbw::TmaDesc* map, u32 b, int rows, int head, int row0) {
-      if (threadIdx.x == 0) tma_box(dst, map, b, rows, head, row0, cta.b);
+      if (threadIdx.x == 0) {
+        mbar_expect_tx(b, (u32)rows * HEAD_DIM * 2);
+#pragma unroll
+        for (int p = 0; p < HEAD_DIM / 64; ++p)
+          tma_load_4d(dst + p * rows * 128, map, b, p * 64, head, row0, cta.b);
+      }
     };
     auto load_k = [&](int m) {
       if constexpr (TMA) {
@@ -769,7 +708,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
         for (int i = 0; i < NS; ++i) s[i] *= cap_prescale;
       }
       if (m < nm_lo || m >= nm_hi) {
-        const vbw_attn::Cta c = PERSIST ? VBW_WORK_AT(work) : VBW_CTA();
+        const vbw_attn::Cta c = VBW_CTA();
         const int c0 = m * BLOCK_N;
         const int lo_off = c.lo_base - c0;
         const int hi_off = c.hi_base - c0;
@@ -819,10 +758,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     };
 
     int n = n_hi - 1;
-    if constexpr (PERSIST) {
-      mbar_wait(bar + 8 * (item & 1), (qpar >> (item & 1)) & 1u);  // Q (issued by the loader)
-      qpar ^= 1u << (item & 1);
-    } else if constexpr (TMA) {
+    if constexpr (TMA) {
       if (threadIdx.x == 0)
         for (int i = 0; i < 1 + 2 * STAGES; ++i) mbar_init(bar + 8 * i, 1);
       __syncthreads();  // the barriers are initialized before anyone waits on them
@@ -831,34 +767,30 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       vbw_attn::load_tile_sw<BLOCK_M, HEAD_DIM, NT>(sQ, q + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d,
                                                     q_rs, rows_q, d);
     }
-    if constexpr (!PERSIST) load_k(n);
+    load_k(n);
     float s[NS];
     if constexpr (!OVERLAP) {
       // Tiles n .. n - STAGES + 2 in flight before the loop; each iteration refills the slot of the tile just
       // finished with the tile STAGES - 1 ahead. cp.async commits a group every time (empty past the last
-      // tile) so that "all but the newest STAGES - 2 groups" is always tile n. (Persistent: the loader.)
-      if constexpr (!PERSIST) {
-        load_v(n);
-        cp_async_commit();
+      // tile) so that "all but the newest STAGES - 2 groups" is always tile n.
+      load_v(n);
+      cp_async_commit();
 #pragma unroll
-        for (int i = 1; i < STAGES - 1; ++i) {
-          if (n - i >= n_lo) {
-            load_k(n - i);
-            load_v(n - i);
-          }
-          cp_async_commit();
+      for (int i = 1; i < STAGES - 1; ++i) {
+        if (n - i >= n_lo) {
+          load_k(n - i);
+          load_v(n - i);
         }
-        if constexpr (TMA) mbar_wait(bar, 0);  // Q
+        cp_async_commit();
       }
+      if constexpr (TMA) mbar_wait(bar, 0);  // Q
       for (; n >= n_lo; --n) {
         if constexpr (!TMA) {
           cp_async_wait<STAGES - 2>();
           fence_async_smem();  // this thread's cp.async writes -> the async proxy that wgmma reads through
         }
         __syncthreads();  // (cp.async: everyone's K(n), V(n) landed;) everyone is done with tile n+1, refilled now
-        if constexpr (PERSIST) {
-          if (tid == 0) top_up(c_seq + (u32)(n_hi - 1 - n));
-        } else if (n - (STAGES - 1) >= n_lo) {
+        if (n - (STAGES - 1) >= n_lo) {
           load_k(n - (STAGES - 1));
           load_v(n - (STAGES - 1));
         }
@@ -872,7 +804,6 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
         issue_pv(pa, n);
         wg_wait<0>();
       }
-      if constexpr (PERSIST) c_seq += (u32)(n_hi - n_lo);
     } else {
       // FlashAttention-3's intra-warpgroup overlap: while P(m) V(m) runs on the tensor cores, S(m-1) (issued
       // just before it, waited for alone) goes through the softmax. O is rescaled for P(m-1) only once P(m) V(m)
@@ -935,7 +866,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 
   // Epilogue: normalize, LSE, stage this warpgroup's O rows in its own (swizzled) rows of Q's buffer (no other
   // warpgroup reads them, and this one's wgmma are drained), then 16-byte coalesced stores.
-  const vbw_attn::Cta ce = PERSIST ? VBW_WORK_AT(work) : VBW_CTA();
+  const vbw_attn::Cta ce = VBW_CTA();
   const int m0 = ce.m0;
   const int rows_e = min(BLOCK_M, ce.sq - m0);
   T* og = o + (ce.q_start + m0) * q_rs + (long long)ce.h * d;
@@ -974,18 +905,9 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
             *reinterpret_cast<const uint4*>(sQ_ptr + vbw_attn::sw_offset<BLOCK_M>(r, col));
     }
   }
-  }  // cta.m0 < cta.sq
-  if constexpr (!PERSIST) break;
-  // this Q buffer is refilled by TMA (the async proxy) after the next barrier
-  fence_async_smem();
-  work += gridDim.x;
-  ++item;
-  if (work >= n_work) break;
-  }  // work items
 #else
   __trap();  // sm_90a only: the launcher never picks this kernel elsewhere
 #endif
 }
 
 #undef VBW_CTA
-#undef VBW_WORK_AT

@@ -51,14 +51,12 @@ def _cfg(m, n, w, qr=0, st=2):
     return {"KIND": "mma", "BLOCK_M": m, "BLOCK_N": n, "WARPS": w, "Q_REGS": qr, "STAGES": st}
 
 
-def _wg(n, wgs=2, overlap=False, stages=2, persist=False):
+def _wg(n, wgs=2, overlap=False, stages=2):
     """An attn_fwd_wg (wgmma, sm_90a only, 16-byte aligned inputs) config: WGS warpgroups of 64 query rows,
     STAGES K/V tiles in shared memory (STAGES - 1 loads in flight); KIND "wgp" overlaps each warpgroup's
-    softmax with its own Q K^T of the next tile (two stages only); KIND "wgr" runs persistent CTAs (as many
-    as fit on the GPU, each looping over Q tiles, the next tile's loads overlapping this one's end; TMA loads
-    only: varlen runs it as "wg")."""
-    kind = "wgp" if overlap else "wgr" if persist else "wg"
-    return {"KIND": kind, "BLOCK_M": 64 * wgs, "BLOCK_N": n, "WARPS": 4 * wgs, "Q_REGS": 0, "STAGES": stages}
+    softmax with its own Q K^T of the next tile (two stages only)."""
+    return {"KIND": "wgp" if overlap else "wg", "BLOCK_M": 64 * wgs, "BLOCK_N": n, "WARPS": 4 * wgs, "Q_REGS": 0,
+            "STAGES": stages}
 
 
 # Per compiled head dim: {arch: default config} and the candidates the tuner may time. Warp w owns
@@ -95,11 +93,8 @@ for _d in _DEFAULTS.values():
 # (D=64 64x64 1.15x, 128x64 1.07x, 64x128 1.08x; D=128 2-stage 1.19x, 3-stage 1.17x): S = 1024 causal is where
 # they differ (64x64 1.09x, 128x64 0.99x; D=128 2-stage 1.03x, 3-stage 0.99x).
 _WG_DEFAULTS = {64: _wg(64, 1), 128: _wg(128), 256: _wg(64)}
-_WG_CANDIDATES = {64: (_wg(64), _wg(128, 1), _wg(192, 1), _wg(64, 1), _wg(128, 1, stages=3),
-                       _wg(64, 1, persist=True), _wg(64, 1, stages=3, persist=True), _wg(64, persist=True),
-                       _wg(128, 1, persist=True)),
-                  128: (_wg(128), _wg(128, stages=3), _wg(64, 2, True), _wg(64, stages=4),
-                        _wg(128, persist=True), _wg(128, 1, stages=3, persist=True)),
+_WG_CANDIDATES = {64: (_wg(64), _wg(128, 1), _wg(192, 1), _wg(64, 1), _wg(128, 1, stages=3)),
+                  128: (_wg(128), _wg(128, stages=3), _wg(64, 2, True), _wg(64, stages=4)),
                   256: (_wg(64), _wg(64, 1, stages=3))}
 _CANDIDATES = {
     32: (_C(128, 128, 4, 1, 2), _C(128, 64, 4, 1, 2), _C(128, 128, 4, 1, 1)),
@@ -127,20 +122,19 @@ def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     elements; wg: the same unpadded (swizzled rows), 1 KB to align the base to 1024 bytes and 128 bytes of TMA
     mbarriers."""
     if cfg["KIND"] != "mma":
-        q_tiles = 2 if cfg["KIND"] == "wgr" else 1  # persistent: the next Q tile lands during this one
-        return (q_tiles * cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * head_dim * itemsize + 1024 + 128
+        return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * head_dim * itemsize + 1024 + 128
     return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize
 
 
 def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True, tma: bool = False) -> str:
     """The kernel template instance of cfg. tma (wgmma configs): Q, K and V arrive by TMA (dense inputs, with
-    tensor maps) instead of cp.async; persistent CTAs ("wgr") need it."""
+    tensor maps) instead of cp.async."""
     b = lambda x: "true" if x else "false"
     if cfg["KIND"] != "mma":
         if not vec:
             raise ValueError(f"attention config {cfg}: the wgmma kernel needs 16-byte aligned rows (d % 8 == 0)")
         return (f"attn_fwd_wg<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_N']}, {cfg['BLOCK_M'] // 64}, "
-                f"{b(cfg['KIND'] == 'wgp')}, {b(tma)}, {cfg['STAGES']}, {b(cfg['KIND'] == 'wgr' and tma)}>")
+                f"{b(cfg['KIND'] == 'wgp')}, {b(tma)}, {cfg['STAGES']}>")
     return (f"attn_fwd<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['WARPS']}, "
             f"{b(cfg['Q_REGS'])}, {cfg['STAGES']}, {b(vec)}>")
 
@@ -336,11 +330,8 @@ class _Launch:
                              tuple(opts))
         num_m = rt.cdiv(self.max_q, cfg["BLOCK_M"])
         scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + self.tail_args
-        smem = smem_bytes(self.head_dim, cfg)
-        grid = num_m * self.B * self.Hq
-        if cfg["KIND"] == "wgr" and boxes is not None:  # persistent: as many CTAs as are resident at once
-            grid = min(grid, rt.num_sms() * _resident_ctas(kern, cfg["WARPS"] * 32, smem))
-        return kern, (grid,), (cfg["WARPS"] * 32,), smem, scalars, wg, boxes
+        return (kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), smem_bytes(self.head_dim, cfg), scalars,
+                wg, boxes)
 
     def run(self, cfg):
         """Launch with cfg; returns bound(cfg)."""
@@ -356,15 +347,6 @@ class _Launch:
             return default_config(self.head_dim, rt.device_arch(), self.vec)
         shape = {"Sq": self.max_q, "Sk": self.max_k, "masked": int(self.masked), "BH": self.B * self.Hq}
         return _autotune.pick(_tunable_name(self.head_dim), shape, self.q.dtype, self.run)
-
-
-def _resident_ctas(kern, threads: int, smem: int) -> int:
-    """CTAs of `kern` one SM holds at once (registers, shared memory, threads; Hopper's limits)."""
-    regs = kern.attributes["num_regs"]
-    warp_regs = -(-regs * 32 // 256) * 256
-    by_regs = (65536 // warp_regs) // (threads // 32)
-    by_smem = (233472 - 1024) // (smem + 1024)
-    return max(1, min(by_regs, by_smem, 2048 // threads, 32))
 
 
 # NVRTC options (a tuple, or {HEAD_DIM: tuple}) for A/B experiments (bench/bench_attention.py --ab); empty in use
