@@ -75,7 +75,12 @@
 //       ncu, D=64 S=1024 (64x64 / 128x64): issue slots 56-59% busy, MUFU 41%, ALU 45-47%, 16 warps an SM; the
 //       top stall is "wait" (fixed-latency dependencies), then barrier (1.1 for two warpgroups, 0.6 for one).
 //       Tried, no gain (interleaved A/B, geomean vs FLASH 1.115 vs 1.145 at 64x64): four independent max and
-//       sum chains per row in the softmax instead of one.
+//       sum chains per row in the softmax instead of one. Tried and reverted (commit 3d52ddc): persistent CTAs
+//       (grid = resident CTAs, each looping over Q tiles, one K/V tile stream across them so the next tile's Q
+//       and first K/V load during this one's last tile and epilogue). Correct (GPU suite), but slower: D=64 S=1024
+//       64x64 240 vs 292 TFLOP/s (167 registers: 3 CTAs an SM instead of 4), S=4096 270 vs 368; D=128 128x128
+//       (one CTA an SM either way) 334 vs 352 at S=1024, 454 vs 470 at S=4096, 398 vs 392 causal. So the fixed
+//       cost of short CTAs is not the first loads' latency.
 #include "mma.cuh"
 #include "wgmma.cuh"
 
