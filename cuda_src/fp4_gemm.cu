@@ -92,7 +92,10 @@
 //      mbarrier per stage; nobody else issues a load. Same run vs cuBLAS fp16 (733 / 660 / 701 TFLOP/s), M=4096,
 //      8192^2 / 14336x4096 / 4096x14336: wgrs256k 603 / 490 / 630 TFLOP/s (0.82 / 0.74 / 0.90x; cp.async 0.67 /
 //      0.62 / 0.69x), wgrs256 0.77 / 0.73 / 0.86x (cp.async 0.70 / 0.67 / 0.74x); wgrs128k unchanged (0.55-0.58x).
-//      M=256 8192^2: 0.76x (0.67x). wgrs256k is now the sm_90 default for M > 128.
+//      M=256 8192^2: 0.76x (0.67x). wgrs256k is now the sm_90 default for M > 128. Next lease, TMA only:
+//      wgrs256k 0.88 / 0.69 / 0.84x, wgrs256 0.83 / 0.65 / 0.82x, five 64-k stages (wgrs256, 5 stages; not
+//      kept) 0.82 / 0.66 / 0.79x: deeper prefetch does not help. 14336x4096 (32 k-tiles a CTA, 13.6 waves of
+//      one CTA an SM) is the short-K case where each CTA's prologue and epilogue weigh twice as much.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
