@@ -565,9 +565,10 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 // used when TMA, zero otherwise). CTA = WGS warpgroups; warpgroup g owns query rows 64g..64g+63 of the CTA's
 // BLOCK_M = 64 WGS. Shared memory (1024-byte aligned): Q [BLOCK_M][HEAD_DIM], STAGES slots of K and V
 // [BLOCK_N][HEAD_DIM], each stored as HEAD_DIM / 64 column panels of 128-byte rows with the 128-byte swizzle
-// (wgmma.cuh; TMA's SWIZZLE_128B writes exactly this), then the mbarriers. Loads: TMA (dense inputs: thread 0
-// issues a tile, everyone waits on its mbarrier) or cp.async by every thread (varlen: a tensor map cannot stop
-// at a sequence's end). Per KV tile (keys from the last visible tile down):
+// (wgmma.cuh; TMA's SWIZZLE_128B writes exactly this), then the mbarriers. Loads: TMA (thread 0 issues a
+// tile, everyone waits on its mbarrier; packed varlen inputs also zero the V rows past a sequence's end) or
+// cp.async by every thread (where the driver cannot encode the maps). Per KV tile (keys from the last visible
+// tile down):
 //   barrier (everyone is done with tile n+1) ; load K, V of tile n - STAGES + 1 into tile n+1's slot
 //   wait K(n), V(n)
 //   S = Q K^T   wgmma SS, m64 n=BLOCK_N k16, K-major Q and K (scale-d 0 on the first k step)
@@ -665,19 +666,24 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     auto kbar = [&](int m) -> u32 { return bar + 8 + 8 * ((u32)(n_hi - 1 - m) % STAGES); };
     auto vbar = [&](int m) -> u32 { return kbar(m) + 8 * STAGES; };
     auto phase = [&](int m) -> u32 { return ((u32)(n_hi - 1 - m) / STAGES) & 1u; };
-    // One thread issues a tile's TMA boxes (one per 64-column panel); rows past the sequence and columns past
-    // d are zero-filled by the tensor map's bounds ([d, heads, seqlen, batch], see attention.py).
+    // One thread issues a tile's TMA boxes (one per 64-column panel) at row row0 of the CTA's sequence. Dense
+    // maps are [d, heads, seqlen, batch]: their bounds zero-fill columns past d and rows past the sequence.
+    // Packed (varlen) maps are [d, heads, total tokens, 1]: rows past a sequence hold the next one's tokens,
+    // which the mask hides in S and clear_v_tail zeroes in V (see attention.py).
     auto tma_tile = [&](u32 dst, const vbw::TmaDesc* map, u32 b, int rows, int head, int row0) {
       if (threadIdx.x == 0) {
+        const bool packed = cu_q != nullptr;
         mbar_expect_tx(b, (u32)rows * HEAD_DIM * 2);
 #pragma unroll
         for (int p = 0; p < HEAD_DIM / 64; ++p)
-          tma_load_4d(dst + p * rows * 128, map, b, p * 64, head, row0, cta.b);
+          tma_load_4d(dst + p * rows * 128, map, b, p * 64, head, row0, packed ? 0 : cta.b);
       }
     };
+    // The TMA row of K / V row 0 of this sequence (packed inputs: its first token).
+    const int kv_row = cu_q != nullptr ? (int)cta.k_start : 0;
     auto load_k = [&](int m) {
       if constexpr (TMA) {
-        tma_tile(kslot(m), &tm_k, kbar(m), BLOCK_N, cta.h / group, m * BLOCK_N);
+        tma_tile(kslot(m), &tm_k, kbar(m), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N);
       } else {
         vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(m), kg + (long long)m * BLOCK_N * kv_rs, kv_rs,
                                                       sk - m * BLOCK_N, d);
@@ -685,7 +691,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     };
     auto load_v = [&](int m) {
       if constexpr (TMA) {
-        tma_tile(kslot(m) + KV_BYTES, &tm_v, vbar(m), BLOCK_N, cta.h / group, m * BLOCK_N);
+        tma_tile(kslot(m) + KV_BYTES, &tm_v, vbar(m), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N);
       } else {
         vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(m) + KV_BYTES,
                                                       kg + vk + (long long)m * BLOCK_N * kv_rs, kv_rs,
@@ -696,6 +702,30 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     // waits and the barrier before them did that.
     auto wait_k = [&](int m) { if constexpr (TMA) mbar_wait(kbar(m), phase(m)); };
     auto wait_v = [&](int m) { if constexpr (TMA) mbar_wait(vbar(m), phase(m)); };
+    // Packed TMA loads: V rows of tile m past the sequence's end hold the next sequence's values, and
+    // P (0 there) times an Inf or NaN would still be NaN: wait for V(m) and zero them. Only the tile holding
+    // key sk - 1 has any, and it is the first tile a CTA runs (n_hi - 1) or none it runs (causal / window
+    // bounds below sk), so this is called once, before the loop. Generic stores, then a proxy fence and a
+    // barrier before wgmma reads the tile.
+    auto clear_v_tail = [&](int m) {
+      if constexpr (TMA) {
+        const int r0 = sk - m * BLOCK_N;
+        if (cu_q == nullptr || r0 >= BLOCK_N) return;
+        wait_v(m);
+        constexpr int CPR = HEAD_DIM / 8;
+        const u32 vs = kslot(m) + KV_BYTES;
+#pragma unroll  // (a fixed trip count: a loop bounded by r0 here cost the main loop 14-30 registers)
+        for (int i = 0; i < (BLOCK_N * CPR + NT - 1) / NT; ++i) {
+          const int c = tid + i * NT;
+          const int r = c / CPR, ch = c % CPR;
+          if (r >= r0 && r < BLOCK_N)
+            *reinterpret_cast<uint4*>(smem_raw + (vs - raw) + (ch >> 3) * (BLOCK_N * 128) + r * 128 +
+                                      (((ch & 7) ^ (r & 7)) << 4)) = make_uint4(0u, 0u, 0u, 0u);
+        }
+        fence_async_smem();
+        __syncthreads();
+      }
+    };
     const u32 q_wg = sQ + wg * 64 * 128;  // this warpgroup's rows of every Q panel
     // S = Q K(m)^T, issued and committed (not waited for).
     auto issue_s = [&](float (&s)[NS], int m) {
@@ -774,7 +804,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       if (threadIdx.x == 0)
         for (int i = 0; i < 1 + 2 * STAGES; ++i) mbar_init(bar + 8 * i, 1);
       __syncthreads();  // the barriers are initialized before anyone waits on them
-      tma_tile(sQ, &tm_q, bar, BLOCK_M, cta.h, cta.m0);
+      tma_tile(sQ, &tm_q, bar, BLOCK_M, cta.h, (cu_q != nullptr ? (int)cta.q_start : 0) + cta.m0);
     } else {
       vbw_attn::load_tile_sw<BLOCK_M, HEAD_DIM, NT>(sQ, q + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d,
                                                     q_rs, rows_q, d);
@@ -796,6 +826,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
         cp_async_commit();
       }
       if constexpr (TMA) mbar_wait(bar, 0);  // Q
+      clear_v_tail(n);
       for (; n >= n_lo; --n) {
         if constexpr (!TMA) {
           cp_async_wait<STAGES - 2>();
@@ -828,6 +859,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       if constexpr (TMA) {
         mbar_wait(bar, 0);  // Q
         wait_k(n);
+        clear_v_tail(n);
       } else {
         cp_async_wait<1>();
         fence_async_smem();

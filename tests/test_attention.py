@@ -189,8 +189,8 @@ def test_fast_path_replays_only_matching_calls(monkeypatch):
 
 @gpu
 def test_dense_wgmma_launch_loads_by_tma():
-    """On sm_90 a dense, aligned input of a wgmma config takes tensor maps (TMA loads); varlen and
-    _USE_TMA = False take the cp.async kernel. The sweep and the shape tests check both give right answers."""
+    """On sm_90 an aligned input of a wgmma config takes tensor maps (TMA loads), dense or packed (varlen);
+    _USE_TMA = False takes the cp.async kernel. The sweep and the shape tests check both give right answers."""
     cp = pytest.importorskip("cupy")
     if rt.device_arch() != 90:
         pytest.skip("TMA loads are the sm_90 wgmma kernel's")
@@ -206,7 +206,12 @@ def test_dense_wgmma_launch_loads_by_tma():
     qv, kv = q.reshape(600, 4, 64), k.reshape(400, 2, 64)
     varlen = A._Launch(qv, kv, kv, cp.empty_like(qv), None, cu_q, cu_k, 2, 0, 0, 300, 200, 4, 2, 64, 0.125, -1,
                        0, 0.0, 600)
-    assert varlen.bound(cfg)[5:] == (True, None)
+    assert varlen.bound(cfg)[5:] == (True, (64, 128))
+    A._USE_TMA = False
+    try:
+        assert launch.bound(cfg)[5:] == varlen.bound(cfg)[5:] == (True, None)
+    finally:
+        A._USE_TMA = True
 
 
 @gpu
@@ -221,6 +226,31 @@ def test_fast_key_is_strict():
 
 
 # ---- varlen ---------------------------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("D,causal", [(64, False), (128, True), (256, False)])
+def test_varlen_next_sequence_never_leaks(D, causal):
+    """Packed TMA loads read past a sequence's end into the next sequence's tokens: those keys must be masked
+    and those values zeroed. The second sequence's K and V are +-Inf / NaN; the first sequence's output (100
+    and 37 tokens: partial tiles) must still match the reference, with no NaN."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(D)
+    for n0 in (100, 37):
+        total = n0 + 300
+        qh, kh, vh = (_rand(rng, (total, 4, D), np.float16) for _ in range(3))
+        kh[n0:] = np.inf
+        vh[n0::2] = -np.inf
+        vh[n0 + 1::2] = np.nan
+        cu = cp.asarray([0, n0, total], dtype=cp.int32)
+        o = A.flash_attention_varlen(cp.asarray(qh), cp.asarray(kh), cp.asarray(vh), cu, cu, causal=causal)
+        got = cp.asnumpy(o[:n0]).astype(np.float32)
+        assert not np.isnan(got).any(), "a NaN from the next sequence leaked"
+        f32 = lambda x: x[None, :n0].astype(np.float32)  # noqa: E731
+        o64 = ref.flash_attention(f32(qh), f32(kh), f32(vh), causal=causal)[0]
+        base = ref.rel_error(ref.sdpa_lowp(qh[None, :n0], kh[None, :n0], vh[None, :n0], causal=causal)[0]
+                             .astype(np.float32), o64)
+        assert ref.rel_error(got, o64) <= _bound(base, "float16"), (D, n0)
+
+
 VARLEN = [
     ([0, 1, 130, 1000, 64], [5, 0, 300, 1000, 64], dict(causal=True)),
     ([517, 33, 2048], [517, 700, 2000], dict()),

@@ -3,8 +3,8 @@
 NumPy inputs run `vbw_cupy.reference` (float64). CuPy inputs (or DLPack / CUDA-array-interface objects such as
 torch tensors) run a tensor-core kernel of ``cuda_src/attention_fwd.cu`` (FlashAttention-2 style: one CTA per
 BLOCK_M query rows of one head, K/V streamed through shared memory, fp32 accumulation, online softmax in fp32;
-``attn_fwd`` with mma.sync m16n8k16 and cp.async, ``attn_fwd_wg`` with Hopper wgmma and TMA loads (dense inputs;
-the driver encodes the tensor maps, see `_map_args`) or cp.async (varlen)) and return CuPy arrays.
+``attn_fwd`` with mma.sync m16n8k16 and cp.async, ``attn_fwd_wg`` with Hopper wgmma and TMA loads (the
+driver encodes the tensor maps, see `_map_args`; cp.async where it cannot)) and return CuPy arrays.
 
 Head dims: any D from 1 to 256 runs the instance compiled for the next of HEAD_DIMS (32, 64, ..., 256); the
 kernel zero-fills the missing columns and never reads or writes past D. Configs (KIND "mma" / "wg" / "wgp",
@@ -322,7 +322,7 @@ class _Launch:
         if cfg["BLOCK_M"] % (16 * cfg["WARPS"]) != 0:
             raise ValueError(f"attention config {cfg}: BLOCK_M must be a multiple of 16 * WARPS")
         wg = cfg["KIND"] != "mma"
-        boxes = (cfg["BLOCK_M"], cfg["BLOCK_N"]) if wg and self.dense and _USE_TMA else None
+        boxes = (cfg["BLOCK_M"], cfg["BLOCK_N"]) if wg and _USE_TMA else None
         if boxes is not None and _map_args(self.q, self.k, self.v, boxes) is None:
             boxes = None  # the driver cannot encode the maps: cp.async
         opts = _EXTRA_OPTIONS.get(self.head_dim, ()) if isinstance(_EXTRA_OPTIONS, dict) else _EXTRA_OPTIONS
@@ -351,20 +351,26 @@ class _Launch:
 
 # NVRTC options (a tuple, or {HEAD_DIM: tuple}) for A/B experiments (bench/bench_attention.py --ab); empty in use
 _EXTRA_OPTIONS = ()
-# Dense inputs on the wgmma kernel load Q, K and V by TMA (False: cp.async, as varlen always does; for A/B runs)
+# The wgmma kernel loads Q, K and V by TMA where the driver encodes the maps (False: cp.async, for A/B runs)
 _USE_TMA = True
 _NO_MAP = np.zeros(1, dtype=f"V{rt.TENSOR_MAP_BYTES}")
 
 
 def _map_args(q, k, v, boxes):
-    """The wgmma kernel's three tensor-map arguments: with boxes = (BLOCK_M, BLOCK_N), TMA maps of dense q, k, v
-    as [D, heads, seqlen, batch] (innermost first; the bounds zero-fill rows past a sequence and columns past
-    D) with boxes of 64 columns x BLOCK_M (q) / BLOCK_N (k, v) rows; with boxes None, three unused zero maps.
-    None when the driver cannot encode a map."""
+    """The wgmma kernel's three tensor-map arguments: with boxes = (BLOCK_M, BLOCK_N), TMA maps of q, k, v as
+    [D, heads, seqlen, batch] (innermost first; the bounds zero-fill rows past a sequence and columns past D)
+    with boxes of 64 columns x BLOCK_M (q) / BLOCK_N (k, v) rows; packed varlen arrays [tokens, heads, D] as
+    one batch of all tokens (the kernel zeroes what it reads past a sequence's end); with boxes None, three
+    unused zero maps. None when the driver cannot encode a map."""
     if boxes is None:
         return (_NO_MAP,) * 3
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
+    if q.ndim == 3:  # packed: the kernel's TMA row coordinates are int32
+        B, (Sq, Hq, D), (Sk, Hkv) = 1, q.shape, k.shape[:2]
+        if max(Sq, Sk) >= 2**31 - 256:
+            return None
+    else:
+        B, Sq, Hq, D = q.shape
+        Sk, Hkv = k.shape[1], k.shape[2]
 
     def tmap(x, S, H, rows):
         return rt.tensor_map_16bit(x.data.ptr, (D, H, S, B), (2 * D, 2 * H * D, 2 * S * H * D), (64, 1, rows, 1))
