@@ -73,7 +73,10 @@
 //       vs 231): short CTAs, whose prologue (barrier init, first loads) and epilogue are not hidden. Final run
 //       (tuned, bench_attention --quick --rep 20, each peer timed before and after ours, its faster time kept):
 //       vs FLASH D=64 1.07-1.39x (239-404 TFLOP/s), D=128 1.12-1.60x (260-512), D=256 1.16-1.95x (274-556),
-//       fp16 and bf16, S = 1024..16384, causal and not; vs cuDNN 0.66-0.93x. From 64x64
+//       fp16 and bf16, S = 1024..16384, causal and not; vs cuDNN 0.66-0.93x. Packed (varlen) inputs by TMA
+//       too (one map over all tokens; V rows past a sequence zeroed in the CTA's first tile): 8 x 4096 tokens,
+//       same configs, TMA vs cp.async, D=128 128x128 374-393 vs 303-309 TFLOP/s causal, 471-493 vs 356-364 full
+//       (dense TMA 423-432 / 471-487). From 64x64
 //       at S = 1024 vs 4096 (293 vs 361 TFLOP/s, 16 vs 64 KV tiles a CTA) a CTA's fixed cost is ~5 tiles' time.
 //       ncu, D=64 S=1024 (64x64 / 128x64): issue slots 56-59% busy, MUFU 41%, ALU 45-47%, 16 warps an SM; the
 //       top stall is "wait" (fixed-latency dependencies), then barrier (1.1 for two warpgroups, 0.6 for one).
