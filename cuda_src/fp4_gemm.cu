@@ -201,18 +201,24 @@ __device__ __forceinline__ void split3(float x, u32& hi, u32& mid, u32& lo) {
 // ---------------------------------------------------------------------------------------------- epilogue
 // flags: bits 0-2 activation (0 none, 1 relu, 2 gelu erf, 3 gelu tanh, 4 silu); bits 4-5 bias (0 none,
 // 1 f16, 2 bf16, 3 f32); bits 8-9 output (0 f16, 1 bf16, 2 f32).
-__device__ __noinline__ void store_out(void* out, const void* bias, int flags, int n, int m, int N, float v) {
+__device__ __forceinline__ float bias_at(const void* bias, int flags, int n) {
   const int bk = (flags >> 4) & 3;
-  if (bk == 1) v += __half2float(static_cast<const __half*>(bias)[n]);
-  else if (bk == 2) v += __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[n]);
-  else if (bk == 3) v += static_cast<const float*>(bias)[n];
+  if (bk == 1) return __half2float(static_cast<const __half*>(bias)[n]);
+  if (bk == 2) return __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[n]);
+  if (bk == 3) return static_cast<const float*>(bias)[n];
+  return 0.f;
+}
+__device__ __forceinline__ float activate(float v, int flags) {
   switch (flags & 7) {
-    case 1: v = v < 0.f ? 0.f : v; break;  // NaN stays NaN
-    case 2: v = 0.5f * v * (1.f + erff(v * 0.7071067811865476f)); break;
-    case 3: v = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))); break;
-    case 4: v = v / (1.f + expf(-v)); break;
-    default: break;
+    case 1: return v < 0.f ? 0.f : v;  // NaN stays NaN
+    case 2: return 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
+    case 3: return 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    case 4: return v / (1.f + expf(-v));
+    default: return v;
   }
+}
+__device__ __noinline__ void store_out(void* out, const void* bias, int flags, int n, int m, int N, float v) {
+  v = activate(v + bias_at(bias, flags, n), flags);
   const size_t idx = (size_t)m * (size_t)N + (size_t)n;
   const int ok = (flags >> 8) & 3;
   if (ok == 0) static_cast<__half*>(out)[idx] = __float2half_rn(v);
@@ -782,19 +788,79 @@ fp4_gemm_mmv(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
 
 // The two wgmma kernels' ending: split-K reduction (only the tile's last CTA goes on), then the epilogue.
 // Accumulator acc[4i + r] of thread t (in its quad) holds out[nbase + 8 * (r >> 1)][m0 + 8i + 2t + (r & 1)].
-template <int BC, int NACC, int NT>
+// Epilogue of the wgmma kernels (CTA tile: BR weight rows n x BC tokens m, after split-K). The fp32 tile goes
+// through shared memory (the drained ring; rows of BR + 4 floats, so the accumulator-layout writes hit 32
+// distinct banks), then each thread finishes 8 consecutive n of one token row: bias, activation and
+// conversion in a loop, 16-byte stores along the output's rows. (Per element from the accumulators, the
+// stores were 2-byte writes N apart and a call each.)
+template <int BR, int BC, int NACC, int NT>
 __device__ __forceinline__ void wg_finish(float (&acc)[NACC], void* __restrict__ ws, int* __restrict__ counters,
-                                          int nbase, int m0, int t, int N, int M, void* __restrict__ out,
+                                          u8* smem, int rg0, int m0, int N, int M, void* __restrict__ out,
                                           const void* __restrict__ bias, int flags, float out_scale) {
   if (!splitk_reduce<NACC, NT>(acc, ws, counters)) return;
+#ifdef VBW_OLD_EPILOGUE
+  {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int nbase = (rg0 + (int)(threadIdx.x >> 5)) * 16 + g;
 #pragma unroll
-  for (int i = 0; i < BC / 8; ++i)
+    for (int i = 0; i < BC / 8; ++i)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int n = nbase + ((r & 2) ? 8 : 0);
-      const int m = m0 + i * 8 + 2 * t + (r & 1);
-      if (n < N && m < M) store_out(out, bias, flags, n, m, N, acc[4 * i + r] * out_scale);
+      for (int r = 0; r < 4; ++r) {
+        const int n = nbase + ((r & 2) ? 8 : 0);
+        const int m = m0 + i * 8 + 2 * t + (r & 1);
+        if (n < N && m < M) store_out(out, bias, flags, n, m, N, acc[4 * i + r] * out_scale);
+      }
+    return;
+  }
+#endif
+  constexpr int LDT = BR + 4, CPR = BR / 8;
+  static_assert(NT % CPR == 0, "epilogue mapping");
+  float* tile = reinterpret_cast<float*>(smem);
+  {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, nl = (threadIdx.x >> 5) * 16 + g;
+    __syncthreads();  // every warp is done with the ring
+#pragma unroll
+    for (int i = 0; i < BC / 8; ++i)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        tile[(i * 8 + 2 * t + (r & 1)) * LDT + nl + ((r & 2) ? 8 : 0)] = acc[4 * i + r] * out_scale;
+    __syncthreads();
+  }
+  const int col = (threadIdx.x % CPR) * 8, n0 = rg0 * 16 + col;
+  float bv[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) bv[e] = n0 + e < N ? bias_at(bias, flags, n0 + e) : 0.f;
+  const int ok = (flags >> 8) & 3, es = ok == 2 ? 4 : 2;
+  const bool vec = n0 + 8 <= N && (N * es) % 16 == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;
+#pragma unroll 1
+  for (int rr = threadIdx.x / CPR; rr < BC && m0 + rr < M; rr += NT / CPR) {
+    float v[8];
+    const float4 a = *reinterpret_cast<const float4*>(tile + rr * LDT + col);
+    const float4 b = *reinterpret_cast<const float4*>(tile + rr * LDT + col + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = activate(v[e] + bv[e], flags);
+    const size_t idx = (size_t)(m0 + rr) * (size_t)N + (size_t)n0;
+    if (vec && ok == 2) {
+      float4* o = reinterpret_cast<float4*>(static_cast<float*>(out) + idx);
+      o[0] = make_float4(v[0], v[1], v[2], v[3]);
+      o[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else if (vec) {
+      u32 w[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        w[e] = ok == 0 ? vbw::pack2<__half>(v[2 * e], v[2 * e + 1]) : vbw::pack2<__nv_bfloat16>(v[2 * e], v[2 * e + 1]);
+      *reinterpret_cast<uint4*>(static_cast<u8*>(out) + idx * 2) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        if (n0 + e >= N) break;
+        if (ok == 0) static_cast<__half*>(out)[idx + e] = __float2half_rn(v[e]);
+        else if (ok == 1) static_cast<__nv_bfloat16*>(out)[idx + e] = __float2bfloat16_rn(v[e]);
+        else static_cast<float*>(out)[idx + e] = v[e];
+      }
     }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------- wgmma (sm_90a)
@@ -826,6 +892,7 @@ fp4_gemm_wgmma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restr
   constexpr int NT = 128 * WGS, BR = 64 * WGS, ATOM = atom_bytes(BLK);
   constexpr int B_BYTES = BC * 128, W_BYTES = (BR / 16) * ATOM;
   constexpr int STAGE = (B_BYTES + W_BYTES + 1023) / 1024 * 1024;
+  static_assert(BC * (BR + 4) * 4 <= STAGES * STAGE, "the epilogue's fp32 tile fits the ring (wg_finish)");
   constexpr int A_BYTES = BR * 128;
   constexpr int NACC = BC / 2;
   extern __shared__ __align__(128) u8 smem_raw[];
@@ -942,7 +1009,7 @@ fp4_gemm_wgmma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restr
   keep_acc(acc);
   vbw::cp_async_wait<0>();
 
-  wg_finish<BC, NACC, NT>(acc, ws, counters, (rg0 + warp) * 16 + g, m0, t, N, M, out, bias, flags, out_scale);
+  wg_finish<BR, BC, NACC, NT>(acc, ws, counters, smem, rg0, m0, N, M, out, bias, flags, out_scale);
 #else
   __trap();  // Hopper only: gemm.py never launches it elsewhere
 #endif
@@ -968,6 +1035,7 @@ fp4_gemm_wgrs(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
   constexpr int SUB = BC * 128;                               // one 64-k activation sub-tile
   constexpr int B_BYTES = KSUB * SUB, W_BYTES = (BR / 16) * KSUB * ATOM;
   constexpr int STAGE = (B_BYTES + W_BYTES + 1023) / 1024 * 1024;
+  static_assert(BC * (BR + 4) * 4 <= STAGES * STAGE, "the epilogue's fp32 tile fits the ring (wg_finish)");
   constexpr int NACC = BC / 2;
   extern __shared__ __align__(128) u8 smem_raw[];
   const u32 raw = vbw::smem_addr(smem_raw);
@@ -1129,7 +1197,7 @@ fp4_gemm_wgrs(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
   }
   vbw::cp_async_wait<0>();
 
-  wg_finish<BC, NACC, NT>(acc, ws, counters, (rg0 + warp) * 16 + g, m0, t, N, M, out, bias, flags, out_scale);
+  wg_finish<BR, BC, NACC, NT>(acc, ws, counters, smem, rg0, m0, N, M, out, bias, flags, out_scale);
 #else
   __trap();  // Hopper only: gemm.py never launches it elsewhere
 #endif
