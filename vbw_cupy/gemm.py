@@ -152,7 +152,7 @@ _REGIMES = (  # (tunable name, largest M, per-arch defaults, candidates)
       _with_split("wg128", 1), _with_split("wg256"), _with_split("wgrs128k"), _with_split("wgrs256"),
       _with_split("wgrs256k")]),
     ("fp4_gemm_big", None,
-     {80: _with_split("mma_l"), 90: _with_split("wgrs256k")},  # H100, TMA loads: 0.82 / 0.74 / 0.90x cuBLAS
+     {80: _with_split("mma_l"), 90: _with_split("wgrs256k")},  # H100 (TMA, staged epilogue): 0.88-0.94x cuBLAS
      [_with_split("mma_m"), _with_split("mma_l"), _with_split("wg128"), _with_split("wg256"),
       _with_split("wgrs256"), _with_split("wgrs256k"), _with_split("wgrs128k")]),
 )
