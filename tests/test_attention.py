@@ -188,7 +188,7 @@ def test_fast_path_replays_only_matching_calls(monkeypatch):
 
 
 @gpu
-def test_dense_wgmma_launch_loads_by_tma():
+def test_wgmma_launch_loads_by_tma():
     """On sm_90 an aligned input of a wgmma config takes tensor maps (TMA loads), dense or packed (varlen);
     _USE_TMA = False takes the cp.async kernel. The sweep and the shape tests check both give right answers."""
     cp = pytest.importorskip("cupy")

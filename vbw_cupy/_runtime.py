@@ -291,6 +291,7 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, stream=None) -> None:
 # wrap, so it is called through ctypes. A map is 128 opaque bytes passed to the kernel by value (a size-one
 # NumPy array of dtype V128 is passed by value by CuPy's launcher).
 TENSOR_MAP_BYTES = 128
+NO_TENSOR_MAP = np.zeros(1, dtype=f"V{TENSOR_MAP_BYTES}")  # for a kernel's unused map parameter
 _TMAP_SWIZZLE_128B = 3
 _TMAP_L2_256B = 3
 _TMAP_UINT16 = 1

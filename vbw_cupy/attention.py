@@ -84,7 +84,7 @@ _DEFAULTS = {
 for _d in _DEFAULTS.values():
     _d[89] = _d[86]
 # sm_90a, 16-byte aligned inputs, head dims whose bucket is a wgmma N (64 / 128 / 256): the wgmma kernel, Q, K and
-# V by TMA for dense inputs (cp.async for varlen). H100, fp16, TFLOP/s at S = 1024 / 4096 / 16384 (full; causal),
+# V by TMA (dense and varlen). H100, fp16, TFLOP/s at S = 1024 / 4096 / 16384 (full; causal),
 # bench_attention.py --sweep: D=64 128x64 296 / 373 / 359 (200 / 314 / 395), 64x192 272 / 388 / 389 (188 / 343 /
 # 375), 64x64 296 / 367 / 346 (212 / 328 / 340); D=128 128x128 3-stage 378 / 495 / 496 (239 / 439 / 544), 2-stage
 # 383 / 477 / 498 (241 / 427 / 482); D=256 128x64 519 (440) at S = 4096. Never best and dropped: 128x128 and the
@@ -127,8 +127,8 @@ def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
 
 
 def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True, tma: bool = False) -> str:
-    """The kernel template instance of cfg. tma (wgmma configs): Q, K and V arrive by TMA (dense inputs, with
-    tensor maps) instead of cp.async."""
+    """The kernel template instance of cfg. tma (wgmma configs): Q, K and V arrive by TMA (with tensor maps)
+    instead of cp.async."""
     b = lambda x: "true" if x else "false"
     if cfg["KIND"] != "mma":
         if not vec:
@@ -280,7 +280,6 @@ class _Launch:
     def __init__(self, q, k, v, o, lse, cu_q, cu_k, B, seqlen_q, seqlen_k, max_q, max_k, Hq, Hkv, D,
                  scale, left, right, softcap, lse_stride_h):
         self.q, self.k, self.v, self.o = q, k, v, o
-        self.dense = cu_q is None
         self.B, self.max_q, self.max_k, self.Hq, self.Hkv, self.D = B, max_q, max_k, Hq, Hkv, D
         self.head_dim = head_dim_bucket(D)
         left, right = _clamp_window(left, right, max_q, max_k)
@@ -353,7 +352,6 @@ class _Launch:
 _EXTRA_OPTIONS = ()
 # The wgmma kernel loads Q, K and V by TMA where the driver encodes the maps (False: cp.async, for A/B runs)
 _USE_TMA = True
-_NO_MAP = np.zeros(1, dtype=f"V{rt.TENSOR_MAP_BYTES}")
 
 
 def _map_args(q, k, v, boxes):
@@ -363,7 +361,7 @@ def _map_args(q, k, v, boxes):
     one batch of all tokens (the kernel zeroes what it reads past a sequence's end); with boxes None, three
     unused zero maps. None when the driver cannot encode a map."""
     if boxes is None:
-        return (_NO_MAP,) * 3
+        return (rt.NO_TENSOR_MAP,) * 3
     if q.ndim == 3:  # packed: the kernel's TMA row coordinates are int32
         B, (Sq, Hq, D), (Sk, Hkv) = 1, q.shape, k.shape[:2]
         if max(Sq, Sk) >= 2**31 - 256:

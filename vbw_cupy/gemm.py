@@ -395,7 +395,6 @@ def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
 
 # wgrs loads by TMA / bulk copies where the driver encodes tensor maps (False: cp.async, for A/B runs)
 _USE_TMA = True
-_NO_MAP = np.zeros(1, dtype=f"V{rt.TENSOR_MAP_BYTES}")
 
 
 def _a_map(a2, rows: int):
@@ -410,7 +409,7 @@ def _a_map(a2, rows: int):
 
 def _launch(plan, a2, out, bias):
     kern, grid, block, smem, wp, ws, cnt, tail, amap, _ = plan  # launches on the current stream
-    extra = () if amap is None else ((_a_map(a2, amap) if amap else _NO_MAP),)
+    extra = () if amap is None else ((_a_map(a2, amap) if amap else rt.NO_TENSOR_MAP),)
     kern(grid, block, (a2, wp, out, out if bias is None else bias, out if ws is None else ws,
                        out if cnt is None else cnt) + tail + extra, shared_mem=smem)
 
