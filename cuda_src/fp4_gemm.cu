@@ -29,7 +29,7 @@
 //   fp4_gemm_mma   <T, BLK, MODE, BR, BC, BK, WARPS_R, WARPS_C, STAGES>: mma.sync m16n8k16, any sm_80+.
 //      CTA = BR weight rows x BC tokens, BK k per stage, cp.async multi-stage ring for weights and activations
 //      (activations in 128B-swizzled rows, read with ldmatrix), split-K over gridDim.z. The decode path.
-//   fp4_gemm_mmv   <T, BLK, BC, BK, WARPS, STAGES, DIAG>: mma.sync, SIR mode, M <= 16. One warp per 16 weight
+//   fp4_gemm_mmv   <T, BLK, BC, BK, WARPS, STAGES, DIAG, CL>: mma.sync, SIR mode, M <= 16. One warp per 16 weight
 //      rows; the weights go from global memory straight into registers (a lane's 16 bytes of an atom are its
 //      A fragment), only the activations through shared memory. DIAG (M = 1): the activation tile is
 //      "diagonal" (row r holds token 0 in the blocks b = r mod 8), so MMA column r collects block r's partial
@@ -102,6 +102,21 @@
 //      745 / 730 / 759 TFLOP/s), M=4096 8192^2 / 14336x4096 / 4096x14336: wgrs256k 0.94 / 0.88 / 0.94x (per
 //      element: 0.81 / 0.65 / 0.82x), wgrs256 0.88 / 0.79 / 0.81x (0.74 / 0.62 / 0.72x); M=256 8192^2 0.94x
 //      (0.77x); M=4096 8192^2 with SiLU 0.73x (0.63x; the peer's time has no activation here).
+//   v8 (H100, cuBLAS 50.3-51.6 us at M <= 16, 8192^2) where the M = 1 decode time goes. A probe with mmvd's load
+//      pattern (4 atoms a warp in flight, 2048 warps, same grid) reads the 37.7 MB in 15.5-15.8 us, 16.7-17.0 with
+//      240 dependent integer ops per k-tile; mmvd 20.4-21.3 in the same runs. ncu (M = 1): 7.2M instructions,
+//      3.6 warps per scheduler, 8.3 cycles between issues of which long-scoreboard only 2.7, SMs active 81% of
+//      the elapsed cycles. Parts removed one at a time (A/B in one run, results wrong on purpose): the MMAs
+//      0 us, the per-k-tile barrier 0.5, the split-K fixup (fence, counter, the last CTA's reads) 1.8, all three
+//      2.2 (18.2 us). Tried: (a) a nibble layout decoded by rotate + mask, 11 instead of 16 instructions per
+//      word but all on the ALU pipe (8 of the old 16 are IMAD.SHL on the FMA pipe): M = 1 and 16 within 3%,
+//      M = 64 (mma) 5-7% slower: reverted; two MMA accumulator chains for DIAG: no change, reverted. (b) split-K
+//      in a thread-block cluster (cluster_reduce): split 2 0.4-0.5 us faster (14336x4096: M = 1 19.2 -> 18.7,
+//      M = 16 22.9 -> 22.6), split 4 1.1-1.5 us and split 8 1-3 us slower (mmv16 9-12 us slower): kept for
+//      split 2. (c) rows of atoms padded to a multiple of 4 (gemm.py), so the decode loop loads whole k-tiles
+//      from two stepping pointers, no per-atom bounds. The public call's host path costs 14.3 us (a bare
+//      RawKernel launch 5.0), under the kernel. Left: the 3x bar at M <= 16 needs <= 16.8 us a call, about the
+//      bare read (15.5): beyond reach of a kernel that also reduces split-K and waits on a barrier per k-tile.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
@@ -260,6 +275,50 @@ __device__ __forceinline__ bool splitk_reduce(Acc (&acc)[NACC], void* ws, int* c
   }
   if (tid == 0) counters[tile] = 0;  // ready for the next launch on this stream
   return true;
+}
+
+// Split-K over a thread-block cluster (sm_90): the CL CTAs of one tile (gridDim.z == CL, cluster 1 x 1 x CL)
+// leave their partials in their own shared memory `red` (NACC * NT floats); rank 0 (= blockIdx.z 0) adds the
+// others' through distributed shared memory in rank order, the same fixed order as splitk_reduce, and goes
+// on. The second barrier keeps the other CTAs (and their shared memory) alive until rank 0 has read them.
+// No global workspace, fence or counter (they cost the M = 1 decode kernel ~1.8 us of its 20.5 on the H100),
+// but clusters constrain where CTAs run: gemm.py uses them for split 2 only (see the history, v8).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define VBW_CLUSTER_Z(n) __cluster_dims__(1, 1, n)
+#define VBW_HAVE_CLUSTERS 1
+#else
+#define VBW_CLUSTER_Z(n)
+#define VBW_HAVE_CLUSTERS 0
+#endif
+template <int NACC, int NT, int CL>
+__device__ __forceinline__ bool cluster_reduce(float (&acc)[NACC], float* red) {
+#if VBW_HAVE_CLUSTERS
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int r = 0; r < NACC; ++r) red[r * NT + tid] = acc[r];
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+  u32 rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  if (rank == 0) {
+    const u32 mine = vbw::smem_addr(red) + 4u * tid;
+#pragma unroll
+    for (int z = 1; z < CL; ++z) {
+      u32 remote;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(mine), "r"(z));
+#pragma unroll
+      for (int r = 0; r < NACC; ++r) {
+        float v;
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote + 4u * r * NT) : "memory");
+        acc[r] += v;
+      }
+    }
+  }
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+  return rank == 0;
+#else
+  __trap();  // gemm.py launches cluster instances on sm_90 only
+  return false;
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------- prepare
@@ -586,15 +645,16 @@ template <> __device__ __forceinline__ float diag_mult<__nv_bfloat16>(u32 x) {
   return __uint_as_float(x * 16u + 0x31000000u);
 }
 
-// fp4_gemm_mmv <T, BLK, BC, BK, WARPS, STAGES, DIAG>: the decode path (M <= 16), SIR mode, mma.sync.
+// fp4_gemm_mmv <T, BLK, BC, BK, WARPS, STAGES, DIAG, CL>: the decode path (M <= 16), SIR mode, mma.sync.
+//   CL > 1 (sm_90): the split-K CTAs of a tile form a cluster and reduce through shared memory (cluster_reduce).
 //   CTA = WARPS row groups of 16 weights rows (one per warp) x BC tokens; split-K over gridDim.z. Only the
 //   activations go through shared memory (cp.async ring of STAGES k-tiles, 128B-swizzled rows; rows past M
 //   are zeroed once and never copied); the weights of the next STAGES - 1 k-tiles wait in registers.
 //   DIAG (M = 1, BC = 8): row r of the activation tile holds token 0's values in the blocks b = r (mod 8) and
 //   zeros elsewhere, so column r of the MMA output collects block r's partial sum. Every 8 blocks the lane's
 //   two columns are scaled in fp32 and added up: no per-weight scale multiply and no scale build per k16 step.
-template <typename T, int BLK, int BC, int BK, int WARPS, int STAGES, bool DIAG>
-__global__ void __launch_bounds__(32 * WARPS)
+template <typename T, int BLK, int BC, int BK, int WARPS, int STAGES, bool DIAG, int CL>
+__global__ void __launch_bounds__(32 * WARPS) VBW_CLUSTER_Z(CL)
 fp4_gemm_mmv(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restrict__ out,
              const void* __restrict__ bias, void* __restrict__ ws, int* __restrict__ counters,
              int M, int N, int K, int lda, int katoms, int kt_per_split, float out_scale, int flags) {
@@ -660,23 +720,21 @@ fp4_gemm_mmv(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
     for (int q = 0; q < 4; ++q) b_addr[q] = s_base + r * ROWB + ((((2 * q) | hi) ^ (lane & 7)) << 4);
   }
 
-  // This lane's 16 bytes and its rows' scale bytes in atom 0 of its row group (row group 0 for idle warps).
-  const u8* wl = Wp + (size_t)(rg_ok ? rg : 0) * katoms * ATOM + lane * 16;
+  // This lane's 16 bytes and its rows' scale bytes in the split's first atom of its row group (row group 0
+  // for idle warps, whose results are dropped). gemm.py pads katoms to a multiple of 4 (zero atoms), so every
+  // k-tile (KA <= 4 atoms) is whole: no bounds per atom, and the two pointers just step through the row group.
+  static_assert(KA <= 4 && 4 % KA == 0, "k-tiles must divide the padded row of atoms");
+  const u8* wl = Wp + ((size_t)(rg_ok ? rg : 0) * katoms + (size_t)kt0 * KA) * ATOM + lane * 16;
   const u8* wsl = wl - lane * 16 + 512 + g * (BLK == 16 ? 8 : 4);
-  auto load_w = [&](int kt, uint4 (&q)[KA], uint2 (&s)[KA]) {
-    const size_t off = (size_t)kt * KA * ATOM;
-    const int valid = rg_ok ? min(KA, katoms - kt * KA) : 0;  // atoms of this k-tile inside the weight
+  auto load_w = [&](uint4 (&q)[KA], uint2 (&s)[KA]) {  // the next k-tile of this split
 #pragma unroll
     for (int a = 0; a < KA; ++a) {
-      if (valid == KA || a < valid) {
-        q[a] = ldg_stream16(wl + off + a * ATOM);
-        if (BLK == 16) s[a] = ldg_stream8(wsl + off + a * ATOM);
-        else s[a] = make_uint2(ldg_stream4(wsl + off + a * ATOM), 0u);
-      } else {
-        q[a] = make_uint4(0u, 0u, 0u, 0u);
-        s[a] = make_uint2(0u, 0u);
-      }
+      q[a] = ldg_stream16(wl + a * ATOM);
+      if (BLK == 16) s[a] = ldg_stream8(wsl + a * ATOM);
+      else s[a] = make_uint2(ldg_stream4(wsl + a * ATOM), 0u);
     }
+    wl += KA * ATOM;
+    wsl += KA * ATOM;
   };
 
   float acc[FC][4];
@@ -743,7 +801,7 @@ fp4_gemm_mmv(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < nk) {
       load_act(kt0 + s, s);
-      load_w(kt0 + s, wq[s], sc[s]);
+      load_w(wq[s], sc[s]);
     }
     vbw::cp_async_commit();
   }
@@ -757,7 +815,7 @@ fp4_gemm_mmv(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
         const int pf = it + STAGES - 1;
         if (pf < nk) {
           load_act(kt0 + pf, (b + STAGES - 1) % STAGES);
-          load_w(kt0 + pf, wq[(b + STAGES - 1) % STAGES], sc[(b + STAGES - 1) % STAGES]);
+          load_w(wq[(b + STAGES - 1) % STAGES], sc[(b + STAGES - 1) % STAGES]);
         }
         vbw::cp_async_commit();
         compute(b, wq[b], sc[b]);
@@ -780,8 +838,13 @@ fp4_gemm_mmv(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
   for (int c = 0; c < FC; ++c)
 #pragma unroll
     for (int r = 0; r < 4; ++r) flat[c * 4 + r] = acc[c][r];
-  if (!splitk_reduce<NACC, NT>(flat, ws, counters)) return;
-  if (!rg_ok) return;
+    if constexpr (CL > 1) {
+    static_assert(NACC * NT * 4 <= STAGES * STAGE, "the partials go through the drained ring");
+    __syncthreads();  // every warp is past its last ldmatrix
+    if (!cluster_reduce<NACC, NT, CL>(flat, reinterpret_cast<float*>(smem))) return;
+  } else if (!splitk_reduce<NACC, NT>(flat, ws, counters)) {
+    return;
+  } if (!rg_ok) return;
 #pragma unroll
   for (int c = 0; c < FC; ++c)
 #pragma unroll

@@ -243,6 +243,29 @@ def test_diag_decode_kernel_m1(fmt, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name,M", [("mmvd", 1), ("mmv8", 5), ("mmv16", 16)])
+def test_decode_split2_cluster_reduction_matches_global(name, M, monkeypatch):
+    """Split-K 2 of the decode kernels reduces in a thread-block cluster on sm_90: bit for bit the global
+    workspace's result (same fixed order), NaN-poisoned output, K = 100 (2 real atoms of a row padded to 4)
+    and K = 4095 (odd), N = 1000 (a partial row group)."""
+    if rt.device_arch() != 90:
+        pytest.skip("clusters are used on sm_90 only")
+    for fmt, K, dtype in (("nvfp4", 4095, np.float16), ("mxfp4", 4095, BF16), ("nvfp4", 100, BF16)):
+        a, w = _gpu_case(M, 1000, K, fmt, dtype, seed=K + M)
+        cfg = dict(gemm.TILES[name], SPLIT=2)
+        got = {}
+        for use in (True, False):
+            monkeypatch.setattr(gemm, "_USE_CLUSTERS", use)
+            got[use] = _run_nan_poisoned(a, w, cfg, act="gelu")
+            plan = gemm._plan(w, M, K, np.dtype(dtype).name, -(-K // 8) * 8, 0, "gelu", np.dtype(dtype), cfg)
+            splits = plan[1][2]
+            assert (plan[5] is None) == (use and splits == 2), (use, splits)  # no workspace when clustered
+        err, bound = _check(got[True], a, w, act="gelu")
+        assert err <= bound, (name, fmt, K, err, bound)
+        assert bool((got[True] == got[False]).all()), (name, fmt, K)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("act", [None, "relu", "gelu", "gelu_tanh", "silu"])
 @pytest.mark.parametrize("bias_dtype", ["same", "float32"])
 def test_activations_bias(act, bias_dtype):

@@ -216,14 +216,18 @@ def _wg_name(T, blk, cfg, tma=False):
             f"{'true' if tma else 'false'}>")
 
 
-def _mmv_name(T, blk, cfg):
+def _mmv_name(T, blk, cfg, cl=1):
     return (f"{_NS}fp4_gemm_mmv<{T}, {blk}, {cfg['BC']}, {cfg['BK']}, {cfg['WR']}, {cfg['STAGES']}, "
-            f"{'true' if cfg['KIND'] == 'mmvd' else 'false'}>")
+            f"{'true' if cfg['KIND'] == 'mmvd' else 'false'}, {cl}>")
 
 
-def _kernel_name(T, blk, mode, cfg, tma=False):
+# split-K factors the decode kernels can run as one thread-block cluster per tile (sm_90)
+_CLUSTERS = (2,)
+
+
+def _kernel_name(T, blk, mode, cfg, tma=False, cl=1):
     if cfg["KIND"] in _MMV:
-        return _mmv_name(T, blk, cfg)
+        return _mmv_name(T, blk, cfg, cl)
     return _mma_name(T, blk, mode, cfg) if cfg["KIND"] == "mma" else _wg_name(T, blk, cfg, tma)
 
 
@@ -238,6 +242,8 @@ def kernel_instances() -> list[tuple[str, str]]:
                 out.append((_SOURCE, _kernel_name(T, blk, _SIR, cfg)))
                 if cfg["KIND"] == "wgrs":
                     out.append((_SOURCE, _kernel_name(T, blk, _SIR, cfg, tma=True)))
+                if cfg["KIND"] in _MMV:
+                    out += [(_SOURCE, _kernel_name(T, blk, _SIR, cfg, cl=c)) for c in _CLUSTERS]
             for name in _FPP_TILES:
                 out.append((_SOURCE, _mma_name(T, blk, _FPP, TILES[name])))
         out.append((_SOURCE, _mma_name("float", blk, _FPP, F32_TILE)))
@@ -293,7 +299,9 @@ def _prepared(w, mode):
     c = _scale_info(w)[0] if mode == _SIR else 0
     data = rt.ensure_contiguous(w.data.reshape(N, -1))
     scales = rt.ensure_contiguous(w.scales.reshape(N, -1))
-    katoms, n_rg = rt.cdiv(K, 64), rt.cdiv(N, 16)
+    # rows of atoms padded to a multiple of 4 with zero atoms: the decode kernels' k-tiles of up to 4 atoms
+    # are then always whole (no per-atom bounds in their loop); the others treat the pad as zeros past K
+    katoms, n_rg = rt.cdiv(rt.cdiv(K, 64), 4) * 4, rt.cdiv(N, 16)
     wp = cp.empty(n_rg * katoms * _ATOM[blk], dtype=cp.uint8)
     total = n_rg * katoms * 32
     k = rt.get_kernel(_SOURCE, f"{_NS}fp4_gemm_prepare<{blk}, {mode}>")
@@ -372,10 +380,7 @@ def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
     amap = None
     if cfg["KIND"] == "wgrs":
         amap = cfg["BC"] if (_USE_TMA and rt.have_tensor_maps()) else 0
-    kern = rt.get_kernel(_SOURCE, _kernel_name(rt.ctype(adt), blk, mode, cfg, tma=bool(amap)))
     smem = smem_bytes(cfg, blk, itemsize)
-    if smem > 48 * 1024 and kern.max_dynamic_shared_size_bytes < smem:
-        kern.max_dynamic_shared_size_bytes = smem
     BR, BC, BK = cfg["BR"], cfg["BC"], cfg["BK"]
     gx, gy = rt.cdiv(rt.cdiv(N, 16) * 16, BR), rt.cdiv(M, BC)
     if gy > 65535:
@@ -384,14 +389,26 @@ def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
     split = _auto_split(cfg, gx * gy, nkt, blk, itemsize, limits)
     kps = rt.cdiv(nkt, split)
     split = rt.cdiv(nkt, kps)
+    # a decode kernel's split-K CTAs reduce as one cluster where the device has clusters
+    cl = split if (cfg["KIND"] in _MMV and split in _CLUSTERS and _USE_CLUSTERS
+                   and limits.get("arch") == 90) else 1
+    kern = rt.get_kernel(_SOURCE, _kernel_name(rt.ctype(adt), blk, mode, cfg, tma=bool(amap), cl=cl),
+                         _EXTRA_OPTIONS)
+    if smem > 48 * 1024 and kern.max_dynamic_shared_size_bytes < smem:
+        kern.max_dynamic_shared_size_bytes = smem
     ws = cnt = None
-    if split > 1:
+    if split > 1 and cl == 1:
         ws, cnt = _workspace(gx * gy * split * BR * BC * (8 if adt == "float32" else 4), gx * gy)
     flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
     tail = (np.int32(M), np.int32(N), np.int32(K), np.int32(lda), np.int32(katoms), np.int32(kps),
             out_scale, np.int32(flags))
     return (kern, (gx, gy, split), (_threads(cfg),), smem, wp, ws, cnt, tail, amap, cfg)
 
+
+# extra NVRTC options for the launched kernels (-D switches for A/B runs)
+_EXTRA_OPTIONS: tuple = ()
+# decode kernels reduce split-K in a thread-block cluster on sm_90 (False: the global workspace, for A/B runs)
+_USE_CLUSTERS = True
 
 # wgrs loads by TMA / bulk copies where the driver encodes tensor maps (False: cp.async, for A/B runs)
 _USE_TMA = True
