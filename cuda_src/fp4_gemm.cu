@@ -838,13 +838,14 @@ fp4_gemm_mmv(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
   for (int c = 0; c < FC; ++c)
 #pragma unroll
     for (int r = 0; r < 4; ++r) flat[c * 4 + r] = acc[c][r];
-    if constexpr (CL > 1) {
+  if constexpr (CL > 1) {
     static_assert(NACC * NT * 4 <= STAGES * STAGE, "the partials go through the drained ring");
     __syncthreads();  // every warp is past its last ldmatrix
     if (!cluster_reduce<NACC, NT, CL>(flat, reinterpret_cast<float*>(smem))) return;
   } else if (!splitk_reduce<NACC, NT>(flat, ws, counters)) {
     return;
-  } if (!rg_ok) return;
+  }
+  if (!rg_ok) return;
 #pragma unroll
   for (int c = 0; c < FC; ++c)
 #pragma unroll
