@@ -11,6 +11,9 @@
 //   v_cache  [num_blocks, block_size, Hkv, D] T
 //   block_table int32 [B, max_blocks], seq_lens int32 [B]
 //   out      [B, Hq, D] T;  o_part float32 [B, Hq, max_splits, Dp], lse_part float32 [B, Hq, max_splits] (log2)
+//   err      the device error word (errors.cuh)
+// Index values are checked here, not on the host: a seq_lens[b] outside [1, max_blocks * block_size] or a block
+// id in use outside [0, num_blocks) gives sequence b NaN rows and a flag in err, and is never dereferenced.
 //
 // Tiling (paged_decode<T, DP, NW, STAGES>): one CTA per (split, kv head x head tile, batch) = grid (max_splits,
 // Hkv * ceil(G / 16), B). The CTA loads the (up to) 16 query heads of its group once, so every K/V byte it
@@ -43,8 +46,11 @@
 //       16 splits) 40.9 us = 78%. B=64 x 4k bs 16: 270 us, 3.98 TB/s = 94%. B >= 8 with >= 4k tokens:
 //       3.9-4.5 TB/s (92-107%). Small problems are latency-bound: B=1 x 512 takes 11 us (about 8 us of it a
 //       dependent chain: seq_lens -> block table -> K/V -> merge -> combine launch).
+//   v4: index values checked on the device (one unsigned compare per page lookup, __syncthreads_or at the
+//       merge), so the host call needs no copy of seq_lens / block_table and no sync (bench_decode.py).
 
 #include "mma.cuh"
+#include "errors.cuh"
 
 namespace vbw_decode {
 
@@ -90,7 +96,8 @@ paged_decode(const T* __restrict__ q, const T* __restrict__ kc, const T* __restr
              const int* __restrict__ block_table, const int* __restrict__ seq_lens,
              T* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
              int Hq, int Hkv, int G, int D, int max_blocks, int log2_bs,
-             float qk_scale, float cap2, int window_left, int max_splits, int min_tiles, int vec16, int Dp) {
+             float qk_scale, float cap2, int window_left, int max_splits, int min_tiles, int vec16, int Dp,
+             int num_blocks, int* __restrict__ err) {
   using namespace vbw;
   using namespace vbw_decode;
   static_assert(DP == 64 || DP == 128 || DP == 256, "DP");
@@ -127,12 +134,16 @@ paged_decode(const T* __restrict__ q, const T* __restrict__ kc, const T* __restr
       qv[e] = (r < gn && c < D) ? q16[(orow0 + r) * D + c] : (unsigned short)0;
     }
   }
-  const Plan p = make_plan(seq_lens[b], window_left, max_splits, min_tiles, NW);
-  if (split >= p.splits) return;
-  if (p.n_tiles == 0) {  // seq_len < 1: only reachable with check=False; no key -> 0
-    for (int i = threadIdx.x; i < gn * D; i += NW * 32) out[orow0 * D + i] = from_float<T>(0.f);
+  const int L = seq_lens[b];
+  if (L < 1 || L > ((long long)max_blocks << log2_bs)) {  // a bad length: NaN rows (split 0), the error word
+    if (split == 0) {
+      for (int i = threadIdx.x; i < gn * D; i += NW * 32) out[orow0 * D + i] = from_float<T>(__int_as_float(0x7fc00000));
+      if (threadIdx.x == 0 && blockIdx.y == 0) vbw_err::flag(err, vbw_err::PAGED_SEQ_LENS, b);
+    }
     return;
   }
+  const Plan p = make_plan(L, window_left, max_splits, min_tiles, NW);
+  if (split >= p.splits) return;
 
   const int nk = (D + 15) >> 4;        // k-steps (and PV n-tile pairs) that hold real dims
   const int used_ch = 2 * nk;
@@ -142,12 +153,18 @@ paged_decode(const T* __restrict__ q, const T* __restrict__ kc, const T* __restr
   const int t_end = min(p.n_tiles, t_begin + p.tps);
   const int nloc = t_end - t_begin > warp ? (t_end - t_begin - warp + NW - 1) / NW : 0;
 
-  // cache row index of token (lane % 16) of the warp's k-th tile; -1 when outside [start, end)
+  // cache row index of token (lane % 16) of the warp's k-th tile; -1 when outside [start, end) or when its
+  // block id is outside [0, num_blocks) (then `bad` is set: the CTA writes NaN and flags the error word)
+  bool bad = false;
   auto row_of = [&](int k) -> int {
     if (k >= nloc) return -1;
     const int j = p.a0 + (t_begin + warp + k * NW) * TILE + (lane & 15);
     if (j < p.start || j >= p.end) return -1;
     const int page = __ldg(bt_row + (j >> log2_bs));
+    if ((unsigned)page >= (unsigned)num_blocks) {
+      bad = true;
+      return -1;
+    }
     return ((page << log2_bs) + (j & bs_mask)) * Hkv + kvh;
   };
 
@@ -331,7 +348,8 @@ paged_decode(const T* __restrict__ q, const T* __restrict__ kc, const T* __restr
 
   // ---- merge the NW warps through shared memory (the K/V stages are free now)
   cp_async_wait<0>();
-  __syncthreads();
+  const bool any_bad = __syncthreads_or(bad);
+  if (any_bad && threadIdx.x == 0) vbw_err::flag(err, vbw_err::PAGED_BLOCK_TABLE, b);
   float* sO = reinterpret_cast<float*>(sKV);   // [NW][16][DP]
   const int g = lane >> 2;
 #pragma unroll
@@ -362,13 +380,13 @@ paged_decode(const T* __restrict__ q, const T* __restrict__ kc, const T* __restr
       num += f * sO[(w * 16 + r) * DP + c];
       den += f * s_l[w][r];
     }
-    const float o = num / den;
+    const float o = any_bad ? __int_as_float(0x7fc00000) : num / den;   // NaN also poisons the combine
     if (direct) {
       out[(orow0 + r) * D + c] = from_float<T>(o);
     } else {
       const size_t prow = (orow0 + r) * max_splits + split;
       o_part[prow * Dp + c] = o;
-      if (c == 0) lse_part[prow] = M + log2f(den);
+      if (c == 0) lse_part[prow] = any_bad ? __int_as_float(0x7fc00000) : M + log2f(den);
     }
   }
 }
@@ -381,18 +399,21 @@ template <typename T>
 __global__ void __launch_bounds__(128)
 paged_decode_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                      const int* __restrict__ seq_lens, T* __restrict__ out, int Hq, int D, int Dp,
-                     int window_left, int max_splits, int min_tiles, int granule) {
+                     int window_left, int max_splits, int min_tiles, int granule, int capacity) {
   using namespace vbw_decode;
   constexpr int MAXS = 256;
   __shared__ float sl[MAXS];
   __shared__ __align__(16) float red[4][256];
   const int h = blockIdx.x, b = blockIdx.y;
-  const Plan p = make_plan(seq_lens[b], window_left, max_splits, min_tiles, granule);
+  const int L = seq_lens[b];
+  if (L < 1 || L > capacity) return;   // paged_decode wrote NaN rows and flagged it
+  const Plan p = make_plan(L, window_left, max_splits, min_tiles, granule);
   if (p.splits <= 1) return;
   const int ns = min(p.splits, MAXS);
   const size_t row = (size_t)b * Hq + h;
   for (int s = threadIdx.x; s < ns; s += blockDim.x) sl[s] = lse_part[row * max_splits + s];
   __syncthreads();
+  // a split that met a bad block id stored lse NaN: den becomes NaN and so does the whole row
   float M = -__int_as_float(0x7f800000), den = 0.f;
   for (int s = 0; s < ns; ++s) M = fmaxf(M, sl[s]);
   for (int s = 0; s < ns; ++s) den += exp2f(sl[s] - M);

@@ -10,7 +10,9 @@
 // Operands (row-major, contiguous, element type T = __half or __nv_bfloat16):
 //   q, o  [tokens_q, H,   d]      k, v  [tokens_k, Hkv, d]       lse (float32)
 //   dense:  tokens = B * S, batch b starts at b * S;        lse [B, H, Sq]
-//   varlen: batch b spans cu_q[b] .. cu_q[b+1] (cu_k for keys); lse [H, total_q]
+//   varlen: batch b spans cu_q[b] .. cu_q[b+1] (cu_k for keys); lse [H, total_q]; seqlen_q / seqlen_k carry
+//           total_q / total_k, and every CTA checks its sequence's offsets first (varlen_bad: NaN rows and the
+//           error word of errors.cuh for bad ones, so the host never has to read them)
 //   kv head = h / group (group = H / Hkv: grouped-query / multi-query).
 //   d is the real head dim (1..256); HEAD_DIM is the compiled one (multiple of 32 >= d). Columns >= d are
 //   zero-filled in shared memory and never read from or written to global memory.
@@ -93,6 +95,7 @@
 //       on mbarriers take issue slots from the other warpgroup's softmax).
 #include "mma.cuh"
 #include "wgmma.cuh"
+#include "errors.cuh"
 
 namespace vbw_attn {
 
@@ -200,6 +203,39 @@ __device__ __forceinline__ Cta cta_info(const int* __restrict__ cu_q, const int*
   return c;
 }
 
+// Varlen inputs (cu_q != nullptr): whether sequence c.b's offsets are bad (cu[b] < 0, cu[b + 1] < cu[b],
+// cu[b + 1] > the tokens, cu[0] != 0, cu[B] != the tokens, or more query rows than the grid's num_m * BLOCK_M). If so the CTA writes NaN into its
+// share of the sequence's rows [cu_q[b], cu_q[b + 1]) that lie inside [0, total_q) (the last m-block takes every
+// row past the grid), flags the error word and the caller returns: nothing is read through the bad offsets.
+// In varlen mode the kernel's seqlen_q / seqlen_k arguments carry total_q / total_k.
+template <typename T, int BLOCK_M>
+__device__ __noinline__ bool varlen_bad(const Cta& c, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                                        int batch, int total_q, int total_k, int num_m, T* __restrict__ o,
+                                        float* __restrict__ lse, long long q_rs, int d, long long lse_stride_h,
+                                        int* __restrict__ err) {
+  const long long q0 = cu_q[c.b], q1 = cu_q[c.b + 1], k0 = cu_k[c.b], k1 = cu_k[c.b + 1];
+  const bool first = c.b == 0, last = c.b == batch - 1;   // the offsets must also start at 0 and end at the total
+  const bool bad_q = q0 < 0 || q1 < q0 || q1 > total_q || q1 - q0 > (long long)num_m * BLOCK_M ||
+                     (first && q0 != 0) || (last && q1 != total_q);
+  const bool bad_k = k0 < 0 || k1 < k0 || k1 > total_k || (first && k0 != 0) || (last && k1 != total_k);
+  if (!bad_q && !bad_k) return false;
+  if (threadIdx.x == 0 && c.h == 0 && c.m0 == 0) {
+    if (bad_q) vbw_err::flag(err, vbw_err::VARLEN_CU_Q, c.b);
+    if (bad_k) vbw_err::flag(err, vbw_err::VARLEN_CU_K, c.b);
+  }
+  const long long lo = max(0LL, max(q0, q0 + c.m0));
+  const long long hi = min((long long)total_q, c.m0 + BLOCK_M >= (long long)num_m * BLOCK_M ? q1 : min(q1, q0 + c.m0 + BLOCK_M));
+  const unsigned short nan = (unsigned short)vbw::pack2<T>(__int_as_float(0x7fc00000), 0.f);  // T's NaN bits
+  unsigned short* o16 = reinterpret_cast<unsigned short*>(o);
+  for (long long i = threadIdx.x; i < (hi - lo) * d; i += blockDim.x) {
+    const long long r = lo + i / d;
+    o16[r * q_rs + (long long)c.h * d + i % d] = nan;
+  }
+  if (lse != nullptr)
+    for (long long r = lo + threadIdx.x; r < hi; r += blockDim.x) lse[(long long)c.h * lse_stride_h + r] = __int_as_float(0x7fc00000);
+  return true;
+}
+
 // KV tiles that some row of the CTA (rows_q rows) sees: [n_lo, n_hi); tiles in [nm_lo, nm_hi) need no mask.
 template <int BLOCK_N>
 __device__ __forceinline__ void tile_range(const Cta& c, int rows_q, int& n_lo, int& n_hi, int& nm_lo, int& nm_hi) {
@@ -271,7 +307,7 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
          float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
          int batch, int seqlen_q, int seqlen_k, int heads, int group, int d, int num_m, int sect_heads,
          float scale_log2, int score_mode, float cap_prescale, int win_left, int win_right,
-         long long q_rs, long long kv_rs, long long lse_stride_h) {
+         long long q_rs, long long kv_rs, long long lse_stride_h, int* __restrict__ err) {
   using namespace vbw;
   using vbw_attn::PAD;
   constexpr int NT = WARPS * 32;
@@ -295,6 +331,9 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const vbw_attn::Cta cta = VBW_CTA();
+  if (cu_q != nullptr && vbw_attn::varlen_bad<T, BLOCK_M>(cta, cu_q, cu_k, batch, seqlen_q, seqlen_k, num_m, o, lse,
+                                                          q_rs, d, lse_stride_h, err))
+    return;
   if (cta.m0 >= cta.sq) return;
   const int sk = cta.sk;
   const int rows_q = min(BLOCK_M, cta.sq - cta.m0);
@@ -615,7 +654,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
             float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
             int batch, int seqlen_q, int seqlen_k, int heads, int group, int d, int num_m, int sect_heads,
             float scale_log2, int score_mode, float cap_prescale, int win_left, int win_right,
-            long long q_rs, long long kv_rs, long long lse_stride_h,
+            long long q_rs, long long kv_rs, long long lse_stride_h, int* __restrict__ err,
             const __grid_constant__ vbw::TmaDesc tm_q, const __grid_constant__ vbw::TmaDesc tm_k,
             const __grid_constant__ vbw::TmaDesc tm_v) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -645,6 +684,9 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const int warp = (tid >> 5) & 3;  // warp within the warpgroup
   const int lane = tid & 31;
   const vbw_attn::Cta cta = VBW_CTA();
+  if (cu_q != nullptr && vbw_attn::varlen_bad<T, BLOCK_M>(cta, cu_q, cu_k, batch, seqlen_q, seqlen_k, num_m, o, lse,
+                                                          q_rs, d, lse_stride_h, err))
+    return;
   if (cta.m0 >= cta.sq) return;
   const int sk = cta.sk;
   const int rows_q = min(BLOCK_M, cta.sq - cta.m0);

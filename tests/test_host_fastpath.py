@@ -14,7 +14,7 @@ import pytest
 
 import fake_cupy as fc
 from vbw_cupy import _runtime as rt
-from vbw_cupy import attention, autotune, fp4, paged
+from vbw_cupy import _plans, attention, autotune, fp4, paged
 from vbw_cupy import reference as ref
 
 
@@ -95,37 +95,48 @@ def test_paged_long_context_uses_the_combine_kernel(kernels):
         assert names[0].startswith("paged_decode<") and names[1].startswith("paged_decode_combine<")
 
 
-def test_paged_check_true_plans_follow_the_longest_sequence(kernels):
+def test_paged_host_check_plans_follow_the_longest_sequence(kernels):
     d = _paged_case()
-    paged.paged_attention(*d)
+    paged.paged_attention(*d, check="host")
     _launches(kernels)
     d[4].a[:] = [5, 3, 1]                     # shorter sequences: same signature, another plan
-    paged.paged_attention(*d)
+    paged.paged_attention(*d, check="host")
     sig, = paged._sigs.values()
     assert sorted(sig.plans) == [5, 40]
     a = _launches(kernels)
     paged._sigs.clear()
-    paged.paged_attention(*d)                 # the full path agrees
+    paged.paged_attention(*d, check="host")   # the full path agrees
     _same_launches(_launches(kernels), a, d)
+
+
+def test_paged_device_check_plan_ignores_the_values(kernels):
+    d = _paged_case()
+    paged.paged_attention(*d)                 # default check="device": one plan, sized by the table
+    first = _launches(kernels)
+    d[4].a[:] = [5, 3, 1]
+    paged.paged_attention(*d)
+    sig, = paged._sigs.values()
+    assert sig.plans is None and sig.plan is not None
+    _same_launches(first, _launches(kernels), d)
 
 
 def test_paged_bad_values_still_raise_after_a_good_call(kernels):
     d = _paged_case()
-    paged.paged_attention(*d)
+    paged.paged_attention(*d, check="host")
     _launches(kernels)
     table, lens = d[3].a.copy(), d[4].a.copy()
     d[3].a[1, 0] = 10_000
     with pytest.raises(ValueError, match="block_table"):
-        paged.paged_attention(*d)
+        paged.paged_attention(*d, check="host")
     assert full_calls == ["check_paged_args"]  # raised by the fast path's value check
     d[3].a[:] = table
     d[4].a[1] = 0
     with pytest.raises(ValueError, match="seq_lens"):
-        paged.paged_attention(*d)
+        paged.paged_attention(*d, check="host")
     d[4].a[:] = lens
     d[4].a[2] = 10_000
     with pytest.raises(ValueError, match="seq_lens"):
-        paged.paged_attention(*d)
+        paged.paged_attention(*d, check="host")
     assert _launches(kernels) == []           # nothing launched for bad input
 
 
@@ -237,15 +248,15 @@ def test_plan_caches_are_bounded(kernels):
     d = _paged_case()
     for i in range(300):
         paged.paged_attention(*d, check=False, softmax_scale=0.1 + i * 1e-3)
-    assert 1 <= len(paged._sigs) <= paged._MAX_PLANS
+    assert 1 <= len(paged._sigs) <= _plans.MAX_PLANS
     x = fc.asgpu(np.ones((4, 64), np.float16))
     for i in range(300):
         fp4.quantize(x, "nvfp4", 1.0 + i)
-    assert 1 <= len(fp4._q_plans) <= fp4._MAX_PLANS
+    assert 1 <= len(fp4._q_plans) <= _plans.MAX_PLANS
     d = _attn_case(Sq=8, Sk=8)
     for i in range(300):
         attention.flash_attention(*d, softmax_scale=0.1 + i * 1e-3)
-    assert 1 <= len(attention._fast_plans) <= attention._MAX_PLANS
+    assert 1 <= len(attention._fast_plans) <= _plans.MAX_PLANS
 
 
 def test_paged_numpy_inputs_still_use_the_reference(kernels):
@@ -258,20 +269,20 @@ def test_paged_numpy_inputs_still_use_the_reference(kernels):
 
 
 def test_paged_max_seqlen_must_bound_checked_lengths(kernels):
-    """Where seq_lens' values are read (check=True, NumPy inputs), a max_seqlen below the longest sequence is
-    an error, on the full path and on a replay alike; with check=False it is trusted (a bound for the splits)."""
+    """Where seq_lens' values are read (check="host", NumPy inputs), a max_seqlen below the longest sequence is
+    an error, on the full path and on a replay alike; otherwise it only bounds the split count."""
     d = _paged_case()                                          # room for 40 tokens a sequence
     d[4].a[1] = 30                                             # longest sequence: 30
-    paged.paged_attention(*d, max_seqlen=35)
+    paged.paged_attention(*d, max_seqlen=35, check="host")
     _launches(kernels)
     d[4].a[1] = 38                                             # same signature, a sequence past max_seqlen
     with pytest.raises(ValueError, match="max_seqlen: 35 is below the longest sequence in seq_lens \\(38\\)"):
-        paged.paged_attention(*d, max_seqlen=35)
+        paged.paged_attention(*d, max_seqlen=35, check="host")
     paged._sigs.clear()
     with pytest.raises(ValueError, match="max_seqlen: 35 is below"):
-        paged.paged_attention(*d, max_seqlen=35)
+        paged.paged_attention(*d, max_seqlen=35, check="host")
     assert _launches(kernels) == []
-    paged.paged_attention(*d, max_seqlen=35, check=False)   # trusted: launches
+    paged.paged_attention(*d, max_seqlen=35)                   # not read (check="device"): launches
     assert _launches(kernels)
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="max_seqlen: expected a positive int"):

@@ -28,6 +28,8 @@ import math
 
 import numpy as np
 
+from . import _errors
+from . import _plans
 from . import _runtime as rt
 from . import reference as ref
 
@@ -282,7 +284,8 @@ class _Launch:
         self.q, self.k, self.v, self.o = q, k, v, o
         self.B, self.max_q, self.max_k, self.Hq, self.Hkv, self.D = B, max_q, max_k, Hq, Hkv, D
         self.head_dim = head_dim_bucket(D)
-        left, right = _clamp_window(left, right, max_q, max_k)
+        # varlen lengths may be unread on the host (checked on the device): clamp against what no sequence exceeds
+        left, right = _clamp_window(left, right, *((max_q, max_k) if cu_q is None else (MAX_SEQLEN, MAX_SEQLEN)))
         # The kernel needs scale_log2 > 0 (see the score transform in attention_fwd.cu).
         if softcap > 0:
             mode, scale_log2, pre = 1, softcap * _LOG2E, scale / softcap
@@ -300,7 +303,8 @@ class _Launch:
                           null if cu_k is None else cu_k, np.int32(B), np.int32(seqlen_q), np.int32(seqlen_k),
                           np.int32(Hq), np.int32(Hq // Hkv), np.int32(D))
         self.tail_args = (np.float32(scale_log2), np.int32(mode), np.float32(pre), np.int32(left),
-                          np.int32(right), np.int64(Hq * D), np.int64(Hkv * D), np.int64(lse_stride_h))
+                          np.int32(right), np.int64(Hq * D), np.int64(Hkv * D), np.int64(lse_stride_h),
+                          _errors.buffer(q.data.device_id))
         # CTA order: sections of (b, h) pairs whose K and V (max_k keys each) fit in half of L2.
         kv_bytes = 2 * max_k * D * q.dtype.itemsize
         per_sec = max(1, _l2_bytes() // 2 // max(1, kv_bytes)) * (Hq // Hkv)
@@ -406,11 +410,11 @@ def _check_dense(q, k, v, *, causal, softmax_scale, window, softcap, return_lse)
 
 
 def _check_varlen(q, k, v, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, softcap,
-                  return_lse):
-    """The varlen counterpart of `_check_dense` (reads the offsets on the host)."""
+                  return_lse, check_values=True):
+    """The varlen counterpart of `_check_dense` (check_values: read the offsets on the host)."""
     shape = ref.check_varlen_args(q, k, v, cu_q, cu_k, window, softcap, max_seqlen_q=max_seqlen_q,
                                   max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                                  dtypes=ref.GPU_ATTENTION_DTYPES, check_values=True)
+                                  dtypes=ref.GPU_ATTENTION_DTYPES, check_values=check_values)
     return_lse = ref.check_flag("return_lse", return_lse)
     _check_seqlen("cu_seqlens_q", shape.max_seqlen_q)
     _check_seqlen("cu_seqlens_k", shape.max_seqlen_k)
@@ -438,9 +442,7 @@ def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, o
         launch = _Launch.dense(q, k, v, scale=scale, window=win, softcap=softcap, out=o, lse=lse)
         bound = launch.run(launch.pick(config))
     if fast_key is not None and q.size and q.data.device_id == cp.cuda.runtime.getDevice():
-        if len(_fast_plans) >= _MAX_PLANS:
-            _fast_plans.clear()
-        _fast_plans[fast_key] = bound + (launch.vec, q.data.device_id)
+        _fast_plans.put(fast_key, bound + (launch.vec, q.data.device_id))
     return (o, lse) if return_lse else o
 
 
@@ -448,8 +450,7 @@ def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, o
 # check in _flash_gpu replays that call's launch: only what can differ between such calls (array types,
 # contiguity, device, 16-byte alignment) is re-checked. This saves ~40 us a call, which a short attention
 # (S = 1024) would otherwise pay in full.
-_fast_plans: dict = {}
-_MAX_PLANS = 256  # forgotten all at once when full
+_fast_plans = _plans.PlanCache()
 
 
 def _fast_key(q, k, v, causal, softmax_scale, window, softcap, return_lse):
@@ -499,14 +500,19 @@ def _check_out(buf, shape, dtype, name):
 
 
 def _varlen_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                window, softcap, return_lse, out=None, lse_out=None, config=None):
+                window, softcap, return_lse, check="device", out=None, lse_out=None, config=None):
     cp = rt.require_cupy()
     q, k, v = _prepare_gpu(q, k, v)
     cu_q = cu_seqlens_q if _is_host(cu_seqlens_q) else rt.as_gpu_array(cu_seqlens_q, "cu_seqlens_q")
     cu_k = cu_seqlens_k if _is_host(cu_seqlens_k) else rt.as_gpu_array(cu_seqlens_k, "cu_seqlens_k")
+    host = _errors.check_mode(check) == "host"
+    if host:
+        _errors.check_errors()
+    # offsets on the GPU with both max_seqlen given are checked by the kernel (no copy, no sync)
+    read = host or _is_host(cu_q) or _is_host(cu_k) or max_seqlen_q is None or max_seqlen_k is None
     shape, win, scale, softcap, return_lse = _check_varlen(
         q, k, v, cu_q, cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
-        softmax_scale=softmax_scale, window=window, softcap=softcap, return_lse=return_lse)
+        softmax_scale=softmax_scale, window=window, softcap=softcap, return_lse=return_lse, check_values=read)
     _check_gpu_common(q, k, v, *[a for a in (cu_q, cu_k) if not _is_host(a)])
     with q.device:
         q, k, v = rt.ensure_contiguous(q), rt.ensure_contiguous(k), rt.ensure_contiguous(v)
@@ -519,7 +525,8 @@ def _varlen_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen
                    else cp.empty((shape.Hq, shape.total_q), dtype=cp.float32))
         max_q = max(1, shape.max_seqlen_q)
         max_k = max(1, shape.max_seqlen_k)
-        launch = _Launch(q, k, v, o, lse, cu_q_d, cu_k_d, shape.B, 0, 0, max_q, max_k, shape.Hq, shape.Hkv,
+        launch = _Launch(q, k, v, o, lse, cu_q_d, cu_k_d, shape.B, shape.total_q, shape.total_k, max_q, max_k,
+                         shape.Hq, shape.Hkv,
                          shape.D, scale, win[0], win[1], softcap, shape.total_q)
         launch.run(launch.pick(config))
     return (o, lse) if return_lse else o
@@ -560,15 +567,23 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
-                           causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+                           causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False,
+                           check="device"):
     """`flash_attention` over packed sequences of different lengths.
 
     q [total_q, Hq, D], k and v [total_k, Hkv, D]; sequence b holds q rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
     and k / v rows cu_seqlens_k[b]:cu_seqlens_k[b+1] (int32 [B + 1], starting at 0, non-decreasing, ending at
     total_q / total_k; on the GPU or the host). Masks are per sequence (causal aligned bottom-right within each
-    sequence); a sequence with no keys gives output 0 and lse -inf. The offsets are read on the host to check
-    them (one device-to-host copy). max_seqlen_q / max_seqlen_k, when given, must be at least the longest
-    sequence.
+    sequence); a sequence with no keys gives output 0 and lse -inf. max_seqlen_q / max_seqlen_k bound the
+    sequence lengths.
+
+    Checking the offsets, and when the call synchronizes:
+    - GPU offsets with both max_seqlen given (the way to call it in a loop or a CUDA graph): nothing is copied to
+      the host. The kernel checks each sequence's offsets (in order, inside the tokens, no longer than its
+      max_seqlen); a bad sequence gets NaN rows and a flag that `vbw_cupy.check_errors()` raises as ValueError.
+    - Otherwise (a max_seqlen missing, host offsets, or ``check="host"``) the offsets are read on the host and
+      checked there (a GPU array's read is a device-to-host copy, which synchronizes), and a max_seqlen given
+      below the longest sequence raises ValueError. ``check="host"`` also raises errors flagged earlier.
 
     Returns o [total_q, Hq, D] and, with return_lse=True, lse float32 [Hq, total_q].
     """
@@ -576,12 +591,13 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
         if not (_is_host(cu_seqlens_q) and _is_host(cu_seqlens_k)):
             raise TypeError("cu_seqlens_q: expected NumPy offsets with NumPy q, k, v (NumPy and GPU inputs "
                             f"cannot be mixed), got {type(cu_seqlens_q).__name__} / {type(cu_seqlens_k).__name__}")
+        _errors.check_mode(check)
         return ref.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                           max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                                           window=window, softcap=softcap, return_lse=return_lse)
     return _varlen_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                        causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-                       return_lse=return_lse)
+                       return_lse=return_lse, check=check)
 
 
 # ---------------------------------------------------------------------------------------------- selftest

@@ -11,6 +11,8 @@ import math
 import ml_dtypes
 import numpy as np
 
+from . import _errors
+from . import _plans
 from . import _runtime as rt
 from . import reference as ref
 
@@ -145,8 +147,9 @@ def quantize(x, format: str = "nvfp4", global_scale=None) -> FP4Tensor:
     255 (decodes to NaN). NVFP4: blocks of 16, E4M3 scale, float32 `global_scale` (default
     amax / (448 * 6), or 1.0 where that is 0: all zeros, or amax under ~1.9e-42); NaN or Inf anywhere is a
     ValueError. Any K: the last block is zero-padded.
-    On the GPU, NVFP4 reads the tensor twice when `global_scale` is None (amax first) and synchronizes
-    once to check for NaN/Inf. A CuPy call with the shape, dtype, format, global_scale and device of an
+    On the GPU, NVFP4 without a `global_scale` reads the tensor twice (amax first) and synchronizes once to read
+    the amax (a NaN / Inf raises there). With a `global_scale` it makes one pass and no sync (it can then be
+    captured in a CUDA graph): NaN / Inf are flagged on the device and `vbw_cupy.check_errors()` raises them. A CuPy call with the shape, dtype, format, global_scale and device of an
     earlier checked call reuses its launch plan (contiguity, alignment and device are checked every time).
 
     >>> import numpy as np, vbw_cupy
@@ -214,35 +217,33 @@ def _quantize_gpu(x, fmt, gs, keep=None):
         if gs is None:
             gs = _global_scale_gpu(x)
             keep = None  # the tensor scale is read from x on every call: nothing to replay
-        flag = cp.zeros(1, dtype=cp.int32)
-        plan = _launch_quantize(x, data, scales, fmt, gs, flag)
-        if int(flag.get()[0]):
-            raise ValueError(_NAN_MSG)
+        # NaN / Inf met by the kernel: the device error word (no sync; check_errors() raises it). Without a
+        # global_scale the amax read above has already raised for them.
+        plan = _launch_quantize(x, data, scales, fmt, gs, _nan_flag(x.device.id))
     if keep is not None and plan is not None and x is x_in:
-        if len(_q_plans) >= _MAX_PLANS:
-            _q_plans.clear()
-        _q_plans[keep] = plan + (data.shape, scales.shape, gs, fmt, x.device.id)
+        _q_plans.put(keep, plan + (data.shape, scales.shape, gs, fmt, x.device.id))
     return FP4Tensor._trusted(data, scales, gs, fmt, x.shape)
 
 
 # Launch plans of checked quantize calls, by fast-path key: (kernel, grid, scalar args, data shape, scales shape,
-# global scale, format, device id). Forgotten all at once when full.
-_q_plans: dict = {}
-_MAX_PLANS = 256
+# global scale, format, device id).
+_q_plans = _plans.PlanCache()
+
+
+def _nan_flag(device_id):
+    """The error-word slot the nvfp4 kernel sets on NaN / Inf input (see vbw_cupy/_errors.py)."""
+    return _errors.buffer(device_id)[_errors.NVFP4_NONFINITE:]
 
 
 def _quantize_planned(plan, x):
     cp = rt.cupy
-    kern, grid, tail, data_shape, scales_shape, gs, fmt, _ = plan
+    kern, grid, tail, data_shape, scales_shape, gs, fmt, dev = plan
     data = cp.empty(data_shape, dtype=cp.uint8)
     scales = cp.empty(scales_shape, dtype=cp.uint8)
     if fmt == "mxfp4":
         kern(grid, _BLOCK, (x, data, scales) + tail)  # on the current stream, as rt.launch
     else:
-        flag = cp.zeros(1, dtype=cp.int32)
-        kern(grid, _BLOCK, (x, data, scales) + tail + (flag,))
-        if int(flag.get()[0]):
-            raise ValueError(_NAN_MSG)
+        kern(grid, _BLOCK, (x, data, scales) + tail + (_nan_flag(dev),))
     return FP4Tensor._trusted(data, scales, gs, fmt, x.shape)
 
 

@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
 
 import ml_dtypes
 import numpy as np
 
+from . import _plans
 from . import _runtime as rt
 from . import autotune
 from . import reference as ref
@@ -315,22 +315,12 @@ def _prepared(w, mode):
 
 
 # -------------------------------------------------------------------------------------------- workspace
-_ws_lock = threading.Lock()
-_workspaces: dict = {}
-
-
 def _workspace(nbytes: int, ntiles: int):
-    """Split-K scratch (partials) and self-resetting tile counters, one set per (device, stream)."""
+    """Split-K scratch (partials) and self-resetting tile counters: the current stream's (`_plans.scratch`)."""
     cp = rt.require_cupy()
-    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
-    with _ws_lock:
-        ws, cnt = _workspaces.get(key, (None, None))
-        if ws is None or ws.nbytes < nbytes:
-            ws = cp.empty(max(nbytes, 1 << 20), dtype=cp.uint8)
-        if cnt is None or cnt.size < ntiles:
-            cnt = cp.zeros(max(ntiles, 4096), dtype=cp.int32)
-        _workspaces[key] = (ws, cnt)
-        return ws, cnt
+    ws = _plans.scratch("fp4_matmul partials", nbytes)
+    cnt = _plans.scratch("fp4_matmul tile counters", 4 * ntiles, zeroed=True).view(cp.int32)
+    return ws, cnt
 
 
 def _auto_split(cfg, ntiles, nkt, blk, itemsize, limits) -> int:
@@ -448,7 +438,9 @@ def _matmul_gpu(a2, w, bias, act, out_dtype, cfg=None, out=None):
     tuned = autotune.enabled()
     key = (M, K, lda, adt, bias_kind, act, out_dtype.name, cp.cuda.Device().id, cp.cuda.get_current_stream().ptr,
            tuned, autotune._generation)
-    plans = w._cache.setdefault("gemm_v1_plans", {})
+    plans = w._cache.get("gemm_v1_plans")
+    if plans is None:
+        plans = w._cache.setdefault("gemm_v1_plans", _plans.PlanCache())
     plan = plans.get(key)
     if plan is None:
         mode = _mode(w, adt)
@@ -459,9 +451,7 @@ def _matmul_gpu(a2, w, bias, act, out_dtype, cfg=None, out=None):
         else:
             cfg = dict(F32_TILE, SPLIT=0) if adt == "float32" else _with_split("mma_s" if M <= 16 else "mma_m")
         plan = _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg)
-        if len(plans) > 256:
-            plans.clear()
-        plans[key] = plan
+        plans.put(key, plan)
     _launch(plan, a2, out, bias)
     return out, plan
 
@@ -590,11 +580,11 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
         if (_config is None and not a_fp4 and type(a) is cp.ndarray and a2.data.ptr == a.data.ptr and
                 a.flags.c_contiguous and (bias is None or bias is bias_in) and
                 cp.cuda.runtime.getDevice() == dev.id):
-            fast = w._cache.setdefault("gemm_v1_fast", {})
-            if len(fast) > 256:
-                fast.clear()
-            fast[_fast_key(a, bias_in, activation, None if out_dtype_arg is None else out_dtype_arg)] = \
-                (plan, out.shape, out.dtype, dev.id)
+            fast = w._cache.get("gemm_v1_fast")
+            if fast is None:
+                fast = w._cache.setdefault("gemm_v1_fast", _plans.PlanCache())
+            fast.put(_fast_key(a, bias_in, activation, None if out_dtype_arg is None else out_dtype_arg),
+                     (plan, out.shape, out.dtype, dev.id))
         return out
 
 

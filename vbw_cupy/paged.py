@@ -25,6 +25,8 @@ import math
 import ml_dtypes
 import numpy as np
 
+from . import _errors
+from . import _plans
 from . import _runtime as rt
 from . import autotune
 from . import reference as ref
@@ -173,13 +175,16 @@ class _Launch:
         else:
             qk_scale, cap2 = scale * _LOG2E, 0.0
         Dp = rt.cdiv(D, 4) * 4        # partial rows padded for the combine kernel's 16-byte loads
-        if splits > 1:
-            self.o_part = cp.empty((B * Hq * splits * Dp,), dtype=cp.float32)
-            self.lse_part = cp.empty((B * Hq * splits,), dtype=cp.float32)
+        if splits > 1:  # the stream's scratch (never the pool inside a call: graphs keep these addresses)
+            n_o, n_lse = B * Hq * splits * Dp, B * Hq * splits
+            buf = _plans.scratch("paged_attention partials", 4 * (n_o + n_lse)).view(cp.float32)
+            self.o_part, self.lse_part = buf[:n_o], buf[n_o:n_o + n_lse]
             self.combine = rt.get_kernel(_SOURCE, _combine_name(T))
-        else:
-            self.o_part = self.lse_part = cp.empty((1,), dtype=cp.float32)
+        else:  # the kernel writes `out` directly and never touches these
+            self.o_part = self.lse_part = _plans.scratch("paged_attention partials", 4).view(cp.float32)[:1]
             self.combine = None
+        capacity = min(int(block_table.shape[1]) * bs, 2**31 - 1)
+        err = _errors.buffer(q.data.device_id)
         min_tiles = 2 * W
         self.grid = (splits, Hkv * HT, B)
         self.block = (W * 32,)
@@ -187,9 +192,10 @@ class _Launch:
         self.args = (q, k_cache, v_cache, block_table, seq_lens, out, self.o_part, self.lse_part,
                      np.int32(Hq), np.int32(Hkv), np.int32(G), np.int32(D), np.int32(block_table.shape[1]),
                      np.int32(int(bs).bit_length() - 1), np.float32(qk_scale), np.float32(cap2), np.int32(left),
-                     np.int32(splits), np.int32(min_tiles), np.int32(1 if vec16 else 0), np.int32(Dp))
+                     np.int32(splits), np.int32(min_tiles), np.int32(1 if vec16 else 0), np.int32(Dp),
+                     np.int32(k_cache.shape[0]), err)
         self.cargs = (self.o_part, self.lse_part, seq_lens, out, np.int32(Hq), np.int32(D), np.int32(Dp),
-                      np.int32(left), np.int32(splits), np.int32(min_tiles), np.int32(W))
+                      np.int32(left), np.int32(splits), np.int32(min_tiles), np.int32(W), np.int32(capacity))
         self.cgrid = (Hq, B)
         self.kv_bytes = None
 
@@ -205,7 +211,7 @@ def _is_numpy(x) -> bool:
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, softcap=0.0,
-                    window=(-1, -1), check=True, max_seqlen=None, out=None):
+                    window=(-1, -1), check="device", max_seqlen=None, out=None):
     """Decode attention over a paged KV cache: one query token per sequence (SPEC section 3).
 
     q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_table int32 [B, max_blocks];
@@ -218,20 +224,23 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     (written into `out` when given: a C-contiguous GPU array of that shape and dtype).
 
     Checks: dtypes, ranks, shapes (q against the caches and tables), window, softcap and scale are checked from
-    the shapes on the host at no cost. With ``check=True`` (default) the VALUES of seq_lens (each in
-    [1, max_blocks * block_size]) and of the block_table entries in use (each in [0, num_blocks)) are checked
-    too: for GPU arrays this is a device-to-host copy of both arrays, which synchronizes the stream. Pass
-    ``check=False`` in a decode loop whose tables are known to be valid (PagedKVCache does); bad values then
-    read wrong memory or fault instead of raising.
+    the shapes on the host at no cost. The VALUES of seq_lens (each in [1, max_blocks * block_size]) and of the
+    block_table entries in use (each in [0, num_blocks)):
+    - ``check="device"`` (default): checked by the kernel as it reads them; the call copies nothing to the host
+      and does not synchronize. A sequence with a bad value gets NaN output rows, nothing out of bounds is
+      read, and `vbw_cupy.check_errors()` (or a later ``check="host"`` call) raises ValueError naming it.
+    - ``check="host"``: both arrays are copied to the host and checked before the launch (a GPU array's copy
+      synchronizes the stream); ValueError at once. ``True`` / ``False`` mean "host" / "device".
+
+    `max_seqlen` (optional, host int) bounds seq_lens; it picks the split count when values are not read on the
+    host (default bound max_blocks * block_size). Where the values are read (check="host", NumPy inputs) a
+    max_seqlen below the longest sequence raises ValueError; otherwise a longer sequence is still computed
+    correctly, only with fewer splits than it could use. Launch shapes never depend on seq_lens' values, so a
+    check="device" call can be captured in a CUDA graph and replayed as the sequences grow.
 
     Host cost: a call whose shapes, dtypes, options, device, stream and tuning state match an earlier checked
     call reuses that call's launch plan, re-checking only array types, contiguity, devices, the caches'
-    alignment and (check=True) the values.
-
-    `max_seqlen` (optional, host int) bounds seq_lens; it picks the split count when values are not checked
-    (default bound max_blocks * block_size). Where the values are read (check=True, NumPy inputs) a max_seqlen
-    below the longest sequence raises ValueError; with check=False it is trusted. Launch shapes never depend on seq_lens' values, so with
-    check=False the call can be captured in a CUDA graph and replayed as the sequences grow.
+    alignment and (check="host") the values.
 
     >>> import cupy as cp
     >>> q = cp.random.standard_normal((2, 32, 128), dtype=cp.float32).astype(cp.float16)
@@ -242,7 +251,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     # Fast path: GPU arrays whose shapes, dtypes, options (types and values), device, stream and autotune state
     # match an earlier call that was checked in full below reuse its launch plan; only what can differ between
     # such calls is checked again: array types, contiguity, devices, the caches' 16-byte alignment, and with
-    # check=True the values of seq_lens and block_table.
+    # check="host" the values of seq_lens and block_table.
     cp = rt.cupy
     fkey = None
     if cp is not None and type(q) is cp.ndarray:
@@ -262,23 +271,22 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
                     and v_cache.data.device_id == dev and block_table.data.device_id == dev
                     and seq_lens.data.device_id == dev and (k_cache.data.ptr | v_cache.data.ptr) % 16 == 0):
                 plan = sig.plan
-                if plan is None:  # check=True: the values, then the plan of the longest sequence
+                if plan is None:  # check="host": the values, then the plan of the longest sequence
+                    _errors.check_errors()
                     _, lens = ref.check_paged_values(block_table, seq_lens, sig.num_blocks, sig.block_size)
                     _check_max_seqlen(max_seqlen, lens)
                     max_len = int(lens.max())
                     plan = sig.plans.get(max_len)
                     if plan is None:
                         plan, out = _plan(sig.cfg_args, q, k_cache, v_cache, block_table, seq_lens, out, max_len)
-                        if len(sig.plans) >= _MAX_PLANS:
-                            sig.plans.clear()
-                        sig.plans[max_len] = plan
+                        sig.plans.put(max_len, plan)
                         return out
                 return plan.run(q, k_cache, v_cache, block_table, seq_lens, out)
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
     if all(_is_numpy(a) for a in arrays.values()):
         if out is not None:
             raise TypeError("out: only supported for GPU arrays (the reference path allocates its result)")
-        ref.check_flag("check", check)
+        _errors.check_mode(check)
         _check_max_seqlen(max_seqlen, seq_lens)
         return ref.paged_attention(q, k_cache, v_cache, block_table, seq_lens, softmax_scale=softmax_scale,
                                    softcap=softcap, window=window)
@@ -291,7 +299,9 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     arrays = {n: rt.as_gpu_array(a, n) for n, a in arrays.items()}
     rt.check_same_device(**arrays)
     q, k_cache, v_cache, block_table, seq_lens = arrays.values()
-    check = ref.check_flag("check", check)
+    check = _errors.check_mode(check) == "host"
+    if check:
+        _errors.check_errors()
     shape = ref.check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window, softcap,
                                  softmax_scale=softmax_scale, dtypes=ref.GPU_ATTENTION_DTYPES, check_values=check)
     left, _ = ref.check_window(window)
@@ -332,16 +342,17 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
         cfg_args = (scale, softcap_f, left, B, Hkv, Hq // Hkv, _dp(D), shape.block_size)
         plan, out = _plan(cfg_args, q, k_cache, v_cache, block_table, seq_lens, out, max_len)
         if key is not None and not cp.cuda.get_current_stream().is_capturing():
-            if len(_sigs) >= _MAX_PLANS:
-                _sigs.clear()
-            _sigs[key] = _Signature(dev, shape.num_blocks, shape.block_size, cfg_args,
-                                    None if check else plan, {max_len: plan} if check else None)
+            plans = None
+            if check:
+                plans = _plans.PlanCache()  # one per longest sequence length
+                plans.put(max_len, plan)
+            _sigs.put(key, _Signature(dev, shape.num_blocks, shape.block_size, cfg_args,
+                                      None if check else plan, plans))
     return out
 
 
 # ------------------------------------------------------------------------------------------- launch plans
-_MAX_PLANS = 256  # signatures kept (all forgotten at once when full); as many plans per check=True signature
-_sigs: dict = {}  # _fast_key(...) -> _Signature
+_sigs = _plans.PlanCache()  # _fast_key(...) -> _Signature
 
 
 def _check_max_seqlen(max_seqlen, lens=None) -> None:
@@ -372,7 +383,7 @@ def _fast_key(cp, q, k_cache, v_cache, block_table, seq_lens, softmax_scale, sof
 
 class _Signature:
     """A fully checked call signature: its device, what the value checks need, and its launch plan
-    (check=False: one; check=True: one per longest sequence length, in `plans`)."""
+    (check="device": one; check="host": one per longest sequence length, in `plans`)."""
     __slots__ = ("dev", "num_blocks", "block_size", "cfg_args", "plan", "plans")
 
     def __init__(self, dev, num_blocks, block_size, cfg_args, plan, plans):
@@ -381,30 +392,23 @@ class _Signature:
 
 
 class _Plan:
-    """One call's launches (from its _Launch) with the arrays left out, to replay on same-signature arrays."""
-    __slots__ = ("kernel", "grid", "block", "smem", "tail", "combine", "cgrid", "ctail", "n_o", "n_lse", "dummy")
+    """One call's launches (from its _Launch) with the arrays left out, to replay on same-signature arrays.
+    The split-K partials are the stream's scratch, fixed when the plan is made (the plan is per stream)."""
+    __slots__ = ("kernel", "grid", "block", "smem", "tail", "combine", "cgrid", "ctail", "o_part", "lse_part")
 
     def __init__(self, launch):
         self.kernel, self.grid, self.block, self.smem = launch.kernel, launch.grid, launch.block, launch.smem
         self.tail, self.combine, self.cgrid, self.ctail = launch.args[8:], launch.combine, launch.cgrid, \
             launch.cargs[4:]
-        self.n_o, self.n_lse = int(launch.o_part.size), int(launch.lse_part.size)
-        # with one split the kernel writes `out` directly and never touches its scratch arguments
-        self.dummy = launch.o_part if launch.combine is None else None
+        self.o_part, self.lse_part = launch.o_part, launch.lse_part
 
     def run(self, q, k_cache, v_cache, block_table, seq_lens, out):
-        cp = rt.cupy
         if out is None:
-            out = cp.empty(q.shape, dtype=q.dtype)
-        if self.combine is None:
-            self.kernel(self.grid, self.block, (q, k_cache, v_cache, block_table, seq_lens, out, self.dummy,
-                                                self.dummy) + self.tail, shared_mem=self.smem)
-        else:
-            o_part = cp.empty((self.n_o,), dtype=cp.float32)
-            lse_part = cp.empty((self.n_lse,), dtype=cp.float32)
-            self.kernel(self.grid, self.block, (q, k_cache, v_cache, block_table, seq_lens, out, o_part,
-                                                lse_part) + self.tail, shared_mem=self.smem)
-            self.combine(self.cgrid, (128,), (o_part, lse_part, seq_lens, out) + self.ctail)
+            out = rt.cupy.empty(q.shape, dtype=q.dtype)
+        self.kernel(self.grid, self.block, (q, k_cache, v_cache, block_table, seq_lens, out, self.o_part,
+                                            self.lse_part) + self.tail, shared_mem=self.smem)
+        if self.combine is not None:
+            self.combine(self.cgrid, (128,), (self.o_part, self.lse_part, seq_lens, out) + self.ctail)
         return out
 
 
@@ -598,7 +602,6 @@ class PagedKVCache:
             table, lens = self.block_table[idx], self.seq_lens[idx]
         if self.xp is np:
             return paged_attention(q, self.k_cache, self.v_cache, table, lens, **kw)
-        kw.setdefault("check", False)
         kw.setdefault("max_seqlen", int(self._lens[slots].max()))
         return paged_attention(q, self.k_cache, self.v_cache, table, lens, **kw)
 

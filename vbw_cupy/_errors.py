@@ -1,0 +1,97 @@
+"""The device error word: bad index values found by a kernel, reported without a host sync.
+
+Kernels that read through index arrays (paged_attention's block_table and seq_lens, flash_attention_varlen's
+cu_seqlens) check every index on the device. A sequence with a bad one gets NaN output rows and a flag in this
+device's error word (cuda_src/errors.cuh); nothing is read or written out of bounds and the call does not
+synchronize. `check_errors()` copies the word to the host (a sync), clears it and raises ValueError naming the
+operation, the argument and the first bad sequence. A call made with ``check="host"`` checks the word too.
+
+The word is one int32[16] per device, allocated on the first GPU call that needs it and never freed, so a CUDA
+graph that captured its address can be replayed for the life of the process.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from . import _runtime as rt
+
+# code -> (operation, argument, what was wrong); cuda_src/errors.cuh has the same codes
+CODES = {
+    1: ("paged_attention", "seq_lens", "a length outside [1, max_blocks * block_size]"),
+    2: ("paged_attention", "block_table", "a block id in use outside [0, num_blocks)"),
+    3: ("flash_attention_varlen", "cu_seqlens_q",
+        "offsets out of order or past the tokens, or a sequence longer than max_seqlen_q"),
+    4: ("flash_attention_varlen", "cu_seqlens_k",
+        "offsets out of order or past the tokens, or a sequence longer than max_seqlen_k"),
+    5: ("quantize", "x", "NaN or Inf in the input of an nvfp4 quantize with a given global_scale"),
+}
+NVFP4_NONFINITE = 5
+_INDEXED = {1, 2, 3, 4}  # codes that record the smallest bad sequence
+_WORDS = 16
+
+_lock = threading.Lock()
+_buffers: dict = {}  # device id -> cupy int32[16], kept for the life of the process
+
+
+def check_mode(check) -> str:
+    """The `check` option of the ops that read index arrays: "device" (default: checked by the kernel, no sync)
+    or "host" (read and checked on the host first; synchronizes). True and False mean "host" and "device"."""
+    if check is True or isinstance(check, str) and check == "host":
+        return "host"
+    if check is False or isinstance(check, str) and check == "device":
+        return "device"
+    err = ValueError if isinstance(check, str) else TypeError
+    raise err(f"check: expected \"device\", \"host\", True or False, got {check!r}")
+
+
+def buffer(device_id: int | None = None):
+    """This device's error word (a CuPy int32[16]); created zeroed on first use."""
+    cp = rt.require_cupy()
+    dev = cp.cuda.runtime.getDevice() if device_id is None else int(device_id)
+    buf = _buffers.get(dev)
+    if buf is None:
+        with _lock, cp.cuda.Device(dev):
+            buf = _buffers.get(dev)
+            if buf is None:
+                if cp.cuda.get_current_stream().is_capturing():
+                    raise RuntimeError("vbw_cupy: the first GPU call on a device cannot be made while a CUDA "
+                                       "graph is being captured; call the operation once before capturing")
+                buf = cp.zeros(_WORDS, dtype=cp.int32)
+                cp.cuda.Device(dev).synchronize()
+                _buffers[dev] = buf
+    return buf
+
+
+def pending(device_id: int | None = None) -> list[str]:
+    """Messages of the errors flagged on a device (all devices used so far when None), clearing them.
+    Synchronizes those devices."""
+    cp = rt.cupy
+    if cp is None:
+        return []
+    msgs = []
+    for dev, buf in sorted(_buffers.items()):
+        if device_id is not None and dev != device_id:
+            continue
+        with cp.cuda.Device(dev):
+            words = buf.get()
+            if not words.any():
+                continue
+            buf.fill(0)
+        for code in np.flatnonzero(words):
+            op, arg, what = CODES.get(int(code), ("a vbw_cupy kernel", "?", f"unknown error code {int(code)}"))
+            where = f" (first in sequence {0x7fffffff - int(words[code])})" if code in _INDEXED else ""
+            msgs.append(f"{op}: {arg}: {what}{where}; the rows of those sequences are NaN "
+                        f"(device {dev})" if code in _INDEXED else f"{op}: {arg}: {what} (device {dev})")
+    return msgs
+
+
+def check_errors(device=None) -> None:
+    """Raise ValueError if a kernel flagged bad index values since the last check (see the module docs).
+
+    Synchronizes each device that has run such a kernel; clears the flags it reports. `device`: a device id to
+    check only that one (default: every device used)."""
+    msgs = pending(None if device is None else int(device))
+    if msgs:
+        raise ValueError("; ".join(msgs))
