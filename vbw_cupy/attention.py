@@ -28,6 +28,7 @@ import math
 
 import numpy as np
 
+from . import _checks
 from . import _runtime as rt
 from . import reference as ref
 
@@ -394,29 +395,29 @@ def _prepare_gpu(q, k, v):
 def _check_dense(q, k, v, *, causal, softmax_scale, window, softcap, return_lse):
     """Every check of the GPU path that needs only .shape / .dtype (so it also runs on NumPy arrays, with no
     GPU). Returns (shape, (left, right), scale, softcap, return_lse)."""
-    shape = ref.check_attention_args(q, k, v, window, softcap, causal=causal, softmax_scale=softmax_scale,
-                                     dtypes=ref.GPU_ATTENTION_DTYPES)
-    return_lse = ref.check_flag("return_lse", return_lse)
+    shape = _checks.check_attention_args(q, k, v, window, softcap, causal=causal, softmax_scale=softmax_scale,
+                                         dtypes=_checks.GPU_ATTENTION_DTYPES)
+    return_lse = _checks.check_flag("return_lse", return_lse)
     _check_seqlen("q", shape.Sq)
     _check_seqlen("k", shape.Sk)
     _check_grid(shape.B, shape.Hq, shape.Sq)
-    left, right = ref.effective_window(window, causal)
-    return (shape, (left, right), ref.effective_scale(softmax_scale, shape.D), ref.check_softcap(softcap),
+    left, right = _checks.effective_window(window, causal)
+    return (shape, (left, right), _checks.effective_scale(softmax_scale, shape.D), _checks.check_softcap(softcap),
             return_lse)
 
 
 def _check_varlen(q, k, v, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, softcap,
                   return_lse):
     """The varlen counterpart of `_check_dense` (reads the offsets on the host)."""
-    shape = ref.check_varlen_args(q, k, v, cu_q, cu_k, window, softcap, max_seqlen_q=max_seqlen_q,
-                                  max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                                  dtypes=ref.GPU_ATTENTION_DTYPES, check_values=True)
-    return_lse = ref.check_flag("return_lse", return_lse)
+    shape = _checks.check_varlen_args(q, k, v, cu_q, cu_k, window, softcap, max_seqlen_q=max_seqlen_q,
+                                      max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                      dtypes=_checks.GPU_ATTENTION_DTYPES, check_values=True)
+    return_lse = _checks.check_flag("return_lse", return_lse)
     _check_seqlen("cu_seqlens_q", shape.max_seqlen_q)
     _check_seqlen("cu_seqlens_k", shape.max_seqlen_k)
     _check_grid(shape.B, shape.Hq, shape.max_seqlen_q)
-    left, right = ref.effective_window(window, causal)
-    return (shape, (left, right), ref.effective_scale(softmax_scale, shape.D), ref.check_softcap(softcap),
+    left, right = _checks.effective_window(window, causal)
+    return (shape, (left, right), _checks.effective_scale(softmax_scale, shape.D), _checks.check_softcap(softcap),
             return_lse)
 
 
@@ -553,6 +554,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
         if res is not None:
             return res
     if _split_host_device(q=q, k=k, v=v):
+        _checks.check_attention_args(q, k, v, window, softcap, causal=causal, softmax_scale=softmax_scale)
+        _checks.check_flag("return_lse", return_lse)
         return ref.flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                    softcap=softcap, return_lse=return_lse)
     return _flash_gpu(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
@@ -576,6 +579,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
         if not (_is_host(cu_seqlens_q) and _is_host(cu_seqlens_k)):
             raise TypeError("cu_seqlens_q: expected NumPy offsets with NumPy q, k, v (NumPy and GPU inputs "
                             f"cannot be mixed), got {type(cu_seqlens_q).__name__} / {type(cu_seqlens_k).__name__}")
+        _checks.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, softcap, max_seqlen_q=max_seqlen_q,
+                                  max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale)
+        _checks.check_flag("return_lse", return_lse)
         return ref.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                           max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                                           window=window, softcap=softcap, return_lse=return_lse)

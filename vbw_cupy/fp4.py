@@ -11,11 +11,12 @@ import math
 import ml_dtypes
 import numpy as np
 
+from . import _checks
 from . import _runtime as rt
 from . import reference as ref
 
 FORMATS = ref.FORMATS
-_IN_DTYPES = ref.FLOAT_DTYPES
+_IN_DTYPES = _checks.FLOAT_DTYPES
 # dtype objects for the hot-path test (dtype.name costs ~1.6 us); the names still decide for other byte orders
 _IN_DTYPE_SET = frozenset(np.dtype(ml_dtypes.bfloat16 if n == "bfloat16" else n) for n in _IN_DTYPES)
 _SOURCE = "fp4_codec.cu"
@@ -308,7 +309,7 @@ def dequantize(t: FP4Tensor, dtype=np.float32):
     (float32, float16 or bfloat16, rounding to nearest even). MXFP4 decodes exactly; scale code 255 -> NaN."""
     if not isinstance(t, FP4Tensor):
         raise TypeError(f"t: expected an FP4Tensor, got {type(t).__name__}")
-    dtype = ref.check_float_dtype("dtype", dtype)
+    dtype = _checks.check_float_dtype("dtype", dtype)
     if not t.is_gpu:
         return ref.dequantize(t, dtype)
     cp = rt.require_cupy()

@@ -44,6 +44,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
+from . import _checks
 from . import _runtime as rt
 from . import autotune
 from . import reference as ref
@@ -51,7 +52,7 @@ from . import reference as ref
 _SOURCE = "fp4_gemm.cu"
 _NS = "vbw_fp4gemm::"
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
-_IN_DTYPES = ref.FLOAT_DTYPES
+_IN_DTYPES = _checks.FLOAT_DTYPES
 _OUT_KIND = {"float16": 0, "bfloat16": 1, "float32": 2}
 _BIAS_KIND = {"float16": 1, "bfloat16": 2, "float32": 3}
 _ATOM = {16: 576, 32: 544}
@@ -542,7 +543,7 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
     if out_dtype is None:
         out_dtype = np.dtype(np.float16) if a_fp4 else a_dtype
     else:
-        out_dtype = ref.check_float_dtype("out_dtype", out_dtype)
+        out_dtype = _checks.check_float_dtype("out_dtype", out_dtype)
     host = not w.is_gpu
     a_host = a.is_gpu is False if a_fp4 else isinstance(a, np.ndarray)
     if a_host != host:

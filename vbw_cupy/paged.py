@@ -25,6 +25,7 @@ import math
 import ml_dtypes
 import numpy as np
 
+from . import _checks
 from . import _runtime as rt
 from . import autotune
 from . import reference as ref
@@ -263,7 +264,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
                     and seq_lens.data.device_id == dev and (k_cache.data.ptr | v_cache.data.ptr) % 16 == 0):
                 plan = sig.plan
                 if plan is None:  # check=True: the values, then the plan of the longest sequence
-                    _, lens = ref.check_paged_values(block_table, seq_lens, sig.num_blocks, sig.block_size)
+                    _, lens = _checks.check_paged_values(block_table, seq_lens, sig.num_blocks, sig.block_size)
                     _check_max_seqlen(max_seqlen, lens)
                     max_len = int(lens.max())
                     plan = sig.plans.get(max_len)
@@ -278,8 +279,10 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     if all(_is_numpy(a) for a in arrays.values()):
         if out is not None:
             raise TypeError("out: only supported for GPU arrays (the reference path allocates its result)")
-        ref.check_flag("check", check)
+        _checks.check_flag("check", check)
         _check_max_seqlen(max_seqlen, seq_lens)
+        _checks.check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window, softcap,
+                                 softmax_scale=softmax_scale)
         return ref.paged_attention(q, k_cache, v_cache, block_table, seq_lens, softmax_scale=softmax_scale,
                                    softcap=softcap, window=window)
     for name, a in arrays.items():
@@ -291,12 +294,13 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     arrays = {n: rt.as_gpu_array(a, n) for n, a in arrays.items()}
     rt.check_same_device(**arrays)
     q, k_cache, v_cache, block_table, seq_lens = arrays.values()
-    check = ref.check_flag("check", check)
-    shape = ref.check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window, softcap,
-                                 softmax_scale=softmax_scale, dtypes=ref.GPU_ATTENTION_DTYPES, check_values=check)
-    left, _ = ref.check_window(window)
-    scale = ref.effective_scale(softmax_scale, shape.D)
-    softcap_f = ref.check_softcap(softcap)
+    check = _checks.check_flag("check", check)
+    shape = _checks.check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window, softcap,
+                                     softmax_scale=softmax_scale, dtypes=_checks.GPU_ATTENTION_DTYPES,
+                                     check_values=check)
+    left, _ = _checks.check_window(window)
+    scale = _checks.effective_scale(softmax_scale, shape.D)
+    softcap_f = _checks.check_softcap(softcap)
     B, Hq, Hkv, D = shape.B, shape.Hq, shape.Hkv, shape.D
     if shape.num_blocks * shape.block_size * Hkv >= 2 ** 31:
         raise ValueError(f"k_cache: expected fewer than 2^31 token-head rows (num_blocks * block_size * Hkv), "
@@ -348,7 +352,7 @@ def _check_max_seqlen(max_seqlen, lens=None) -> None:
     """max_seqlen, when given, is a positive int; where seq_lens' values are read (lens), it must bound them."""
     if max_seqlen is None:
         return
-    if not ref._is_int(max_seqlen) or int(max_seqlen) < 1:
+    if not _checks._is_int(max_seqlen) or int(max_seqlen) < 1:
         raise ValueError(f"max_seqlen: expected a positive int, got {max_seqlen!r}")
     if lens is None:
         return
@@ -430,8 +434,8 @@ def _launch_for(q, k_cache, v_cache, block_table, seq_lens, out, cfg=None, *, so
                 window=(-1, -1), max_seqlen=None, explore=False):
     """A replayable _Launch for already-valid CuPy arguments (benchmarks, tests of every config)."""
     D = int(q.shape[-1])
-    scale = ref.effective_scale(softmax_scale, D)
-    left, _ = ref.check_window(window)
+    scale = _checks.effective_scale(softmax_scale, D)
+    left, _ = _checks.check_window(window)
     max_len = max_seqlen or int(block_table.shape[1]) * int(k_cache.shape[1])
     if cfg is None:
         cfg = autotune.default_config(TUNABLE.name)
@@ -475,14 +479,15 @@ class PagedKVCache:
             xp = rt.require_cupy()
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq)):
-            if not ref._is_int(v) or int(v) < 1:
+            if not _checks._is_int(v) or int(v) < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        if block_size > ref.MAX_BLOCK_SIZE or block_size & (block_size - 1):
-            raise ValueError(f"block_size: expected a power of two from 1 to {ref.MAX_BLOCK_SIZE}, got {block_size}")
-        if not 1 <= head_dim <= ref.MAX_HEAD_DIM:
-            raise ValueError(f"head_dim: expected 1 to {ref.MAX_HEAD_DIM}, got {head_dim}")
+        if block_size > _checks.MAX_BLOCK_SIZE or block_size & (block_size - 1):
+            raise ValueError(f"block_size: expected a power of two from 1 to {_checks.MAX_BLOCK_SIZE}, "
+                             f"got {block_size}")
+        if not 1 <= head_dim <= _checks.MAX_HEAD_DIM:
+            raise ValueError(f"head_dim: expected 1 to {_checks.MAX_HEAD_DIM}, got {head_dim}")
         dtype = np.dtype(dtype)
-        if dtype not in ref.ATTENTION_DTYPES:
+        if dtype not in _checks.ATTENTION_DTYPES:
             raise TypeError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
         self.xp = xp
         self.block_size = int(block_size)
@@ -573,7 +578,7 @@ class PagedKVCache:
 
     def free(self, seq) -> None:
         """Return sequence slot `seq`'s blocks to the free list; its length becomes 0."""
-        if not ref._is_int(seq) or not 0 <= int(seq) < self.max_batch:
+        if not _checks._is_int(seq) or not 0 <= int(seq) < self.max_batch:
             raise ValueError(f"seq: expected a slot in [0, {self.max_batch}), got {seq!r}")
         s = int(seq)
         n = int(self._nblk[s])
