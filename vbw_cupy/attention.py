@@ -29,7 +29,9 @@ import math
 import numpy as np
 
 from . import _checks
+from . import _device
 from . import _runtime as rt
+from . import _timing
 from . import reference as ref
 
 try:
@@ -177,8 +179,8 @@ def default_config(head_dim: int, arch: int, vec: bool = True) -> dict:
 def _runnable(head_dim: int, cfg: dict, vec: bool) -> dict:
     """cfg, or the mma default where the wgmma kernel cannot run (not sm_90a, unaligned inputs): a wgmma
     instruction on another target is an illegal instruction that poisons the CUDA context."""
-    if cfg["KIND"] != "mma" and not (vec and rt.device_arch() == 90):
-        return default_config(head_dim, rt.device_arch(), vec=False)
+    if cfg["KIND"] != "mma" and not (vec and _device.device_arch() == 90):
+        return default_config(head_dim, _device.device_arch(), vec=False)
     return cfg
 
 
@@ -344,7 +346,7 @@ class _Launch:
         if config is not None:
             return dict(config)
         if _autotune is None or not self.vec:
-            return default_config(self.head_dim, rt.device_arch(), self.vec)
+            return default_config(self.head_dim, _device.device_arch(), self.vec)
         shape = {"Sq": self.max_q, "Sk": self.max_k, "masked": int(self.masked), "BH": self.B * self.Hq}
         return _autotune.pick(_tunable_name(self.head_dim), shape, self.q.dtype, self.run)
 
@@ -628,11 +630,11 @@ def _selftest_case(B, S, Hq, Hkv, D, dtype, causal):
         base = ref.rel_error(low.astype(np.float32), o64)
         cap = 2e-3 if dtype == "float16" else 1e-2
         bound = min(2 * base, cap) if base > 0 else cap
-        ms = rt.time_ms(lambda: flash_attention(q, k, v, causal=causal), warmup=3, rep=10)
+        ms = _timing.time_ms(lambda: flash_attention(q, k, v, causal=causal), warmup=3, rep=10)
         peer_ms = None
         try:
             scale = 1.0 / math.sqrt(D)
-            peer_ms = rt.time_ms(lambda: _peer_attention(q, k, v, causal, scale), warmup=1, rep=3)
+            peer_ms = _timing.time_ms(lambda: _peer_attention(q, k, v, causal, scale), warmup=1, rep=3)
         except Exception:
             pass
         flops = 4.0 * B * Hq * S * S * D / (2 if causal else 1)

@@ -46,6 +46,7 @@ import numpy as np
 
 from . import _checks
 from . import _runtime as rt
+from . import _timing
 from . import autotune
 from . import reference as ref
 
@@ -617,11 +618,11 @@ def _case(M, N, K, fmt, dtype, act=None, with_bias=False):
                                     for _ in range(copies - 1)])
         for _ in range(copies):  # each copy's one-time weight layout is prepared here, not in the timing
             fp4_matmul(a, next(ws), bias, act)
-        ms = rt.time_ms(lambda: fp4_matmul(a, next(ws), bias, act), inner=10)
+        ms = _timing.time_ms(lambda: fp4_matmul(a, next(ws), bias, act), inner=10)
         a16 = a.astype(cp.float16)
         wd = cp.asarray(ref.dequantize(w.to_cpu(), np.float16))
         b16 = None if bias is None else bias.astype(cp.float16)
-        pms = rt.time_ms(lambda: _cupy_epilogue(cp.matmul(a16, wd.T), b16, act), inner=10)
+        pms = _timing.time_ms(lambda: _cupy_epilogue(cp.matmul(a16, wd.T), b16, act), inner=10)
         return {"op": f"fp4_matmul {fmt} {np.dtype(dtype).name}" + (f" {act}" if act else "") + (" +bias" if with_bias else ""),
                 "shape": f"M={M} N={N} K={K}", "error": err, "bound": bound, "ok": bool(err <= bound),
                 "time_ms": ms, "peer": "cupy.matmul fp16", "peer_ms": pms}

@@ -26,7 +26,9 @@ import ml_dtypes
 import numpy as np
 
 from . import _checks
+from . import _device
 from . import _runtime as rt
+from . import _timing
 from . import autotune
 from . import reference as ref
 
@@ -112,7 +114,7 @@ def kernel_instances() -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------------------------- the launch
 def _occupancy(kernel, threads: int, smem: int) -> int:
     """CTAs per SM from shared memory, registers and threads (an estimate; never below 1)."""
-    a = rt.device_attributes()
+    a = _device.device_attributes()
     smem_sm = int(a.get("MaxSharedMemoryPerMultiprocessor", 228 * 1024))
     at = kernel.attributes
     static = int(at.get("shared_size_bytes", 0))
@@ -154,7 +156,7 @@ class _Launch:
         if (W, S) not in _CONFIGS + (_EXPLORE_CONFIGS if explore else ()):
             raise ValueError(f"paged_decode: no instance for WARPS={W}, STAGES={S} (have {_CONFIGS})")
         smem = _smem_bytes(dp, W, S)
-        optin = int(rt.device_attributes().get("MaxSharedMemoryPerBlockOptin", 48 * 1024))
+        optin = int(_device.device_attributes().get("MaxSharedMemoryPerBlockOptin", 48 * 1024))
         if smem > optin:
             raise ValueError(f"paged_decode: WARPS={W}, STAGES={S} at head dim {dp} needs {smem} bytes of shared "
                              f"memory, the device allows {optin}")
@@ -164,7 +166,7 @@ class _Launch:
         splits = int(cfg.get("SPLITS", 0))
         by_len = max(1, rt.cdiv(max_len, _TILE) // (2 * W))
         if splits <= 0:
-            slots = rt.num_sms() * _occupancy(self.kernel, W * 32, smem)
+            slots = _device.num_sms() * _occupancy(self.kernel, W * 32, smem)
             splits = heuristic_splits(ctas, slots, max_len, W)
         splits = max(1, min(splits, by_len, MAX_SPLITS))
         self.splits = splits
@@ -669,14 +671,14 @@ def _selftest_case(B, ctx, Hq, Hkv, D, bs, dtype, **kw):
         err, base, bound = reference_errors(*h, o.get(), **opts)
         out = cp.empty_like(d[0])
         launch = _launch_for(*d, out, cfg=None, max_seqlen=int(np.max(lens)), **opts)
-        t = rt.time_ms(launch.run, warmup=3, rep=20)
+        t = _timing.time_ms(launch.run, warmup=3, rep=20)
         tokens = int(np.sum(lens)) if kw.get("mixed") else B * ctx
         kv = tokens * Hkv * D * 2 * np.dtype(dtype).itemsize
         extra = " ".join(f"{k}={v}" for k, v in opts.items())
         return {"op": "paged_attention", "shape": f"B={B} ctx={ctx}{'(mixed)' if kw.get('mixed') else ''} "
                 f"{Hq}/{Hkv} D={D} bs={bs} {np.dtype(dtype).name} {extra}".strip(),
                 "error": err, "bound": bound, "ok": bool(err <= bound), "time_ms": t,
-                "peer": "copy of the K+V bytes", "peer_ms": rt.copy_time_ms(kv)}
+                "peer": "copy of the K+V bytes", "peer_ms": _timing.copy_time_ms(kv)}
     case.__qualname__ = f"paged_attention[B{B} ctx{ctx} {Hq}/{Hkv} D{D} bs{bs}]"
     return case
 
