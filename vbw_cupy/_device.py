@@ -37,3 +37,36 @@ def num_sms() -> int:
 def _num_sms(device_id: int) -> int:
     return int(rt.cupy.cuda.runtime.deviceGetAttribute(rt.cupy.cuda.runtime.cudaDevAttrMultiProcessorCount,
                                                       device_id))
+
+
+_device_cache: dict[int, dict] = {}
+
+
+def query_device() -> dict:
+    """id, name, arch, nvrtc version and the limits autotune's `fits` reads, of the current device (cached)."""
+    cp = rt.require_cupy()
+    dev = cp.cuda.Device()
+    if dev.id in _device_cache:
+        return _device_cache[dev.id]
+    a = dev.attributes
+    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
+    if isinstance(name, bytes):
+        name = name.decode(errors="replace")
+    arch = int(dev.compute_capability)
+    info = {
+        "id": dev.id,
+        "name": str(name).strip(),
+        "arch": arch,
+        "nvrtc": rt.nvrtc_version(),
+        "limits": {
+            "arch": arch,
+            "smem_optin": int(a.get("MaxSharedMemoryPerBlockOptin", a.get("MaxSharedMemoryPerBlock", 49152))),
+            "smem_per_sm": int(a.get("MaxSharedMemoryPerMultiprocessor", 0)),
+            "max_threads": int(a.get("MaxThreadsPerBlock", 1024)),
+            "regs_per_block": int(a.get("MaxRegistersPerBlock", 65536)),
+            "num_sms": int(a.get("MultiProcessorCount", 1)),
+            "l2_bytes": int(a.get("L2CacheSize", 0)),
+        },
+    }
+    _device_cache[dev.id] = info
+    return info

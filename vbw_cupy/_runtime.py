@@ -59,6 +59,24 @@ def sources_hash() -> str:
     return h.hexdigest()[:16]
 
 
+_src_hashes: dict[str, str] = {}
+
+
+def source_hash(filename: str) -> str:
+    """Hash of cuda_src/<filename> plus every .cuh header (headers are shared, so any header edit counts)."""
+    if not filename:
+        return "nosrc"
+    h = _src_hashes.get(filename)
+    if h is None:
+        d = hashlib.sha256()
+        paths = [SOURCE_DIR / filename] + sorted(p for p in SOURCE_DIR.glob("*.cuh"))
+        for p in paths:
+            d.update(p.name.encode())
+            d.update(p.read_bytes() if p.is_file() else b"<missing>")
+        h = _src_hashes[filename] = d.hexdigest()[:16]
+    return h
+
+
 def have_cupy() -> bool:
     return cupy is not None
 
@@ -204,8 +222,8 @@ def _cached_cubin(filename, name, arch, extra_options):
     cubin, lowered_map = compile_cubin(filename, [name], arch, extra_options)
     try:
         d.mkdir(parents=True, exist_ok=True)
-        _atomic_write(cubin_path, cubin)
-        _atomic_write(name_path, lowered_map[name].encode())
+        atomic_write(cubin_path, cubin)
+        atomic_write(name_path, lowered_map[name].encode())
     except OSError:  # a read-only home still works, just without the disk cache
         return cubin, lowered_map[name]
     return cubin_path, lowered_map[name]
@@ -251,11 +269,16 @@ def _module_from_bytes(cubin: bytes):
         os.unlink(f.name)
 
 
-def _atomic_write(path: pathlib.Path, data: bytes) -> None:
+def atomic_write(path: pathlib.Path, data: bytes, fsync: bool = False) -> None:
+    """Write `data` to a temporary file beside `path` (flushed to disk first with `fsync`), then rename it over
+    `path`: readers see the old file or the new one, never half of one."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
