@@ -301,9 +301,7 @@ def main(argv=None):
                 json.dump(rows, f)
         return 0
     os.environ.setdefault("VBW_CUPY_AUTOTUNE", "0")
-    import cupy as cp
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    print(f"device: {props['name'].decode()} sm_{_device.device_arch()}, {_device.num_sms()} SMs", flush=True)
+    print(f"device: {_device.query_device()['name']} sm_{_device.device_arch()}, {_device.num_sms()} SMs", flush=True)
     cases = [k for k in CASES if not args.only_bars or k in BAR_CASES]
     rows = []
     t0 = time.time()
