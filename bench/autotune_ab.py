@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 import vbw_cupy as vc
-from vbw_cupy import _runtime as rt
+from vbw_cupy import _timing
 from vbw_cupy import autotune
 
 ROUNDS = 5
@@ -59,7 +59,7 @@ def cases():
 
 def timed(fn, tuned: bool) -> float:
     os.environ["VBW_CUPY_AUTOTUNE"] = "1" if tuned else "0"
-    return rt.time_ms(fn, warmup=2, rep=10, inner=5)
+    return _timing.time_ms(fn, warmup=2, rep=10, inner=5)
 
 
 def main() -> int:

@@ -23,7 +23,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from vbw_cupy import _device  # noqa: E402
 from vbw_cupy import _runtime as rt  # noqa: E402
+from vbw_cupy import _timing  # noqa: E402
 
 try:
     import pytest
@@ -56,7 +58,7 @@ def _torch():
 
 def cuda_ms(fn, warmup=3, rep=10):
     """Median ms of fn() over `rep` runs, CUDA events on the current stream, after warm-up."""
-    return rt.time_ms(fn, warmup=warmup, rep=rep)
+    return _timing.time_ms(fn, warmup=warmup, rep=rep)
 
 
 class Case:
@@ -197,7 +199,7 @@ def quick(Ds=(64, 128, 256), Ss=GRID_S, dtypes=("float16", "bfloat16"), rep=10, 
 
 def sweep(Ds=(64, 128, 256), Ss=(4096,), rep=10, out=sys.stdout):
     from vbw_cupy import attention as A
-    arch = rt.device_arch()
+    arch = _device.device_arch()
     for D in Ds:
         hd = A.head_dim_bucket(D)
         for S, causal in ((S, c) for S in Ss for c in (False, True)):
@@ -332,7 +334,7 @@ def main(argv=None):
         best = ab(rep=a.rep)
         # apply the winners in this process (defaults of sm_90 and the NVRTC switches) for the table below
         for D, (vname, c, _) in best.items():
-            A._DEFAULTS[D][rt.device_arch()] = _ab_cfg(c)
+            A._DEFAULTS[D][_device.device_arch()] = _ab_cfg(c)
         A._EXTRA_OPTIONS = {D: AB_VARIANTS[v] for D, (v, _, _) in best.items()}
     if a.sweep:
         sweep(Ds=tuple(a.D or (64, 128, 256)), Ss=tuple(a.S or [4096]), rep=a.rep)

@@ -26,7 +26,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from vbw_cupy import _device  # noqa: E402
 from vbw_cupy import _runtime as rt  # noqa: E402
+from vbw_cupy import _timing  # noqa: E402
 from vbw_cupy import paged  # noqa: E402
 
 BATCHES = (1, 8, 64)
@@ -145,7 +147,7 @@ class Case:
         v = self.v[self.tables[0]].reshape(self.B, -1, self.Hkv, D)[:, :self.ctx]
         q = self.q[:, None]
         try:
-            return rt.time_ms(lambda: attention.flash_attention(q, k, v), warmup=2, rep=10)
+            return _timing.time_ms(lambda: attention.flash_attention(q, k, v), warmup=2, rep=10)
         except Exception as e:  # the peer is someone else's work in progress: report, do not fail
             print(f"  flash_attention peer failed: {type(e).__name__}: {e}", file=sys.stderr)
             return None
@@ -299,9 +301,7 @@ def main(argv=None):
                 json.dump(rows, f)
         return 0
     os.environ.setdefault("VBW_CUPY_AUTOTUNE", "0")
-    import cupy as cp
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    print(f"device: {props['name'].decode()} sm_{rt.device_arch()}, {rt.num_sms()} SMs", flush=True)
+    print(f"device: {_device.query_device()['name']} sm_{_device.device_arch()}, {_device.num_sms()} SMs", flush=True)
     cases = [k for k in CASES if not args.only_bars or k in BAR_CASES]
     rows = []
     t0 = time.time()

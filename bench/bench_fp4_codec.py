@@ -18,7 +18,7 @@ cp = pytest.importorskip("cupy") if __name__ != "__main__" else __import__("cupy
 import ml_dtypes  # noqa: E402
 
 import vbw_cupy as vc  # noqa: E402
-from vbw_cupy import _runtime as rt  # noqa: E402
+from vbw_cupy import _timing  # noqa: E402
 
 SHAPE = (8192, 8192)  # 64M elements
 CASES = [(fmt, dt) for fmt in ("mxfp4", "nvfp4", "nvfp4+amax") for dt in (np.float16, ml_dtypes.bfloat16, np.float32)]
@@ -43,15 +43,15 @@ def _setup(fmt, dtype, kernel_only=True):
 def measure(fmt, dtype):
     q, d, nbytes = _setup(fmt, dtype)
     qc, dc, _ = _setup(fmt, dtype, kernel_only=False)
-    copy_gbs = rt.copy_bandwidth_gbs(nbytes)
-    tq, td = rt.time_ms(q, inner=10), rt.time_ms(d, inner=10)
+    copy_gbs = _timing.copy_bandwidth_gbs(nbytes)
+    tq, td = _timing.time_ms(q, inner=10), _timing.time_ms(d, inner=10)
     return {"format": fmt, "dtype": np.dtype(dtype).name, "copy_GBs": copy_gbs,
             "quantize_GBs": nbytes / tq / 1e6, "dequantize_GBs": nbytes / td / 1e6, "q_ms": tq, "d_ms": td,
-            "q_call_ms": rt.time_ms(qc), "d_call_ms": rt.time_ms(dc)}
+            "q_call_ms": _timing.time_ms(qc), "d_call_ms": _timing.time_ms(dc)}
 
 
 def _run_benchmark(benchmark, fn, nbytes):
-    copy_gbs = rt.copy_bandwidth_gbs(nbytes)
+    copy_gbs = _timing.copy_bandwidth_gbs(nbytes)
     fn()
 
     def timed():

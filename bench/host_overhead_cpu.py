@@ -16,7 +16,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
 import fake_cupy as fc  # noqa: E402
 
-from vbw_cupy import attention, fp4, paged, reference as ref  # noqa: E402
+from vbw_cupy import _checks, attention, fp4, paged  # noqa: E402
 
 
 def us(fn, n=2000):
@@ -58,9 +58,9 @@ def main():
          lambda: fp4.FP4Tensor(data, scales, np.float32(1.0), "nvfp4", (4096, 4096))),
         ("FP4Tensor._trusted(...) (library-built)",
          lambda: fp4.FP4Tensor._trusted(data, scales, np.float32(1.0), "nvfp4", (4096, 4096))),
-        ("reference.check_paged_args check_values=False",
-         lambda: ref.check_paged_args(q, kc, vcache, table, lens, dtypes=ref.GPU_ATTENTION_DTYPES,
-                                      check_values=False)),
+        ("_checks.check_paged_args check_values=False",
+         lambda: _checks.check_paged_args(q, kc, vcache, table, lens, dtypes=_checks.GPU_ATTENTION_DTYPES,
+                                          check_values=False)),
     ]
     print(f"{'call (fake CuPy: Python cost only)':52s} {'us/call':>8s}")
     for name, fn in rows:

@@ -3,7 +3,7 @@ plans, the fast paths) runs and can be timed on a machine without a GPU.
 
 Arrays are NumPy arrays behind CuPy's attribute names (`.data.ptr` is the NumPy buffer address, so views are
 misaligned exactly as on the device); kernels record their launches instead of running. `install(monkeypatch)`
-puts the fake in place of `vbw_cupy._runtime.cupy` and the device queries; nothing here computes results.
+puts the fake in place of `vbw_cupy._runtime.cupy` and the device queries (`vbw_cupy._device`); nothing here computes results.
 """
 from __future__ import annotations
 
@@ -139,6 +139,7 @@ def asgpu(a, device_id=0):
 
 def install(monkeypatch):
     """Use this module as vbw_cupy's CuPy for the rest of the test: returns {kernel name: Kernel}."""
+    from vbw_cupy import _device
     from vbw_cupy import _runtime as rt
     from vbw_cupy import autotune
     import sys
@@ -153,8 +154,8 @@ def install(monkeypatch):
     _state.update(device=0, stream=0)
     monkeypatch.setattr(rt, "cupy", sys.modules[__name__])
     monkeypatch.setattr(rt, "get_kernel", get_kernel)
-    monkeypatch.setattr(rt, "device_attributes", lambda: Device().attributes)
-    monkeypatch.setattr(rt, "num_sms", lambda: 132)
+    monkeypatch.setattr(_device, "device_attributes", lambda: Device().attributes)
+    monkeypatch.setattr(_device, "num_sms", lambda: 132)
     monkeypatch.setattr(autotune, "_device_info", lambda: {
         "id": _state["device"], "name": "fake H200", "arch": 90, "nvrtc": "12.8",
         "limits": {"arch": 90, "smem_optin": 232448, "smem_per_sm": 233472, "max_threads": 1024,

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from vbw_cupy import _device
 from vbw_cupy import _runtime as rt
 from vbw_cupy import attention as A
 from vbw_cupy import reference as ref
@@ -192,7 +193,7 @@ def test_wgmma_launch_loads_by_tma():
     """On sm_90 an aligned input of a wgmma config takes tensor maps (TMA loads), dense or packed (varlen);
     _USE_TMA = False takes the cp.async kernel. The sweep and the shape tests check both give right answers."""
     cp = pytest.importorskip("cupy")
-    if rt.device_arch() != 90:
+    if _device.device_arch() != 90:
         pytest.skip("TMA loads are the sm_90 wgmma kernel's")
     q = cp.ones((2, 300, 4, 64), dtype=cp.float16)
     k = cp.ones((2, 200, 2, 64), dtype=cp.float16)
@@ -314,7 +315,7 @@ def test_public_api_and_dlpack():
 
 @gpu
 def test_default_instances_do_not_spill():
-    arch = rt.device_arch()
+    arch = _device.device_arch()
     for hd in A.HEAD_DIMS:
         cfg = A.default_config(hd, arch)
         for dtype in ("float16", "bfloat16"):

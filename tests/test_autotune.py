@@ -80,7 +80,7 @@ def test_key_construction(env):
     name, src, dev, arch, nvrtc, dtype, bucket = k.split("|")
     assert (name, dev, arch, nvrtc, dtype, bucket) == ("t_fake", "Fake GPU X", "sm_90", "nvrtc12.8", "float16",
                                                        "1024,512")
-    assert src == at.source_hash("autotune_probe.cu") and len(src) == 16
+    assert src == at.rt.source_hash("autotune_probe.cu") and len(src) == 16
     # same bucket -> same key; anything else in the key -> a different key
     assert at.make_key("t_fake", {"M": 1020, "K": 512}, "float16") == k
     others = {at.make_key("t_fake", {"M": 1025, "K": 512}, "float16"),
@@ -96,17 +96,17 @@ def test_key_construction(env):
 
 def test_source_hash_follows_the_file_and_headers(tmp_path, monkeypatch):
     monkeypatch.setattr(at.rt, "SOURCE_DIR", tmp_path)
-    monkeypatch.setattr(at, "_src_hashes", {})
+    monkeypatch.setattr(at.rt, "_src_hashes", {})
     (tmp_path / "a.cu").write_text("kernel a v1")
     (tmp_path / "b.cu").write_text("kernel b")
-    h1, hb = at.source_hash("a.cu"), at.source_hash("b.cu")
-    monkeypatch.setattr(at, "_src_hashes", {})
+    h1, hb = at.rt.source_hash("a.cu"), at.rt.source_hash("b.cu")
+    monkeypatch.setattr(at.rt, "_src_hashes", {})
     (tmp_path / "a.cu").write_text("kernel a v2")
-    h2, hb2 = at.source_hash("a.cu"), at.source_hash("b.cu")
+    h2, hb2 = at.rt.source_hash("a.cu"), at.rt.source_hash("b.cu")
     assert h1 != h2 and hb == hb2           # editing a.cu leaves b's tuning valid
-    monkeypatch.setattr(at, "_src_hashes", {})
+    monkeypatch.setattr(at.rt, "_src_hashes", {})
     (tmp_path / "common.cuh").write_text("shared")
-    assert at.source_hash("a.cu") != h2 and at.source_hash("b.cu") != hb2   # a header edit invalidates all
+    assert at.rt.source_hash("a.cu") != h2 and at.rt.source_hash("b.cu") != hb2   # a header edit invalidates all
 
 
 def test_arch_fallback_to_nearest(env):

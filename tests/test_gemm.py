@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from vbw_cupy import _device
 from vbw_cupy import _runtime as rt
 from vbw_cupy import gemm, reference as ref
 from vbw_cupy.fp4 import FP4Tensor, quantize
@@ -195,7 +196,7 @@ def test_wgrs_loads_by_tma_and_by_cp_async(name, tma, monkeypatch):
     with cp.async: K = 936 leaves an odd last atom (a two-atom k-tile half past K), N = 1000 a partial row
     group, M = 203 a partial token tile; split-K 3, bias and SiLU; NaN-poisoned output."""
     cp = pytest.importorskip("cupy")
-    if rt.device_arch() != 90:
+    if _device.device_arch() != 90:
         pytest.skip("wgmma configs run on sm_90 only")
     monkeypatch.setattr(gemm, "_USE_TMA", tma)
     cfg = dict(gemm.TILES[name], SPLIT=3)
@@ -215,7 +216,7 @@ def test_wgrs_loads_by_tma_and_by_cp_async(name, tma, monkeypatch):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_every_config_tails_nan_poisoned(name, split, fmt):
     cfg = dict(gemm.TILES[name], SPLIT=split)
-    if cfg["KIND"] in gemm._WG and rt.device_arch() != 90:
+    if cfg["KIND"] in gemm._WG and _device.device_arch() != 90:
         pytest.skip("wgmma configs run on sm_90 only")
     M = 1 if cfg["KIND"] == "mmvd" else 203  # the DIAG kernel runs M = 1 only
     for dtype in (np.float16, BF16):
@@ -248,7 +249,7 @@ def test_decode_split2_cluster_reduction_matches_global(name, M, monkeypatch):
     """Split-K 2 of the decode kernels reduces in a thread-block cluster on sm_90: bit for bit the global
     workspace's result (same fixed order), NaN-poisoned output, K = 100 (2 real atoms of a row padded to 4)
     and K = 4095 (odd), N = 1000 (a partial row group)."""
-    if rt.device_arch() != 90:
+    if _device.device_arch() != 90:
         pytest.skip("clusters are used on sm_90 only")
     for fmt, K, dtype in (("nvfp4", 4095, np.float16), ("mxfp4", 4095, BF16), ("nvfp4", 100, BF16)):
         a, w = _gpu_case(M, 1000, K, fmt, dtype, seed=K + M)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import fake_cupy as fc
+from vbw_cupy import _checks
 from vbw_cupy import _runtime as rt
 from vbw_cupy import _plans, attention, autotune, fp4, paged
 from vbw_cupy import reference as ref
@@ -25,7 +26,7 @@ def kernels(monkeypatch):
     attention._fast_plans.clear()
     ks = fc.install(monkeypatch)
     full_calls.clear()
-    for mod, name in ((ref, "check_paged_args"), (fp4, "_quantize_gpu"), (attention, "_flash_gpu")):
+    for mod, name in ((_checks, "check_paged_args"), (fp4, "_quantize_gpu"), (attention, "_flash_gpu")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: full_calls.append(_name) or
                             _real(*a, **k))
@@ -295,14 +296,14 @@ def test_paged_max_seqlen_must_bound_checked_lengths(kernels):
 
 def test_check_paged_values_matches_check_paged_args():
     h = paged.make_case(np.random.default_rng(2), 3, np.asarray([5, 40, 17]), 8, 2, 16, 4, np.float16)
-    s = ref.check_paged_args(*h)
-    table, lens = ref.check_paged_values(h[3], h[4], s.num_blocks, s.block_size)
+    s = _checks.check_paged_args(*h)
+    table, lens = _checks.check_paged_values(h[3], h[4], s.num_blocks, s.block_size)
     np.testing.assert_array_equal(table, s.block_table)
     np.testing.assert_array_equal(lens, s.seq_lens)
     bad = h[3].copy()
     bad[2, 4] = -1
-    for fn in (lambda: ref.check_paged_args(h[0], h[1], h[2], bad, h[4]),
-               lambda: ref.check_paged_values(bad, h[4], s.num_blocks, s.block_size)):
+    for fn in (lambda: _checks.check_paged_args(h[0], h[1], h[2], bad, h[4]),
+               lambda: _checks.check_paged_values(bad, h[4], s.num_blocks, s.block_size)):
         with pytest.raises(ValueError, match=r"block_table: .* got -1 at \[2, 4\]"):
             fn()
 

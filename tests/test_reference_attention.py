@@ -1,5 +1,6 @@
 """The float64 attention reference (vbw_cupy.reference, attention section) against a naive per-element
-loop, against invariants, at 8k tokens, and on bad input. CPU only."""
+loop, against invariants, at 8k tokens; and the argument checks (vbw_cupy._checks) on bad input to the public
+functions' NumPy path. CPU only."""
 import math
 import time
 import tracemalloc
@@ -8,6 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import vbw_cupy
+from vbw_cupy import _checks
 from vbw_cupy import reference as ref
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -405,32 +408,32 @@ def test_checks_work_on_device_like_arrays():
     rng = np.random.default_rng(16)
     q, k = rnd(rng, (2, 5, 4, 8), np.float16), rnd(rng, (2, 7, 2, 8), np.float16)
     dq, dk = DeviceLike(q), DeviceLike(k)
-    assert ref.check_attention_args(dq, dk, dk, (-1, -1), 0.0) == (2, 5, 7, 4, 2, 8)
+    assert _checks.check_attention_args(dq, dk, dk, (-1, -1), 0.0) == (2, 5, 7, 4, 2, 8)
     with pytest.raises(TypeError, match="q: expected dtype float16, bfloat16, got float32"):
-        ref.check_attention_args(DeviceLike(q.astype(np.float32)), DeviceLike(k.astype(np.float32)),
+        _checks.check_attention_args(DeviceLike(q.astype(np.float32)), DeviceLike(k.astype(np.float32)),
                                  DeviceLike(k.astype(np.float32)), (-1, -1), 0.0,
                                  dtypes=(np.dtype(np.float16), BF16))
     cu_q, cu_k = DeviceLike(np.array([0, 3, 5], np.int32)), DeviceLike(np.array([0, 4, 7], np.int32))
-    shape = ref.check_varlen_args(DeviceLike(q[0]), DeviceLike(k[0]), DeviceLike(k[0]), cu_q, cu_k)
+    shape = _checks.check_varlen_args(DeviceLike(q[0]), DeviceLike(k[0]), DeviceLike(k[0]), cu_q, cu_k)
     assert shape[:8] == (2, 5, 7, 4, 2, 8, 3, 4) and cu_q.gets == 1
-    shape = ref.check_varlen_args(DeviceLike(q[0]), DeviceLike(k[0]), DeviceLike(k[0]), cu_q, cu_k,
+    shape = _checks.check_varlen_args(DeviceLike(q[0]), DeviceLike(k[0]), DeviceLike(k[0]), cu_q, cu_k,
                                   max_seqlen_q=3, max_seqlen_k=4, check_values=False)
     assert shape.max_seqlen_q == 3 and shape.cu_seqlens_q is None and cu_q.gets == 1      # no copy
     table, lens = DeviceLike(np.array([[1, 0], [2, -1]], np.int32)), DeviceLike(np.array([5, 3], np.int32))
     kc = DeviceLike(rnd(rng, (3, 4, 2, 8), np.float16))
-    shape = ref.check_paged_args(DeviceLike(q[:, 0]), kc, kc, table, lens)
+    shape = _checks.check_paged_args(DeviceLike(q[:, 0]), kc, kc, table, lens)
     assert shape[:7] == (2, 4, 2, 8, 3, 4, 2) and table.gets == 1
     with pytest.raises(ValueError, match="seq_lens: expected values from 1 to"):
-        ref.check_paged_args(DeviceLike(q[:, 0]), kc, kc, table, DeviceLike(np.array([9, 3], np.int32)))
+        _checks.check_paged_args(DeviceLike(q[:, 0]), kc, kc, table, DeviceLike(np.array([9, 3], np.int32)))
     with pytest.raises(TypeError, match="the reference takes numpy.ndarray"):
-        ref.flash_attention(dq, dk, dk)
+        _checks._require_numpy(q=dq, k=dk, v=dk)
 
 
 def test_effective_window_and_scale():
-    assert ref.effective_window((-1, -1), True) == (-1, 0)
-    assert ref.effective_window((3, 7), True) == (3, 0)
-    assert ref.effective_window((3, 7), False) == (3, 7)
-    assert ref.effective_scale(None, 64) == 0.125 and ref.effective_scale(2, 64) == 2.0
+    assert _checks.effective_window((-1, -1), True) == (-1, 0)
+    assert _checks.effective_window((3, 7), True) == (3, 0)
+    assert _checks.effective_window((3, 7), False) == (3, 7)
+    assert _checks.effective_scale(None, 64) == 0.125 and _checks.effective_scale(2, 64) == 2.0
 
 
 def _dense(**over):
@@ -439,7 +442,7 @@ def _dense(**over):
              v=rnd(rng, (1, 6, 2, 8), np.float16))
     kw = {n: over.pop(n) for n in list(over) if n not in a}
     a.update(over)
-    return lambda: ref.flash_attention(a["q"], a["k"], a["v"], **kw)
+    return lambda: vbw_cupy.flash_attention(a["q"], a["k"], a["v"], **kw)
 
 
 def _varlen(**over):
@@ -448,7 +451,8 @@ def _varlen(**over):
              cu_seqlens_q=np.array([0, 3, 7], np.int32), cu_seqlens_k=np.array([0, 4, 9], np.int32))
     kw = {n: over.pop(n) for n in list(over) if n not in a}
     a.update(over)
-    return lambda: ref.flash_attention_varlen(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], **kw)
+    return lambda: vbw_cupy.flash_attention_varlen(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"],
+                                                   **kw)
 
 
 def _paged(**over):
@@ -458,7 +462,8 @@ def _paged(**over):
              seq_lens=np.array([6, 3], np.int32))
     kw = {n: over.pop(n) for n in list(over) if n not in a}
     a.update(over)
-    return lambda: ref.paged_attention(a["q"], a["k_cache"], a["v_cache"], a["block_table"], a["seq_lens"], **kw)
+    return lambda: vbw_cupy.paged_attention(a["q"], a["k_cache"], a["v_cache"], a["block_table"], a["seq_lens"],
+                                            **kw)
 
 
 def test_bad_input_fixtures_are_valid():
@@ -469,8 +474,8 @@ _H = np.float16
 BAD = [
     # dense
     (_dense(q=np.zeros((4, 4, 8), _H)), ValueError, r"q: expected a 4-d array \[B, Sq, Hq, D\], got 3-d"),
-    (_dense(k=[[1.0]]), TypeError, "k: the reference takes numpy.ndarray, got builtins.list"),
-    (lambda: ref.check_attention_args(np.zeros((1, 4, 4, 8), _H), [[1.0]], [[1.0]]), TypeError,
+    (_dense(k=[[1.0]]), TypeError, "q: expected a GPU array like k .*, got numpy.ndarray"),
+    (lambda: _checks.check_attention_args(np.zeros((1, 4, 4, 8), _H), [[1.0]], [[1.0]]), TypeError,
      r"k: expected an array of shape \[B, Sk, Hkv, D\], got list"),
     (_dense(q=np.zeros((1, 4, 4, 8)), k=np.zeros((1, 6, 2, 8)), v=np.zeros((1, 6, 2, 8))), TypeError,
      "q: expected dtype float16, bfloat16, float32, got float64"),
@@ -506,7 +511,7 @@ BAD = [
     (_varlen(k=np.zeros((9, 2, 4), _H), v=np.zeros((9, 2, 4), _H)), ValueError, "k: expected shape .* D == q's 8"),
     (_varlen(k=np.zeros((9, 3, 8), _H), v=np.zeros((9, 3, 8), _H)), ValueError, "divides q's 4 heads"),
     (_varlen(cu_seqlens_q=np.array([0, 3, 7])), TypeError, r"cu_seqlens_q: expected an int32 array \[B \+ 1\], got dtype int64"),
-    (_varlen(cu_seqlens_k=[0, 4, 9]), TypeError, "cu_seqlens_k: the reference takes numpy.ndarray, got builtins.list"),
+    (_varlen(cu_seqlens_k=[0, 4, 9]), TypeError, "cu_seqlens_q: expected NumPy offsets with NumPy q, k, v"),
     (_varlen(cu_seqlens_q=np.array([[0, 3, 7]], np.int32)), ValueError, "cu_seqlens_q: expected a 1-d array"),
     (_varlen(cu_seqlens_q=np.array([7], np.int32)), ValueError, "cu_seqlens_q: expected B \\+ 1 >= 2 offsets, got 1"),
     (_varlen(cu_seqlens_k=np.array([0, 9], np.int32)), ValueError, r"cu_seqlens_k: expected 3 offsets .*, got 2"),

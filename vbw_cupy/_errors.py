@@ -35,17 +35,6 @@ _lock = threading.Lock()
 _buffers: dict = {}  # device id -> cupy int32[16], kept for the life of the process
 
 
-def check_mode(check) -> str:
-    """The `check` option of the ops that read index arrays: "device" (default: checked by the kernel, no sync)
-    or "host" (read and checked on the host first; synchronizes). True and False mean "host" and "device"."""
-    if check is True or isinstance(check, str) and check == "host":
-        return "host"
-    if check is False or isinstance(check, str) and check == "device":
-        return "device"
-    err = ValueError if isinstance(check, str) else TypeError
-    raise err(f"check: expected \"device\", \"host\", True or False, got {check!r}")
-
-
 def buffer(device_id: int | None = None):
     """This device's error word (a CuPy int32[16]); created zeroed on first use."""
     cp = rt.require_cupy()

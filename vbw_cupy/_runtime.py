@@ -59,6 +59,24 @@ def sources_hash() -> str:
     return h.hexdigest()[:16]
 
 
+_src_hashes: dict[str, str] = {}
+
+
+def source_hash(filename: str) -> str:
+    """Hash of cuda_src/<filename> plus every .cuh header (headers are shared, so any header edit counts)."""
+    if not filename:
+        return "nosrc"
+    h = _src_hashes.get(filename)
+    if h is None:
+        d = hashlib.sha256()
+        paths = [SOURCE_DIR / filename] + sorted(p for p in SOURCE_DIR.glob("*.cuh"))
+        for p in paths:
+            d.update(p.name.encode())
+            d.update(p.read_bytes() if p.is_file() else b"<missing>")
+        h = _src_hashes[filename] = d.hexdigest()[:16]
+    return h
+
+
 def have_cupy() -> bool:
     return cupy is not None
 
@@ -84,17 +102,6 @@ def gpu_available() -> bool:
 
 def is_gpu_array(x) -> bool:
     return cupy is not None and isinstance(x, cupy.ndarray)
-
-
-def device_arch(device_id: int | None = None) -> int:
-    """Compute capability as an int, e.g. 90 for H100."""
-    cp = require_cupy()
-    return _device_arch(cp.cuda.Device(device_id).id)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_arch(device_id: int) -> int:
-    return int(cupy.cuda.Device(device_id).compute_capability)
 
 
 def nvrtc_version() -> str:
@@ -197,6 +204,7 @@ def get_kernel(filename: str, name: str, extra_options: tuple[str, ...] = ()):
         fn = _modules.get(key)
         if fn is not None:
             return fn
+        from ._device import device_arch  # _device imports this module
         cubin, lowered = _cached_cubin(filename, name, device_arch(dev), tuple(extra_options))
         mod = cp.RawModule(path=str(cubin)) if isinstance(cubin, pathlib.Path) else _module_from_bytes(cubin)
         fn = mod.get_function(lowered)
@@ -214,8 +222,8 @@ def _cached_cubin(filename, name, arch, extra_options):
     cubin, lowered_map = compile_cubin(filename, [name], arch, extra_options)
     try:
         d.mkdir(parents=True, exist_ok=True)
-        _atomic_write(cubin_path, cubin)
-        _atomic_write(name_path, lowered_map[name].encode())
+        atomic_write(cubin_path, cubin)
+        atomic_write(name_path, lowered_map[name].encode())
     except OSError:  # a read-only home still works, just without the disk cache
         return cubin, lowered_map[name]
     return cubin_path, lowered_map[name]
@@ -237,6 +245,7 @@ def precompile(instances, arch: int | None = None, extra_options: tuple[str, ...
     get_kernel calls load instead of compiling one at a time. Returns [(instance, error)] for failures.
     Needs no GPU when `arch` is given."""
     import multiprocessing as mp
+    from ._device import device_arch  # _device imports this module
     arch = device_arch() if arch is None else arch
     jobs = sorted({(f, n, arch, tuple(extra_options)) for f, n in instances})
     t0 = time.perf_counter()
@@ -260,11 +269,16 @@ def _module_from_bytes(cubin: bytes):
         os.unlink(f.name)
 
 
-def _atomic_write(path: pathlib.Path, data: bytes) -> None:
+def atomic_write(path: pathlib.Path, data: bytes, fsync: bool = False) -> None:
+    """Write `data` to a temporary file beside `path` (flushed to disk first with `fsync`), then rename it over
+    `path`: readers see the old file or the new one, never half of one."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -351,26 +365,6 @@ def tensor_map_16bit(ptr: int, dims: tuple, strides: tuple, box: tuple):
     return m
 
 
-def device_attributes() -> dict:
-    """cupy's Device().attributes of the current device, cached: the query reads every attribute (~0.1 ms)."""
-    return _device_attributes(require_cupy().cuda.Device().id)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_attributes(device_id: int) -> dict:
-    return dict(cupy.cuda.Device(device_id).attributes)
-
-
-def num_sms() -> int:
-    """SM count of the current device (cached: Device().attributes queries every attribute, ~0.1 ms)."""
-    return _num_sms(require_cupy().cuda.Device().id)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_id: int) -> int:
-    return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id))
-
-
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -423,40 +417,3 @@ def check_same_device(**arrays) -> None:
     devs = {name: a.device.id for name, a in arrays.items() if is_gpu_array(a)}
     if len(set(devs.values())) > 1:
         raise ValueError("arrays on different devices: " + ", ".join(f"{n} on GPU {d}" for n, d in devs.items()))
-
-
-def time_ms(fn, warmup: int = 3, rep: int = 20, inner: int = 1) -> float:
-    """Median time of fn() in milliseconds, CUDA events on the current stream, after warm-up.
-
-    `inner` > 1 times that many back-to-back calls between one pair of events and divides: the launch
-    queue stays full, so a short kernel is timed without the host's per-call launch gap."""
-    cp = require_cupy()
-    for _ in range(warmup):
-        fn()
-    stream = cp.cuda.get_current_stream()
-    times = []
-    for _ in range(rep):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        for _ in range(inner):
-            fn()
-        stop.record(stream)
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop) / inner)
-    return float(np.median(times))
-
-
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written, for a copy that
-    moves `nbytes` in all (at least 256 MB, so the copy cannot run from the L2 cache)."""
-    cp = require_cupy()
-    a = cp.empty(max(nbytes, 256 << 20) // 2, dtype=cp.uint8)
-    b = cp.empty_like(a)
-    ms = time_ms(lambda: b.__setitem__(Ellipsis, a), warmup=2, rep=10, inner=10)
-    return 2 * a.nbytes / ms / 1e6
-
-
-def copy_time_ms(nbytes: int) -> float:
-    """What moving `nbytes` (read + written) costs at the device's copy bandwidth: the peer of a
-    memory-bound kernel in the self-check."""
-    return nbytes / copy_bandwidth_gbs(nbytes) / 1e6

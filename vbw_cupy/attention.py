@@ -28,9 +28,12 @@ import math
 
 import numpy as np
 
+from . import _checks
+from . import _device
 from . import _errors
 from . import _plans
 from . import _runtime as rt
+from . import _timing
 from . import reference as ref
 
 try:
@@ -178,8 +181,8 @@ def default_config(head_dim: int, arch: int, vec: bool = True) -> dict:
 def _runnable(head_dim: int, cfg: dict, vec: bool) -> dict:
     """cfg, or the mma default where the wgmma kernel cannot run (not sm_90a, unaligned inputs): a wgmma
     instruction on another target is an illegal instruction that poisons the CUDA context."""
-    if cfg["KIND"] != "mma" and not (vec and rt.device_arch() == 90):
-        return default_config(head_dim, rt.device_arch(), vec=False)
+    if cfg["KIND"] != "mma" and not (vec and _device.device_arch() == 90):
+        return default_config(head_dim, _device.device_arch(), vec=False)
     return cfg
 
 
@@ -347,7 +350,7 @@ class _Launch:
         if config is not None:
             return dict(config)
         if _autotune is None or not self.vec:
-            return default_config(self.head_dim, rt.device_arch(), self.vec)
+            return default_config(self.head_dim, _device.device_arch(), self.vec)
         shape = {"Sq": self.max_q, "Sk": self.max_k, "masked": int(self.masked), "BH": self.B * self.Hq}
         return _autotune.pick(_tunable_name(self.head_dim), shape, self.q.dtype, self.run)
 
@@ -398,29 +401,29 @@ def _prepare_gpu(q, k, v):
 def _check_dense(q, k, v, *, causal, softmax_scale, window, softcap, return_lse):
     """Every check of the GPU path that needs only .shape / .dtype (so it also runs on NumPy arrays, with no
     GPU). Returns (shape, (left, right), scale, softcap, return_lse)."""
-    shape = ref.check_attention_args(q, k, v, window, softcap, causal=causal, softmax_scale=softmax_scale,
-                                     dtypes=ref.GPU_ATTENTION_DTYPES)
-    return_lse = ref.check_flag("return_lse", return_lse)
+    shape = _checks.check_attention_args(q, k, v, window, softcap, causal=causal, softmax_scale=softmax_scale,
+                                         dtypes=_checks.GPU_ATTENTION_DTYPES)
+    return_lse = _checks.check_flag("return_lse", return_lse)
     _check_seqlen("q", shape.Sq)
     _check_seqlen("k", shape.Sk)
     _check_grid(shape.B, shape.Hq, shape.Sq)
-    left, right = ref.effective_window(window, causal)
-    return (shape, (left, right), ref.effective_scale(softmax_scale, shape.D), ref.check_softcap(softcap),
+    left, right = _checks.effective_window(window, causal)
+    return (shape, (left, right), _checks.effective_scale(softmax_scale, shape.D), _checks.check_softcap(softcap),
             return_lse)
 
 
 def _check_varlen(q, k, v, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, softcap,
                   return_lse, check_values=True):
     """The varlen counterpart of `_check_dense` (check_values: read the offsets on the host)."""
-    shape = ref.check_varlen_args(q, k, v, cu_q, cu_k, window, softcap, max_seqlen_q=max_seqlen_q,
-                                  max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                                  dtypes=ref.GPU_ATTENTION_DTYPES, check_values=check_values)
-    return_lse = ref.check_flag("return_lse", return_lse)
+    shape = _checks.check_varlen_args(q, k, v, cu_q, cu_k, window, softcap, max_seqlen_q=max_seqlen_q,
+                                      max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                      dtypes=_checks.GPU_ATTENTION_DTYPES, check_values=check_values)
+    return_lse = _checks.check_flag("return_lse", return_lse)
     _check_seqlen("cu_seqlens_q", shape.max_seqlen_q)
     _check_seqlen("cu_seqlens_k", shape.max_seqlen_k)
     _check_grid(shape.B, shape.Hq, shape.max_seqlen_q)
-    left, right = ref.effective_window(window, causal)
-    return (shape, (left, right), ref.effective_scale(softmax_scale, shape.D), ref.check_softcap(softcap),
+    left, right = _checks.effective_window(window, causal)
+    return (shape, (left, right), _checks.effective_scale(softmax_scale, shape.D), _checks.check_softcap(softcap),
             return_lse)
 
 
@@ -505,7 +508,7 @@ def _varlen_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen
     q, k, v = _prepare_gpu(q, k, v)
     cu_q = cu_seqlens_q if _is_host(cu_seqlens_q) else rt.as_gpu_array(cu_seqlens_q, "cu_seqlens_q")
     cu_k = cu_seqlens_k if _is_host(cu_seqlens_k) else rt.as_gpu_array(cu_seqlens_k, "cu_seqlens_k")
-    host = _errors.check_mode(check) == "host"
+    host = _checks.check_mode(check) == "host"
     if host:
         _errors.check_errors()
     # offsets on the GPU with both max_seqlen given are checked by the kernel (no copy, no sync)
@@ -560,6 +563,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
         if res is not None:
             return res
     if _split_host_device(q=q, k=k, v=v):
+        _checks.check_attention_args(q, k, v, window, softcap, causal=causal, softmax_scale=softmax_scale)
+        _checks.check_flag("return_lse", return_lse)
         return ref.flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                    softcap=softcap, return_lse=return_lse)
     return _flash_gpu(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
@@ -591,7 +596,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
         if not (_is_host(cu_seqlens_q) and _is_host(cu_seqlens_k)):
             raise TypeError("cu_seqlens_q: expected NumPy offsets with NumPy q, k, v (NumPy and GPU inputs "
                             f"cannot be mixed), got {type(cu_seqlens_q).__name__} / {type(cu_seqlens_k).__name__}")
-        _errors.check_mode(check)
+        _checks.check_mode(check)
+        _checks.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, softcap, max_seqlen_q=max_seqlen_q,
+                                  max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale)
+        _checks.check_flag("return_lse", return_lse)
         return ref.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                           max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                                           window=window, softcap=softcap, return_lse=return_lse)
@@ -638,11 +646,11 @@ def _selftest_case(B, S, Hq, Hkv, D, dtype, causal):
         base = ref.rel_error(low.astype(np.float32), o64)
         cap = 2e-3 if dtype == "float16" else 1e-2
         bound = min(2 * base, cap) if base > 0 else cap
-        ms = rt.time_ms(lambda: flash_attention(q, k, v, causal=causal), warmup=3, rep=10)
+        ms = _timing.time_ms(lambda: flash_attention(q, k, v, causal=causal), warmup=3, rep=10)
         peer_ms = None
         try:
             scale = 1.0 / math.sqrt(D)
-            peer_ms = rt.time_ms(lambda: _peer_attention(q, k, v, causal, scale), warmup=1, rep=3)
+            peer_ms = _timing.time_ms(lambda: _peer_attention(q, k, v, causal, scale), warmup=1, rep=3)
         except Exception:
             pass
         flops = 4.0 * B * Hq * S * S * D / (2 if causal else 1)

@@ -77,14 +77,12 @@ config may change (``reset``, a store, ``register``).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
 import pathlib
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -93,6 +91,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import _device
 from . import _runtime as rt
 
 try:  # POSIX; elsewhere writes are still atomic, just not merged under a lock
@@ -210,40 +209,8 @@ def default_config(name: str, arch: int | None = None) -> dict:
 
 
 # -------------------------------------------------------------------------------------------- the device
-_device_cache: dict[int, dict] = {}
-
-
-def _query_device() -> dict:
-    cp = rt.require_cupy()
-    dev = cp.cuda.Device()
-    if dev.id in _device_cache:
-        return _device_cache[dev.id]
-    a = dev.attributes
-    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
-    if isinstance(name, bytes):
-        name = name.decode(errors="replace")
-    arch = int(dev.compute_capability)
-    info = {
-        "id": dev.id,
-        "name": str(name).strip(),
-        "arch": arch,
-        "nvrtc": rt.nvrtc_version(),
-        "limits": {
-            "arch": arch,
-            "smem_optin": int(a.get("MaxSharedMemoryPerBlockOptin", a.get("MaxSharedMemoryPerBlock", 49152))),
-            "smem_per_sm": int(a.get("MaxSharedMemoryPerMultiprocessor", 0)),
-            "max_threads": int(a.get("MaxThreadsPerBlock", 1024)),
-            "regs_per_block": int(a.get("MaxRegistersPerBlock", 65536)),
-            "num_sms": int(a.get("MultiProcessorCount", 1)),
-            "l2_bytes": int(a.get("L2CacheSize", 0)),
-        },
-    }
-    _device_cache[dev.id] = info
-    return info
-
-
 # Tests replace this with a function returning the same dict shape (no GPU needed).
-_device_info: Callable[[], dict] = _query_device
+_device_info: Callable[[], dict] = _device.query_device
 
 
 def device_limits() -> dict:
@@ -265,24 +232,6 @@ def kernel_fits(kernel, threads: int, smem_bytes: int, limits: dict) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ the key
-_src_hashes: dict[str, str] = {}
-
-
-def source_hash(filename: str) -> str:
-    """Hash of cuda_src/<filename> plus every .cuh header (headers are shared, so any header edit counts)."""
-    if not filename:
-        return "nosrc"
-    h = _src_hashes.get(filename)
-    if h is None:
-        d = hashlib.sha256()
-        paths = [rt.SOURCE_DIR / filename] + sorted(p for p in rt.SOURCE_DIR.glob("*.cuh"))
-        for p in paths:
-            d.update(p.name.encode())
-            d.update(p.read_bytes() if p.is_file() else b"<missing>")
-        h = _src_hashes[filename] = d.hexdigest()[:16]
-    return h
-
-
 def _dtype_name(dtype) -> str:
     if dtype is None:
         return "none"
@@ -303,7 +252,7 @@ def make_key(name: str, shape: dict, dtype, device: dict | None = None) -> str:
     """``kernel|source hash|device name|sm_XX|nvrtc X.Y|dtype|bucket`` for the current (or given) device."""
     t = get(name)
     dev = device if device is not None else _device_info()
-    return "|".join((t.name, source_hash(t.source), dev["name"], f"sm_{dev['arch']}", f"nvrtc{dev['nvrtc']}",
+    return "|".join((t.name, rt.source_hash(t.source), dev["name"], f"sm_{dev['arch']}", f"nvrtc{dev['nvrtc']}",
                      _dtype_name(dtype), _bucket_str(t, shape)))
 
 
@@ -413,17 +362,7 @@ def _store(key: str, entry: dict) -> None:
                 entries = _load(path)
                 entries[key] = entry
                 data = json.dumps({"meta": _meta(), "entries": entries}, indent=1, sort_keys=True)
-                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-                try:
-                    with os.fdopen(fd, "w") as f:
-                        f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, path)
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp)
-                    raise
+                rt.atomic_write(path, data.encode(), fsync=True)
         except OSError as e:
             _warn_once(f"ro:{path}", f"vbw_cupy.autotune: cannot write the tuning cache {path} ({e}); "
                                      "tuned configs are kept in memory for this process only")

@@ -11,6 +11,7 @@ import traceback
 import numpy as np
 
 from . import __version__
+from . import _device
 from . import _runtime as rt
 
 # Modules that own kernels; each exposes kernel_instances() and selftest_cases().
@@ -114,7 +115,7 @@ def cmd_selftest(args) -> int:
         return 0 if all(r["ok"] for r in rows) else 1
     cp = rt.require_cupy()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    print(f"vbw-cupy selftest on {props['name'].decode()} (sm_{rt.device_arch()}), NVRTC {rt.nvrtc_version()}",
+    print(f"vbw-cupy selftest on {props['name'].decode()} (sm_{_device.device_arch()}), NVRTC {rt.nvrtc_version()}",
           flush=True)
     cases = [c for m in op_modules() for c in m.selftest_cases()]
     rows, failed = [], 0
@@ -149,7 +150,7 @@ def cmd_info(args) -> int:
             print("device: none visible")
         else:
             props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-            print(f"device: {props['name'].decode()}, sm_{rt.device_arch()}, {rt.num_sms()} SMs, "
+            print(f"device: {props['name'].decode()}, sm_{_device.device_arch()}, {_device.num_sms()} SMs, "
                   f"{props['totalGlobalMem'] / 2**30:.1f} GiB")
     s = autotune.cache_summary()
     print(f"autotune cache: {s['path']} ({s['status']}, {s['entries']} entries; "

@@ -11,13 +11,16 @@ import math
 import ml_dtypes
 import numpy as np
 
+from . import _checks
+from . import _device
 from . import _errors
 from . import _plans
 from . import _runtime as rt
+from . import _timing
 from . import reference as ref
 
 FORMATS = ref.FORMATS
-_IN_DTYPES = ref.FLOAT_DTYPES
+_IN_DTYPES = _checks.FLOAT_DTYPES
 # dtype objects for the hot-path test (dtype.name costs ~1.6 us); the names still decide for other byte orders
 _IN_DTYPE_SET = frozenset(np.dtype(ml_dtypes.bfloat16 if n == "bfloat16" else n) for n in _IN_DTYPES)
 _SOURCE = "fp4_codec.cu"
@@ -257,7 +260,7 @@ def _quantize_grid(fmt: str, units: int, itemsize: int) -> int:
     steps = rt.cdiv(units, 64 // itemsize // 16)
     if fmt == "nvfp4":
         return max(1, rt.cdiv(steps, _THREADS))
-    iters = rt.cdiv(steps, rt.num_sms() * _Q_MX_CTAS_PER_SM * _THREADS)
+    iters = rt.cdiv(steps, _device.num_sms() * _Q_MX_CTAS_PER_SM * _THREADS)
     return max(1, rt.cdiv(steps, iters * _THREADS))
 
 
@@ -296,7 +299,7 @@ def _global_scale_gpu(x) -> np.float32:
     cp = rt.require_cupy()
     out = cp.zeros(1, dtype=cp.uint32)
     n = x.size
-    grid = (max(1, min(rt.cdiv(n * x.itemsize // 16 + 1, _THREADS), rt.num_sms() * 8)),)
+    grid = (max(1, min(rt.cdiv(n * x.itemsize // 16 + 1, _THREADS), _device.num_sms() * 8)),)
     rt.launch(rt.get_kernel(_SOURCE, f"abs_max<{rt.ctype(x.dtype)}>"), grid, (_THREADS,), (x, np.int64(n), out))
     amax = out.get().view(np.float32)[0]
     if not np.isfinite(amax):
@@ -309,7 +312,7 @@ def dequantize(t: FP4Tensor, dtype=np.float32):
     (float32, float16 or bfloat16, rounding to nearest even). MXFP4 decodes exactly; scale code 255 -> NaN."""
     if not isinstance(t, FP4Tensor):
         raise TypeError(f"t: expected an FP4Tensor, got {type(t).__name__}")
-    dtype = ref.check_float_dtype("dtype", dtype)
+    dtype = _checks.check_float_dtype("dtype", dtype)
     if not t.is_gpu:
         return ref.dequantize(t, dtype)
     cp = rt.require_cupy()
@@ -356,12 +359,12 @@ def _bitexact_case(fmt, dtype, shape):
         frac = bad / (t.data.size + t.scales.size + d.nbytes + 1)
         big = cp.asarray(rng.standard_normal((8192, 8192), dtype=np.float32)).astype(dtype)
         tb = quantize(big, fmt)
-        peer = rt.copy_time_ms(big.nbytes + tb.nbytes)
+        peer = _timing.copy_time_ms(big.nbytes + tb.nbytes)
         what = f"{np.dtype(dtype).name}, exact at {shape}, timed at 8192x8192"
         return [{"op": f"{op} {fmt}", "shape": what, "error": frac, "bound": 0.0, "ok": bad == 0, "time_ms": ms,
                  "peer": "copy of the same bytes", "peer_ms": peer}
-                for op, ms in (("quantize", rt.time_ms(lambda: quantize(big, fmt))),
-                               ("dequantize", rt.time_ms(lambda: dequantize(tb, dtype))))]
+                for op, ms in (("quantize", _timing.time_ms(lambda: quantize(big, fmt))),
+                               ("dequantize", _timing.time_ms(lambda: dequantize(tb, dtype))))]
     case.__qualname__ = f"fp4 {fmt} {np.dtype(dtype).name}"
     return case
 

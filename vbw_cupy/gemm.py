@@ -43,15 +43,17 @@ import math
 import ml_dtypes
 import numpy as np
 
+from . import _checks
 from . import _plans
 from . import _runtime as rt
+from . import _timing
 from . import autotune
 from . import reference as ref
 
 _SOURCE = "fp4_gemm.cu"
 _NS = "vbw_fp4gemm::"
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
-_IN_DTYPES = ref.FLOAT_DTYPES
+_IN_DTYPES = _checks.FLOAT_DTYPES
 _OUT_KIND = {"float16": 0, "bfloat16": 1, "float32": 2}
 _BIAS_KIND = {"float16": 1, "bfloat16": 2, "float32": 3}
 _ATOM = {16: 576, 32: 544}
@@ -532,7 +534,7 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
     if out_dtype is None:
         out_dtype = np.dtype(np.float16) if a_fp4 else a_dtype
     else:
-        out_dtype = ref.check_float_dtype("out_dtype", out_dtype)
+        out_dtype = _checks.check_float_dtype("out_dtype", out_dtype)
     host = not w.is_gpu
     a_host = a.is_gpu is False if a_fp4 else isinstance(a, np.ndarray)
     if a_host != host:
@@ -606,11 +608,11 @@ def _case(M, N, K, fmt, dtype, act=None, with_bias=False):
                                     for _ in range(copies - 1)])
         for _ in range(copies):  # each copy's one-time weight layout is prepared here, not in the timing
             fp4_matmul(a, next(ws), bias, act)
-        ms = rt.time_ms(lambda: fp4_matmul(a, next(ws), bias, act), inner=10)
+        ms = _timing.time_ms(lambda: fp4_matmul(a, next(ws), bias, act), inner=10)
         a16 = a.astype(cp.float16)
         wd = cp.asarray(ref.dequantize(w.to_cpu(), np.float16))
         b16 = None if bias is None else bias.astype(cp.float16)
-        pms = rt.time_ms(lambda: _cupy_epilogue(cp.matmul(a16, wd.T), b16, act), inner=10)
+        pms = _timing.time_ms(lambda: _cupy_epilogue(cp.matmul(a16, wd.T), b16, act), inner=10)
         return {"op": f"fp4_matmul {fmt} {np.dtype(dtype).name}" + (f" {act}" if act else "") + (" +bias" if with_bias else ""),
                 "shape": f"M={M} N={N} K={K}", "error": err, "bound": bound, "ok": bool(err <= bound),
                 "time_ms": ms, "peer": "cupy.matmul fp16", "peer_ms": pms}

@@ -25,9 +25,12 @@ import math
 import ml_dtypes
 import numpy as np
 
+from . import _checks
+from . import _device
 from . import _errors
 from . import _plans
 from . import _runtime as rt
+from . import _timing
 from . import autotune
 from . import reference as ref
 
@@ -113,7 +116,7 @@ def kernel_instances() -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------------------------- the launch
 def _occupancy(kernel, threads: int, smem: int) -> int:
     """CTAs per SM from shared memory, registers and threads (an estimate; never below 1)."""
-    a = rt.device_attributes()
+    a = _device.device_attributes()
     smem_sm = int(a.get("MaxSharedMemoryPerMultiprocessor", 228 * 1024))
     at = kernel.attributes
     static = int(at.get("shared_size_bytes", 0))
@@ -155,7 +158,7 @@ class _Launch:
         if (W, S) not in _CONFIGS + (_EXPLORE_CONFIGS if explore else ()):
             raise ValueError(f"paged_decode: no instance for WARPS={W}, STAGES={S} (have {_CONFIGS})")
         smem = _smem_bytes(dp, W, S)
-        optin = int(rt.device_attributes().get("MaxSharedMemoryPerBlockOptin", 48 * 1024))
+        optin = int(_device.device_attributes().get("MaxSharedMemoryPerBlockOptin", 48 * 1024))
         if smem > optin:
             raise ValueError(f"paged_decode: WARPS={W}, STAGES={S} at head dim {dp} needs {smem} bytes of shared "
                              f"memory, the device allows {optin}")
@@ -165,7 +168,7 @@ class _Launch:
         splits = int(cfg.get("SPLITS", 0))
         by_len = max(1, rt.cdiv(max_len, _TILE) // (2 * W))
         if splits <= 0:
-            slots = rt.num_sms() * _occupancy(self.kernel, W * 32, smem)
+            slots = _device.num_sms() * _occupancy(self.kernel, W * 32, smem)
             splits = heuristic_splits(ctas, slots, max_len, W)
         splits = max(1, min(splits, by_len, MAX_SPLITS))
         self.splits = splits
@@ -273,7 +276,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
                 plan = sig.plan
                 if plan is None:  # check="host": the values, then the plan of the longest sequence
                     _errors.check_errors()
-                    _, lens = ref.check_paged_values(block_table, seq_lens, sig.num_blocks, sig.block_size)
+                    _, lens = _checks.check_paged_values(block_table, seq_lens, sig.num_blocks, sig.block_size)
                     _check_max_seqlen(max_seqlen, lens)
                     max_len = int(lens.max())
                     plan = sig.plans.get(max_len)
@@ -286,8 +289,10 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     if all(_is_numpy(a) for a in arrays.values()):
         if out is not None:
             raise TypeError("out: only supported for GPU arrays (the reference path allocates its result)")
-        _errors.check_mode(check)
+        _checks.check_mode(check)
         _check_max_seqlen(max_seqlen, seq_lens)
+        _checks.check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window, softcap,
+                                 softmax_scale=softmax_scale)
         return ref.paged_attention(q, k_cache, v_cache, block_table, seq_lens, softmax_scale=softmax_scale,
                                    softcap=softcap, window=window)
     for name, a in arrays.items():
@@ -299,14 +304,15 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     arrays = {n: rt.as_gpu_array(a, n) for n, a in arrays.items()}
     rt.check_same_device(**arrays)
     q, k_cache, v_cache, block_table, seq_lens = arrays.values()
-    check = _errors.check_mode(check) == "host"
+    check = _checks.check_mode(check) == "host"
     if check:
         _errors.check_errors()
-    shape = ref.check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window, softcap,
-                                 softmax_scale=softmax_scale, dtypes=ref.GPU_ATTENTION_DTYPES, check_values=check)
-    left, _ = ref.check_window(window)
-    scale = ref.effective_scale(softmax_scale, shape.D)
-    softcap_f = ref.check_softcap(softcap)
+    shape = _checks.check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window, softcap,
+                                     softmax_scale=softmax_scale, dtypes=_checks.GPU_ATTENTION_DTYPES,
+                                     check_values=check)
+    left, _ = _checks.check_window(window)
+    scale = _checks.effective_scale(softmax_scale, shape.D)
+    softcap_f = _checks.check_softcap(softcap)
     B, Hq, Hkv, D = shape.B, shape.Hq, shape.Hkv, shape.D
     if shape.num_blocks * shape.block_size * Hkv >= 2 ** 31:
         raise ValueError(f"k_cache: expected fewer than 2^31 token-head rows (num_blocks * block_size * Hkv), "
@@ -359,7 +365,7 @@ def _check_max_seqlen(max_seqlen, lens=None) -> None:
     """max_seqlen, when given, is a positive int; where seq_lens' values are read (lens), it must bound them."""
     if max_seqlen is None:
         return
-    if not ref._is_int(max_seqlen) or int(max_seqlen) < 1:
+    if not _checks._is_int(max_seqlen) or int(max_seqlen) < 1:
         raise ValueError(f"max_seqlen: expected a positive int, got {max_seqlen!r}")
     if lens is None:
         return
@@ -434,8 +440,8 @@ def _launch_for(q, k_cache, v_cache, block_table, seq_lens, out, cfg=None, *, so
                 window=(-1, -1), max_seqlen=None, explore=False):
     """A replayable _Launch for already-valid CuPy arguments (benchmarks, tests of every config)."""
     D = int(q.shape[-1])
-    scale = ref.effective_scale(softmax_scale, D)
-    left, _ = ref.check_window(window)
+    scale = _checks.effective_scale(softmax_scale, D)
+    left, _ = _checks.check_window(window)
     max_len = max_seqlen or int(block_table.shape[1]) * int(k_cache.shape[1])
     if cfg is None:
         cfg = autotune.default_config(TUNABLE.name)
@@ -479,14 +485,15 @@ class PagedKVCache:
             xp = rt.require_cupy()
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq)):
-            if not ref._is_int(v) or int(v) < 1:
+            if not _checks._is_int(v) or int(v) < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        if block_size > ref.MAX_BLOCK_SIZE or block_size & (block_size - 1):
-            raise ValueError(f"block_size: expected a power of two from 1 to {ref.MAX_BLOCK_SIZE}, got {block_size}")
-        if not 1 <= head_dim <= ref.MAX_HEAD_DIM:
-            raise ValueError(f"head_dim: expected 1 to {ref.MAX_HEAD_DIM}, got {head_dim}")
+        if block_size > _checks.MAX_BLOCK_SIZE or block_size & (block_size - 1):
+            raise ValueError(f"block_size: expected a power of two from 1 to {_checks.MAX_BLOCK_SIZE}, "
+                             f"got {block_size}")
+        if not 1 <= head_dim <= _checks.MAX_HEAD_DIM:
+            raise ValueError(f"head_dim: expected 1 to {_checks.MAX_HEAD_DIM}, got {head_dim}")
         dtype = np.dtype(dtype)
-        if dtype not in ref.ATTENTION_DTYPES:
+        if dtype not in _checks.ATTENTION_DTYPES:
             raise TypeError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
         self.xp = xp
         self.block_size = int(block_size)
@@ -577,7 +584,7 @@ class PagedKVCache:
 
     def free(self, seq) -> None:
         """Return sequence slot `seq`'s blocks to the free list; its length becomes 0."""
-        if not ref._is_int(seq) or not 0 <= int(seq) < self.max_batch:
+        if not _checks._is_int(seq) or not 0 <= int(seq) < self.max_batch:
             raise ValueError(f"seq: expected a slot in [0, {self.max_batch}), got {seq!r}")
         s = int(seq)
         n = int(self._nblk[s])
@@ -667,14 +674,14 @@ def _selftest_case(B, ctx, Hq, Hkv, D, bs, dtype, **kw):
         err, base, bound = reference_errors(*h, o.get(), **opts)
         out = cp.empty_like(d[0])
         launch = _launch_for(*d, out, cfg=None, max_seqlen=int(np.max(lens)), **opts)
-        t = rt.time_ms(launch.run, warmup=3, rep=20)
+        t = _timing.time_ms(launch.run, warmup=3, rep=20)
         tokens = int(np.sum(lens)) if kw.get("mixed") else B * ctx
         kv = tokens * Hkv * D * 2 * np.dtype(dtype).itemsize
         extra = " ".join(f"{k}={v}" for k, v in opts.items())
         return {"op": "paged_attention", "shape": f"B={B} ctx={ctx}{'(mixed)' if kw.get('mixed') else ''} "
                 f"{Hq}/{Hkv} D={D} bs={bs} {np.dtype(dtype).name} {extra}".strip(),
                 "error": err, "bound": bound, "ok": bool(err <= bound), "time_ms": t,
-                "peer": "copy of the K+V bytes", "peer_ms": rt.copy_time_ms(kv)}
+                "peer": "copy of the K+V bytes", "peer_ms": _timing.copy_time_ms(kv)}
     case.__qualname__ = f"paged_attention[B{B} ctx{ctx} {Hq}/{Hkv} D{D} bs{bs}]"
     return case
 

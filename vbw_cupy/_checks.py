@@ -1,0 +1,387 @@
+"""Argument checks of every public operation, for the NumPy (reference) path and the GPU path alike.
+
+Only `.shape`, `.dtype` and `.ndim` are read (plus a host copy where values must be checked), so NumPy and
+CuPy arrays go through the same checks. Errors name the argument. `vbw_cupy.reference` assumes its
+input already passed these.
+"""
+from __future__ import annotations
+
+import math as _math
+from typing import NamedTuple as _NamedTuple
+
+import ml_dtypes as _ml_dtypes
+import numpy as np
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")  # what quantize and fp4_matmul take
+
+
+def check_float_dtype(name: str, dtype) -> np.dtype:
+    """`dtype` as a NumPy dtype if it is one of FLOAT_DTYPES, else a TypeError naming the argument."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in FLOAT_DTYPES:
+        got = repr(dtype) if dt is None else dt
+        raise TypeError(f"{name}: expected float16, bfloat16 or float32, got {got}")
+    return dt
+
+
+#: dtypes the reference accepts for q, k, v (the GPU kernels take float16 and bfloat16 only).
+ATTENTION_DTYPES = (np.dtype(np.float16), np.dtype(_ml_dtypes.bfloat16), np.dtype(np.float32))
+GPU_ATTENTION_DTYPES = ATTENTION_DTYPES[:2]  # the kernels take float16 and bfloat16
+#: largest head dimension (SPEC section 3: any D from 1 to 256).
+MAX_HEAD_DIM = 256
+#: largest paged-KV block size (any power of two from 1 to 256).
+MAX_BLOCK_SIZE = 256
+
+
+class AttentionShape(_NamedTuple):
+    """Sizes of a dense `flash_attention` call (returned by `check_attention_args`)."""
+    B: int
+    Sq: int
+    Sk: int
+    Hq: int
+    Hkv: int
+    D: int
+
+
+class VarlenShape(_NamedTuple):
+    """Sizes of a `flash_attention_varlen` call (returned by `check_varlen_args`).
+
+    `cu_seqlens_q` / `cu_seqlens_k` are host (NumPy int64) copies of the offsets, or None when the
+    checker was told not to look at values and had no reason to copy them."""
+    B: int
+    total_q: int
+    total_k: int
+    Hq: int
+    Hkv: int
+    D: int
+    max_seqlen_q: int | None
+    max_seqlen_k: int | None
+    cu_seqlens_q: np.ndarray | None
+    cu_seqlens_k: np.ndarray | None
+
+
+class PagedShape(_NamedTuple):
+    """Sizes of a `paged_attention` call (returned by `check_paged_args`).
+
+    `block_table` / `seq_lens` are host (NumPy int64) copies, or None when values were not checked."""
+    B: int
+    Hq: int
+    Hkv: int
+    D: int
+    num_blocks: int
+    block_size: int
+    max_blocks: int
+    block_table: np.ndarray | None
+    seq_lens: np.ndarray | None
+
+
+# ---- argument checks (NumPy and CuPy alike) ---------------------------------------------------
+
+def _check_array(name, x, ndim, layout):
+    if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
+        raise TypeError(f"{name}: expected an array of shape {layout}, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d array {layout}, got {x.ndim}-d shape {tuple(x.shape)}")
+
+
+def _check_float_dtype(name, x, dtypes):
+    if np.dtype(x.dtype) not in dtypes:
+        want = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {want}, got {x.dtype}")
+
+
+def _check_same_dtype(name, x, ref_name, ref):
+    if np.dtype(x.dtype) != np.dtype(ref.dtype):
+        raise TypeError(f"{name}: expected the same dtype as {ref_name} ({ref.dtype}), got {x.dtype}")
+
+
+def _check_int32(name, x, ndim, layout):
+    _check_array(name, x, ndim, layout)
+    if np.dtype(x.dtype) != np.dtype(np.int32):
+        raise TypeError(f"{name}: expected an int32 array {layout}, got dtype {x.dtype}")
+
+
+def _check_nonempty(name, shape, layout):
+    if any(int(n) == 0 for n in shape):
+        raise ValueError(f"{name}: expected a non-empty array {layout}, got shape {tuple(shape)}")
+
+
+def _check_heads(Hq, Hkv, q_name, k_name):
+    if Hq % Hkv != 0:
+        raise ValueError(f"{k_name}: expected a number of KV heads that divides {q_name}'s {Hq} heads "
+                         f"(grouped-query attention), got {Hkv}")
+
+
+def _check_head_dim(D, name):
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"{name}: expected a head dimension D from 1 to {MAX_HEAD_DIM}, got {D}")
+
+
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x):
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_window(window):
+    """Validate `window=(left, right)`: two ints, each -1 (unbounded) or >= 0. Returns (left, right)."""
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(_is_int(w) for w in window):
+        raise TypeError(f"window: expected a pair of ints (left, right), -1 meaning unbounded, got {window!r}")
+    left, right = int(window[0]), int(window[1])
+    if left < -1 or right < -1:
+        raise ValueError(f"window: expected values >= -1 (-1 is unbounded), got {(left, right)}")
+    return left, right
+
+
+def check_softcap(softcap):
+    """Validate `softcap`: a finite real >= 0 (0 turns it off). Returns it as a float."""
+    if not _is_real(softcap):
+        raise TypeError(f"softcap: expected a float >= 0, got {type(softcap).__name__} {softcap!r}")
+    softcap = float(softcap)
+    if not (_math.isfinite(softcap) and softcap >= 0.0):
+        raise ValueError(f"softcap: expected a finite float >= 0 (0 is off), got {softcap}")
+    return softcap
+
+
+def check_flag(name, value):
+    """Validate a boolean flag such as `causal` or `return_lse`. Returns it as a bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def effective_scale(softmax_scale, D):
+    """`softmax_scale`, or 1/sqrt(D) when it is None; must be a finite real. Returns a float."""
+    if softmax_scale is None:
+        return 1.0 / _math.sqrt(D)
+    if not _is_real(softmax_scale):
+        raise TypeError(f"softmax_scale: expected None or a float, got {type(softmax_scale).__name__} "
+                        f"{softmax_scale!r}")
+    if not _math.isfinite(float(softmax_scale)):
+        raise ValueError(f"softmax_scale: expected a finite float, got {float(softmax_scale)}")
+    return float(softmax_scale)
+
+
+def effective_window(window, causal):
+    """(left, right) after SPEC's rule that `causal=True` means right = 0 (any left window is kept)."""
+    left, right = check_window(window)
+    return (left, 0) if causal else (left, right)
+
+
+def _check_options(window, softcap, causal, softmax_scale, D):
+    check_window(window)
+    check_softcap(softcap)
+    check_flag("causal", causal)
+    effective_scale(softmax_scale, D)
+
+
+def check_attention_args(q, k, v, window=(-1, -1), softcap=0.0, *, causal=False, softmax_scale=None,
+                         dtypes=ATTENTION_DTYPES):
+    """Check the arguments of `flash_attention` and return their sizes.
+
+    q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D], all of one dtype from `dtypes`, no empty dimension,
+    Hq % Hkv == 0, 1 <= D <= 256; `window`, `softcap`, `causal`, `softmax_scale` as in SPEC section 3.
+    Only `.shape`, `.dtype` and `.ndim` are read, so NumPy and CuPy arrays work alike and nothing is
+    copied. Raises TypeError / ValueError naming the argument. Returns
+    `AttentionShape(B, Sq, Sk, Hq, Hkv, D)` (a tuple).
+    """
+    _check_array("q", q, 4, "[B, Sq, Hq, D]")
+    _check_array("k", k, 4, "[B, Sk, Hkv, D]")
+    _check_array("v", v, 4, "[B, Sk, Hkv, D]")
+    _check_float_dtype("q", q, dtypes)
+    _check_same_dtype("k", k, "q", q)
+    _check_same_dtype("v", v, "q", q)
+    B, Sq, Hq, D = (int(n) for n in q.shape)
+    _check_head_dim(D, "q")
+    _check_nonempty("q", q.shape, "[B, Sq, Hq, D]")
+    _check_nonempty("k", k.shape, "[B, Sk, Hkv, D]")
+    Bk, Sk, Hkv, Dk = (int(n) for n in k.shape)
+    if Bk != B or Dk != D:
+        raise ValueError(f"k: expected shape [B, Sk, Hkv, D] with B == q's {B} and D == q's {D}, "
+                         f"got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    _check_heads(Hq, Hkv, "q", "k")
+    _check_options(window, softcap, causal, softmax_scale, D)
+    return AttentionShape(B, Sq, Sk, Hq, Hkv, D)
+
+
+def _to_host(x):
+    # NumPy arrays pass through; CuPy arrays are copied to the host with .get() (this synchronizes).
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "get"):
+        return np.asarray(x.get())
+    return np.asarray(x)
+
+
+def _check_cu_seqlens(name, cu, total, tokens_name):
+    cu = _to_host(cu).astype(np.int64)
+    if cu[0] != 0:
+        raise ValueError(f"{name}: expected offsets starting at 0, got {int(cu[0])} first")
+    steps = np.diff(cu)
+    if (steps < 0).any():
+        at = int(np.argmax(steps < 0))
+        raise ValueError(f"{name}: expected non-decreasing offsets, got {int(cu[at])} then {int(cu[at + 1])} "
+                         f"at index {at}")
+    if cu[-1] != total:
+        raise ValueError(f"{name}: expected the last offset to equal {tokens_name}'s packed length {total}, "
+                         f"got {int(cu[-1])}")
+    return cu
+
+
+def _check_max_seqlen(name, value, actual):
+    if value is None:
+        return actual
+    if not _is_int(value):
+        raise TypeError(f"{name}: expected None or an int, got {type(value).__name__} {value!r}")
+    if int(value) < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {int(value)}")
+    if actual is not None and int(value) < actual:
+        raise ValueError(f"{name}: expected at least the longest sequence ({actual}), got {int(value)}")
+    return int(value)
+
+
+def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window=(-1, -1), softcap=0.0, *,
+                      max_seqlen_q=None, max_seqlen_k=None, causal=False, softmax_scale=None,
+                      dtypes=ATTENTION_DTYPES, check_values=True):
+    """Check the arguments of `flash_attention_varlen` and return their sizes.
+
+    Packed q [total_q, Hq, D], k and v [total_k, Hkv, D] (one dtype from `dtypes`, no empty dimension,
+    Hq % Hkv == 0, 1 <= D <= 256); `cu_seqlens_q` and `cu_seqlens_k` int32 [B + 1]. Shapes and dtypes are
+    read from `.shape` / `.dtype` only. With `check_values=True` (default) the offsets must start at 0,
+    never decrease and end at total_q / total_k, and `max_seqlen_q` / `max_seqlen_k`, when given, must
+    be at least the longest sequence (a smaller value would make a kernel skip rows). Checking values
+    reads the offsets on the host: for CuPy arrays that is a device-to-host copy with `.get()`, which
+    synchronizes the stream. With `check_values=False` nothing is copied unless a max_seqlen is None
+    (it is then computed from the offsets). Returns `VarlenShape(B, total_q, total_k, Hq, Hkv, D,
+    max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k)` with host copies of the offsets when read.
+    """
+    _check_array("q", q, 3, "[total_q, Hq, D]")
+    _check_array("k", k, 3, "[total_k, Hkv, D]")
+    _check_array("v", v, 3, "[total_k, Hkv, D]")
+    _check_float_dtype("q", q, dtypes)
+    _check_same_dtype("k", k, "q", q)
+    _check_same_dtype("v", v, "q", q)
+    total_q, Hq, D = (int(n) for n in q.shape)
+    _check_head_dim(D, "q")
+    _check_nonempty("q", q.shape, "[total_q, Hq, D]")
+    _check_nonempty("k", k.shape, "[total_k, Hkv, D]")
+    total_k, Hkv, Dk = (int(n) for n in k.shape)
+    if Dk != D:
+        raise ValueError(f"k: expected shape [total_k, Hkv, D] with D == q's {D}, got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    _check_heads(Hq, Hkv, "q", "k")
+    _check_int32("cu_seqlens_q", cu_seqlens_q, 1, "[B + 1]")
+    _check_int32("cu_seqlens_k", cu_seqlens_k, 1, "[B + 1]")
+    nq, nk = int(cu_seqlens_q.shape[0]), int(cu_seqlens_k.shape[0])
+    if nq < 2:
+        raise ValueError(f"cu_seqlens_q: expected B + 1 >= 2 offsets, got {nq}")
+    if nk != nq:
+        raise ValueError(f"cu_seqlens_k: expected {nq} offsets (B + 1, as cu_seqlens_q), got {nk}")
+    _check_options(window, softcap, causal, softmax_scale, D)
+    cu_q = cu_k = None
+    max_q = max_k = None
+    if check_values or max_seqlen_q is None or max_seqlen_k is None:
+        cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "q")
+        cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "k")
+        max_q, max_k = int(np.diff(cu_q).max()), int(np.diff(cu_k).max())
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, max_q)
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, max_k)
+    return VarlenShape(nq - 1, total_q, total_k, Hq, Hkv, D, max_q, max_k, cu_q, cu_k)
+
+
+def check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window=(-1, -1), softcap=0.0, *,
+                     softmax_scale=None, dtypes=ATTENTION_DTYPES, check_values=True):
+    """Check the arguments of `paged_attention` and return their sizes.
+
+    q [B, Hq, D]; k_cache and v_cache [num_blocks, block_size, Hkv, D] of q's dtype (one of `dtypes`),
+    block_size a power of two from 1 to 256, Hq % Hkv == 0, 1 <= D <= 256; block_table int32
+    [B, max_blocks]; seq_lens int32 [B]. Shapes and dtypes are read from `.shape` / `.dtype` only.
+    With `check_values=True` (default) every seq_lens[b] must be in [1, max_blocks * block_size] and the
+    first ceil(seq_lens[b] / block_size) entries of block_table[b] (the ones used) in [0, num_blocks);
+    entries past those are never read and may hold anything. Checking values reads block_table and
+    seq_lens on the host: for CuPy arrays that is a device-to-host copy with `.get()`, which synchronizes
+    the stream. Returns `PagedShape(B, Hq, Hkv, D, num_blocks, block_size, max_blocks, block_table,
+    seq_lens)` with host copies of the two int arrays when values were checked (else None).
+    """
+    _check_array("q", q, 3, "[B, Hq, D]")
+    _check_array("k_cache", k_cache, 4, "[num_blocks, block_size, Hkv, D]")
+    _check_array("v_cache", v_cache, 4, "[num_blocks, block_size, Hkv, D]")
+    _check_float_dtype("q", q, dtypes)
+    _check_same_dtype("k_cache", k_cache, "q", q)
+    _check_same_dtype("v_cache", v_cache, "q", q)
+    B, Hq, D = (int(n) for n in q.shape)
+    _check_head_dim(D, "q")
+    _check_nonempty("q", q.shape, "[B, Hq, D]")
+    _check_nonempty("k_cache", k_cache.shape, "[num_blocks, block_size, Hkv, D]")
+    num_blocks, block_size, Hkv, Dk = (int(n) for n in k_cache.shape)
+    if Dk != D:
+        raise ValueError(f"k_cache: expected shape [num_blocks, block_size, Hkv, D] with D == q's {D}, "
+                         f"got {tuple(k_cache.shape)}")
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, "
+                         f"got {tuple(v_cache.shape)}")
+    if block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1):
+        raise ValueError(f"k_cache: expected a block_size (dimension 1) that is a power of two from 1 to "
+                         f"{MAX_BLOCK_SIZE}, got {block_size}")
+    _check_heads(Hq, Hkv, "q", "k_cache")
+    _check_int32("block_table", block_table, 2, "[B, max_blocks]")
+    _check_int32("seq_lens", seq_lens, 1, "[B]")
+    if int(block_table.shape[0]) != B or int(block_table.shape[1]) < 1:
+        raise ValueError(f"block_table: expected shape [B, max_blocks] with B == q's {B} and max_blocks >= 1, "
+                         f"got {tuple(block_table.shape)}")
+    if int(seq_lens.shape[0]) != B:
+        raise ValueError(f"seq_lens: expected shape [B] with B == q's {B}, got {tuple(seq_lens.shape)}")
+    check_window(window)
+    check_softcap(softcap)
+    effective_scale(softmax_scale, D)
+    max_blocks = int(block_table.shape[1])
+    table = lens = None
+    if check_values:
+        table, lens = check_paged_values(block_table, seq_lens, num_blocks, block_size)
+    return PagedShape(B, Hq, Hkv, D, num_blocks, block_size, max_blocks, table, lens)
+
+
+def check_paged_values(block_table, seq_lens, num_blocks, block_size):
+    """The value half of `check_paged_args` (its shapes and dtypes already checked): every seq_lens[b] in
+    [1, max_blocks * block_size], the entries of block_table[b] in use in [0, num_blocks). Returns host int64
+    copies (block_table, seq_lens); for CuPy arrays the copy synchronizes the stream."""
+    lens = _to_host(seq_lens).astype(np.int64)
+    table = _to_host(block_table).astype(np.int64)
+    capacity = int(table.shape[1]) * block_size
+    for b, n in enumerate(lens):
+        if not 1 <= n <= capacity:
+            raise ValueError(f"seq_lens: expected values from 1 to max_blocks * block_size = {capacity}, "
+                             f"got {int(n)} at index {b}")
+        used = table[b, :-(-int(n) // block_size)]
+        bad = (used < 0) | (used >= num_blocks)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(f"block_table: expected block ids in [0, {num_blocks}) (k_cache has {num_blocks} "
+                             f"blocks), got {int(used[j])} at [{b}, {j}]")
+    return table, lens
+
+
+def _require_numpy(**arrays):
+    for name, x in arrays.items():
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{name}: the reference takes numpy.ndarray, got {type(x).__module__}."
+                            f"{type(x).__name__} (vbw_cupy.attention runs GPU arrays)")
+
+
+def check_mode(check) -> str:
+    """The `check` option of the ops that read index arrays: "device" (default: checked by the kernel, no sync; see _errors.py)
+    or "host" (read and checked on the host first; synchronizes). True and False mean "host" and "device"."""
+    if check is True or isinstance(check, str) and check == "host":
+        return "host"
+    if check is False or isinstance(check, str) and check == "device":
+        return "device"
+    err = ValueError if isinstance(check, str) else TypeError
+    raise err(f"check: expected \"device\", \"host\", True or False, got {check!r}")

@@ -1,0 +1,72 @@
+"""Facts about the CUDA device: architecture, SM count, attributes, the limits the tuner and plans read.
+Each is cached per device (CuPy's Device().attributes reads every attribute, ~0.1 ms)."""
+from __future__ import annotations
+
+import functools
+
+from . import _runtime as rt
+
+
+def device_arch(device_id: int | None = None) -> int:
+    """Compute capability as an int, e.g. 90 for H100."""
+    cp = rt.require_cupy()
+    return _device_arch(cp.cuda.Device(device_id).id)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(device_id: int) -> int:
+    return int(rt.cupy.cuda.Device(device_id).compute_capability)
+
+
+def device_attributes() -> dict:
+    """cupy's Device().attributes of the current device, cached: the query reads every attribute (~0.1 ms)."""
+    return _device_attributes(rt.require_cupy().cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_attributes(device_id: int) -> dict:
+    return dict(rt.cupy.cuda.Device(device_id).attributes)
+
+
+def num_sms() -> int:
+    """SM count of the current device (cached: Device().attributes queries every attribute, ~0.1 ms)."""
+    return _num_sms(rt.require_cupy().cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_id: int) -> int:
+    return int(rt.cupy.cuda.runtime.deviceGetAttribute(rt.cupy.cuda.runtime.cudaDevAttrMultiProcessorCount,
+                                                      device_id))
+
+
+_device_cache: dict[int, dict] = {}
+
+
+def query_device() -> dict:
+    """id, name, arch, nvrtc version and the limits autotune's `fits` reads, of the current device (cached)."""
+    cp = rt.require_cupy()
+    dev = cp.cuda.Device()
+    if dev.id in _device_cache:
+        return _device_cache[dev.id]
+    a = dev.attributes
+    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
+    if isinstance(name, bytes):
+        name = name.decode(errors="replace")
+    arch = int(dev.compute_capability)
+    info = {
+        "id": dev.id,
+        "name": str(name).strip(),
+        "arch": arch,
+        "nvrtc": rt.nvrtc_version(),
+        "limits": {
+            "arch": arch,
+            "smem_optin": int(a.get("MaxSharedMemoryPerBlockOptin", a.get("MaxSharedMemoryPerBlock", 49152))),
+            "smem_per_sm": int(a.get("MaxSharedMemoryPerMultiprocessor", 0)),
+            "max_threads": int(a.get("MaxThreadsPerBlock", 1024)),
+            "regs_per_block": int(a.get("MaxRegistersPerBlock", 65536)),
+            "num_sms": int(a.get("MultiProcessorCount", 1)),
+            "l2_bytes": int(a.get("L2CacheSize", 0)),
+        },
+    }
+    _device_cache[dev.id] = info
+    return info

@@ -1,0 +1,44 @@
+"""Timing on the device: CUDA events on the current stream, and the copy bandwidth that is the peer of a
+memory-bound kernel."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _runtime as rt
+
+
+def time_ms(fn, warmup: int = 3, rep: int = 20, inner: int = 1) -> float:
+    """Median time of fn() in milliseconds, CUDA events on the current stream, after warm-up.
+
+    `inner` > 1 times that many back-to-back calls between one pair of events and divides: the launch
+    queue stays full, so a short kernel is timed without the host's per-call launch gap."""
+    cp = rt.require_cupy()
+    for _ in range(warmup):
+        fn()
+    stream = cp.cuda.get_current_stream()
+    times = []
+    for _ in range(rep):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        for _ in range(inner):
+            fn()
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / inner)
+    return float(np.median(times))
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written, for a copy that
+    moves `nbytes` in all (at least 256 MB, so the copy cannot run from the L2 cache)."""
+    cp = rt.require_cupy()
+    a = cp.empty(max(nbytes, 256 << 20) // 2, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    ms = time_ms(lambda: b.__setitem__(Ellipsis, a), warmup=2, rep=10, inner=10)
+    return 2 * a.nbytes / ms / 1e6
+
+
+def copy_time_ms(nbytes: int) -> float:
+    """What moving `nbytes` (read + written) costs at the device's copy bandwidth: the peer of a
+    memory-bound kernel in the self-check."""
+    return nbytes / copy_bandwidth_gbs(nbytes) / 1e6
