@@ -284,9 +284,9 @@ def test_gpu_mixed_inputs_and_bad_values():
     bad = d[3].copy()
     bad[1, 0] = 10_000
     with pytest.raises(ValueError, match="block_table"):
-        paged.paged_attention(d[0], d[1], d[2], bad, d[4])
+        paged.paged_attention(d[0], d[1], d[2], bad, d[4], check="host")
     with pytest.raises(ValueError, match="seq_lens"):
-        paged.paged_attention(d[0], d[1], d[2], d[3], cp.asarray([30, 0], dtype=cp.int32))
+        paged.paged_attention(d[0], d[1], d[2], d[3], cp.asarray([30, 0], dtype=cp.int32), check="host")
     with pytest.raises(TypeError, match="q"):
         paged.paged_attention(d[0].astype(cp.float32), d[1], d[2], d[3], d[4])
     with pytest.raises(ValueError, match="out"):

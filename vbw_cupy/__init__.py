@@ -1,6 +1,7 @@
 """vbw_cupy: FP4 (MXFP4 / NVFP4) codecs and GEMM, and flash attention, as CUDA kernels compiled at run time
 through CuPy. NumPy inputs run the float64 reference (`vbw_cupy.reference`); CuPy inputs run on the GPU."""
 from . import reference
+from ._errors import check_errors
 from .attention import flash_attention, flash_attention_varlen
 from .fp4 import FP4Tensor, dequantize, quantize
 from .gemm import fp4_matmul
@@ -8,4 +9,4 @@ from .paged import PagedKVCache, paged_attention
 
 __version__ = "0.1.0"
 __all__ = ["FP4Tensor", "quantize", "dequantize", "fp4_matmul", "flash_attention", "flash_attention_varlen",
-           "paged_attention", "PagedKVCache", "reference", "__version__"]
+           "paged_attention", "PagedKVCache", "check_errors", "reference", "__version__"]

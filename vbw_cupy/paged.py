@@ -462,8 +462,8 @@ class PagedKVCache:
     - ``append(k_new, v_new, seqs=None)``: adds one token (k_new [B, Hkv, D]) or T tokens (k_new [B, T, Hkv, D])
       to each of the sequences `seqs` (default 0..B-1), allocating blocks as they fill. Raises MemoryError,
       changing nothing, when the free blocks or a sequence's table row would run out.
-    - ``attention(q, seqs=None, **kw)``: `paged_attention` of q [B, Hq, D] over those sequences (values are
-      known valid, so no device-to-host copy).
+    - ``attention(q, seqs=None, **kw)``: `paged_attention` of q [B, Hq, D] over those sequences (no
+      device-to-host copy: the kernel checks the values it reads).
     - ``free(seq)``: returns a sequence's blocks to the free list and empties its slot.
 
     Example, a greedy decode loop over a batch of 8 (``model`` is yours)::
@@ -609,7 +609,9 @@ class PagedKVCache:
             table, lens = self.block_table[idx], self.seq_lens[idx]
         if self.xp is np:
             return paged_attention(q, self.k_cache, self.v_cache, table, lens, **kw)
-        kw.setdefault("max_seqlen", int(self._lens[slots].max()))
+        # a power-of-two bound (within the table): one launch plan serves many steps of a growing sequence
+        longest = int(self._lens[slots].max())
+        kw.setdefault("max_seqlen", min(1 << (longest - 1).bit_length(), self.block_table.shape[1] * self.block_size))
         return paged_attention(q, self.k_cache, self.v_cache, table, lens, **kw)
 
 

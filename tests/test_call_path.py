@@ -1,0 +1,325 @@
+"""The call path around the kernels: bad index values checked on the device, and every op in a CUDA graph.
+
+GPU: paged_attention and flash_attention_varlen given bad block ids, lengths and offsets write NaN rows for those
+sequences only, flag the device error word, and `check_errors()` raises ValueError naming the argument and the
+sequence; the process stays usable. Each public op is captured in a CUDA graph, replayed on new input values
+and compared with the eager call; arrays the pool hands out after the capture are not touched by a replay.
+(The device run also runs the bad-index tests under compute-sanitizer memcheck with the pool off:
+VBW_TEST_NO_POOL=1.)
+"""
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import vbw_cupy as vc
+from vbw_cupy import _errors, attention, paged
+
+F16 = np.dtype(np.float16)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.fixture(autouse=True)
+def _setup(monkeypatch):
+    monkeypatch.setenv("VBW_CUPY_AUTOTUNE", "0")
+    if os.environ.get("VBW_TEST_NO_POOL"):
+        import cupy as cp
+        cp.cuda.set_allocator(None)
+    yield
+    if _errors._buffers:
+        _errors.pending()  # a failed test must not leave flags for the next one
+
+
+def _assert_nan_rows(o, bad):
+    o = np.asarray(o, dtype=np.float32)
+    for b in range(o.shape[0]):
+        if b in bad:
+            assert np.isnan(o[b]).all(), f"sequence {b}: expected NaN rows"
+        else:
+            assert np.isfinite(o[b]).all(), f"sequence {b}: expected finite rows"
+
+
+# ------------------------------------------------------------------------------------- paged, bad values
+PAGED_BAD = [  # (what, sequence, how to break it)
+    ("block id 2^24", 1, lambda t, l, nb: t.__setitem__((1, 0), 1 << 24)),
+    ("block id 2^27 + 5 (wraps to 5 in int32 row math)", 1, lambda t, l, nb: t.__setitem__((1, 1), (1 << 27) + 5)),
+    ("block id -1", 2, lambda t, l, nb: t.__setitem__((2, 0), -1)),
+    ("block id num_blocks", 0, lambda t, l, nb: t.__setitem__((0, 0), nb)),
+    ("seq_len 1000x capacity", 1, lambda t, l, nb: l.__setitem__(1, 1000 * t.shape[1] * 16)),
+    ("seq_len capacity + 1", 2, lambda t, l, nb: l.__setitem__(2, t.shape[1] * 16 + 1)),
+    ("seq_len 0", 0, lambda t, l, nb: l.__setitem__(0, 0)),
+    ("seq_len -7", 2, lambda t, l, nb: l.__setitem__(2, -7)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [(300, 70, 45), (9000, 4000, 20000)], ids=["one-split", "split-k"])
+@pytest.mark.parametrize("bad", PAGED_BAD, ids=[b[0] for b in PAGED_BAD])
+def test_gpu_paged_bad_values_give_nan_rows_and_an_error(bad, lens):
+    import cupy as cp
+    what, seq, breaker = bad
+    h = list(paged.make_case(np.random.default_rng(5), 3, np.asarray(lens), 32, 8, 128, 16, F16))
+    table, lens_h = h[3].copy(), h[4].copy()
+    table[table < 0] = 0
+    breaker(table, lens_h, h[1].shape[0])
+    d = [cp.asarray(a) for a in h[:3]] + [cp.asarray(table), cp.asarray(lens_h)]
+    out = cp.full(h[0].shape, np.nan, dtype=F16)
+    _errors.check_errors()                                   # nothing pending before
+    paged.paged_attention(*d, out=out)                       # default check="device": no raise, no sync
+    o = out.get()
+    _assert_nan_rows(o, {seq})
+    arg = "seq_lens" if "seq_len" in what else "block_table"
+    with pytest.raises(ValueError, match=rf"paged_attention: {arg}: .*sequence {seq}\b"):
+        vc.check_errors()
+    vc.check_errors()                                        # cleared
+    good = [b for b in range(3) if b != seq]
+    sub = [h[0][good], h[1], h[2], h[3][good], h[4][good]]
+    err, base, bound = paged.reference_errors(*sub, o[good])
+    assert err <= bound
+    # the context is alive: a clean call works and agrees
+    o2 = paged.paged_attention(*[cp.asarray(a) for a in sub]).get()
+    assert paged.reference_errors(*sub, o2)[0] <= bound
+    vc.check_errors()
+    # check="host" raises at once, before any launch
+    with pytest.raises(ValueError, match=arg):
+        paged.paged_attention(*d, check="host")
+
+
+@pytest.mark.gpu
+def test_gpu_host_check_raises_errors_flagged_earlier():
+    import cupy as cp
+    h = paged.make_case(np.random.default_rng(6), 2, np.asarray([40, 50]), 8, 2, 64, 16, F16)
+    d = [cp.asarray(a) for a in h]
+    bad = d[4].copy()
+    bad[0] = 10 ** 6
+    paged.paged_attention(*d[:4], bad)
+    with pytest.raises(ValueError, match="seq_lens.*sequence 0"):
+        paged.paged_attention(*d, check="host")              # the earlier flag, although these values are fine
+    paged.paged_attention(*d, check="host")
+
+
+# ------------------------------------------------------------------------------------ varlen, bad offsets
+VARLEN_BAD = [  # (what, argument, bad sequence, cu_q, cu_k) for lens q (100, 37, 250), k (300, 37, 250)
+    ("decreasing q", "cu_seqlens_q", 1, [0, 100, 90, 387], [0, 300, 337, 587]),
+    ("q past the tokens", "cu_seqlens_q", 2, [0, 100, 137, 10 ** 9], [0, 300, 337, 587]),
+    ("q longer than max_seqlen_q", "cu_seqlens_q", 2, [0, 100, 137, 387 + 200], [0, 300, 337, 587]),
+    ("negative k", "cu_seqlens_k", 0, [0, 100, 137, 387], [-50, 300, 337, 587]),
+    ("k past the tokens", "cu_seqlens_k", 2, [0, 100, 137, 387], [0, 300, 337, 2 ** 31 - 1]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", VARLEN_BAD, ids=[b[0] for b in VARLEN_BAD])
+def test_gpu_varlen_bad_offsets_give_nan_rows_and_an_error(bad):
+    import cupy as cp
+    what, arg, seq, cu_q, cu_k = bad
+    rng = np.random.default_rng(8)
+    tq, tk = 387 + (200 if "max_seqlen" in what else 0), 587
+    q = cp.asarray(rng.standard_normal((tq, 8, 64), dtype=np.float32).astype(F16))
+    k = cp.asarray(rng.standard_normal((tk, 2, 64), dtype=np.float32).astype(F16))
+    v = cp.asarray(rng.standard_normal((tk, 2, 64), dtype=np.float32).astype(F16))
+    o = attention.flash_attention_varlen(q, k, v, cp.asarray(cu_q, dtype=cp.int32), cp.asarray(cu_k, dtype=cp.int32),
+                                         max_seqlen_q=250, max_seqlen_k=300, causal=True)
+    with pytest.raises(ValueError, match=rf"flash_attention_varlen: {arg}: .*sequence {seq}\b"):
+        vc.check_errors()
+    o = o.get().astype(np.float32)
+    good_q = [0, 100, 137, 387]
+    for b in range(3):
+        if b == seq:
+            continue
+        rows = slice(good_q[b], good_q[b + 1])
+        assert np.isfinite(o[rows]).all(), f"sequence {b} should be untouched"
+        ks = slice([0, 300, 337, 587][b], [0, 300, 337, 587][b + 1])
+        want = vc.reference.flash_attention(q.get()[rows][None].astype(np.float32),
+                                            k.get()[ks][None].astype(np.float32),
+                                            v.get()[ks][None].astype(np.float32), causal=True)[0]
+        assert vc.reference.rel_error(o[rows], want) < 2e-3
+    lo, hi = max(0, cu_q[seq]), min(tq, cu_q[seq + 1])
+    if hi > lo:
+        assert np.isnan(o[lo:hi]).all(), "the bad sequence's rows should be NaN"
+    # same call with check="host" raises before the launch
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        attention.flash_attention_varlen(q, k, v, cp.asarray(cu_q, dtype=cp.int32), cp.asarray(cu_k, dtype=cp.int32),
+                                         max_seqlen_q=250, max_seqlen_k=300, causal=True, check="host")
+
+
+@pytest.mark.gpu
+def test_gpu_nvfp4_nan_with_global_scale_is_flagged_without_a_sync():
+    import cupy as cp
+    x = cp.ones((64, 256), dtype=cp.float16)
+    x[5, 7] = cp.nan
+    vc.quantize(x, "nvfp4", global_scale=1.0)               # no raise here: no sync
+    with pytest.raises(ValueError, match="quantize: x: NaN or Inf"):
+        vc.check_errors()
+    with pytest.raises(ValueError, match="NaN or Inf"):     # without a global_scale: raised at once
+        vc.quantize(x, "nvfp4")
+
+
+# ------------------------------------------------------------------------------------------ CUDA graphs
+def _capture(fn):
+    """Capture fn() on a new stream (after one eager call there, which builds the plans): (graph, its result)."""
+    import cupy as cp
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        fn()
+        s.synchronize()
+        s.begin_capture()
+        res = fn()
+        g = s.end_capture()
+    return g, res, s
+
+
+def _replay(g, s):
+    g.launch(stream=s)
+    s.synchronize()
+
+
+def _fill_(a, rng):
+    """New random values into a GPU array in place (graph inputs keep their addresses)."""
+    import cupy as cp
+    a[...] = cp.asarray(rng.standard_normal(a.shape, dtype=np.float32)).astype(a.dtype)
+
+
+def _graph_case(make_inputs, call, compare):
+    """Capture call(*inputs), replay with new input values, compare with an eager call; also allocate arrays
+    after the capture and check a replay leaves them alone."""
+    import cupy as cp
+    rng = np.random.default_rng(11)
+    inputs = make_inputs(rng)
+    g, res, s = _capture(lambda: call(*inputs))
+    sentinels = [cp.full(n, 7.0, dtype=cp.float32) for n in (1 << 10, 1 << 16, 1 << 20, 3 << 20)]
+    for _ in range(2):
+        for a in inputs:
+            if isinstance(a, cp.ndarray) and a.dtype.kind == "f":
+                _fill_(a, rng)
+        _replay(g, s)
+        with s:
+            want = call(*inputs)
+            s.synchronize()
+        compare(res, want)
+    for t in sentinels:
+        assert bool((t == 7.0).all()), "a graph replay wrote into memory allocated after the capture"
+
+
+def _same(a, b):
+    a = a if isinstance(a, (tuple, list)) else (a,)
+    b = b if isinstance(b, (tuple, list)) else (b,)
+    for x, y in zip(a, b):
+        if hasattr(x, "data") and hasattr(x, "scales"):      # FP4Tensor
+            np.testing.assert_array_equal(x.data.get(), y.data.get())
+            np.testing.assert_array_equal(x.scales.get(), y.scales.get())
+        else:
+            np.testing.assert_array_equal(x.get(), y.get())
+
+
+def _rand(shape, dtype=F16):
+    import cupy as cp
+    return lambda rng: cp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+
+
+GRAPH_CASES = {
+    "quantize mxfp4": (lambda r: [_rand((256, 1000))(r)], lambda x: vc.quantize(x, "mxfp4")),
+    "quantize nvfp4 given scale": (lambda r: [_rand((64, 4096), BF16)(r)],
+                                   lambda x: vc.quantize(x, "nvfp4", global_scale=0.01)),
+    "flash_attention causal": (lambda r: [_rand((2, 300, 8, 128))(r), _rand((2, 300, 2, 128))(r),
+                                          _rand((2, 300, 2, 128))(r)],
+                               lambda q, k, v: attention.flash_attention(q, k, v, causal=True, return_lse=True)),
+    "flash_attention D=80 window": (lambda r: [_rand((1, 200, 4, 80), BF16)(r), _rand((1, 333, 4, 80), BF16)(r),
+                                               _rand((1, 333, 4, 80), BF16)(r)],
+                                    lambda q, k, v: attention.flash_attention(q, k, v, window=(50, 3))),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GRAPH_CASES))
+def test_gpu_graph_capture_and_replay(name):
+    make, call = GRAPH_CASES[name]
+    _graph_case(make, call, _same)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_graph_dequantize(fmt):
+    import cupy as cp
+    w = vc.quantize(cp.asarray(np.random.default_rng(1).standard_normal((128, 512), dtype=np.float32)), fmt)
+    # new values: overwrite the codes in place
+    def make(rng):
+        return [w]
+
+    def call(t):
+        return vc.dequantize(t, cp.float16)
+
+    rng = np.random.default_rng(2)
+    g, res, s = _capture(lambda: call(w))
+    w.data[...] = cp.asarray(rng.integers(0, 256, w.data.shape, dtype=np.uint8))
+    _replay(g, s)
+    np.testing.assert_array_equal(res.get(), vc.dequantize(w, cp.float16).get())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 64, 256])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_graph_fp4_matmul(M, fmt):
+    import cupy as cp
+    rng = np.random.default_rng(M)
+    w = vc.quantize(cp.asarray(rng.standard_normal((1000, 4096), dtype=np.float32)).astype(cp.float16), fmt)
+    bias = cp.asarray(rng.standard_normal(1000, dtype=np.float32)).astype(cp.float16)
+    _graph_case(lambda r: [_rand((M, 4096))(r)], lambda a: vc.fp4_matmul(a, w, bias=bias, activation="silu"),
+                _same)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [(40, 3000, 17), (32000,)], ids=["ragged", "split-k"])
+def test_gpu_graph_paged_attention_as_sequences_grow(lens):
+    """The pool bug of the issue: capture, then let the pool hand memory to others, then replay with the
+    sequences one token longer each time."""
+    import cupy as cp
+    B = len(lens)
+    cap = max(lens) + 40
+    h = paged.make_case(np.random.default_rng(3), B, np.asarray([cap] * B), 32, 8, 128, 16, F16)
+    d = [cp.asarray(a) for a in h]
+    seq = cp.asarray(np.asarray(lens, dtype=np.int32))
+    q = d[0]
+    g, res, s = _capture(lambda: paged.paged_attention(q, d[1], d[2], d[3], seq))
+    sentinels = [cp.full(n, 7.0, dtype=cp.float32) for n in (1 << 12, 1 << 18, 1 << 22)]
+    for step in range(3):
+        seq += 1
+        _fill_(q, np.random.default_rng(step))
+        _replay(g, s)
+        with s:
+            want = paged.paged_attention(q, d[1], d[2], d[3], seq)
+            s.synchronize()
+        np.testing.assert_array_equal(res.get(), want.get())
+        hl = seq.get()
+        err, base, bound = paged.reference_errors(q.get(), h[1], h[2], h[3], hl, res.get())
+        assert err <= bound
+    for t in sentinels:
+        assert bool((t == 7.0).all()), "a graph replay wrote into memory allocated after the capture"
+    vc.check_errors()
+
+
+@pytest.mark.gpu
+def test_gpu_graph_varlen():
+    import cupy as cp
+    cu_q = cp.asarray([0, 100, 137, 387], dtype=cp.int32)
+    cu_k = cp.asarray([0, 300, 337, 587], dtype=cp.int32)
+    _graph_case(lambda r: [_rand((387, 8, 64))(r), _rand((587, 2, 64))(r), _rand((587, 2, 64))(r)],
+                lambda q, k, v: attention.flash_attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=250,
+                                                                 max_seqlen_k=300, causal=True),
+                _same)
+    vc.check_errors()
+
+
+@pytest.mark.gpu
+def test_gpu_graph_paged_cache_attention():
+    import cupy as cp
+    cache = paged.PagedKVCache(64, 16, 2, 64, cp.float16, max_batch=2, max_blocks_per_seq=32)
+    rng = np.random.default_rng(4)
+    cache.append(*(cp.asarray(rng.standard_normal((2, 100, 2, 64), dtype=np.float32)).astype(cp.float16)
+                   for _ in range(2)))
+    q = cp.asarray(rng.standard_normal((2, 8, 64), dtype=np.float32)).astype(cp.float16)
+    g, res, s = _capture(lambda: cache.attention(q))
+    _fill_(q, rng)
+    _replay(g, s)
+    np.testing.assert_array_equal(res.get(), cache.attention(q).get())
