@@ -100,12 +100,14 @@ def test_gpu_host_check_raises_errors_flagged_earlier():
 
 
 # ------------------------------------------------------------------------------------ varlen, bad offsets
-VARLEN_BAD = [  # (what, argument, bad sequence, cu_q, cu_k) for lens q (100, 37, 250), k (300, 37, 250)
-    ("decreasing q", "cu_seqlens_q", 1, [0, 100, 90, 387], [0, 300, 337, 587]),
-    ("q past the tokens", "cu_seqlens_q", 2, [0, 100, 137, 10 ** 9], [0, 300, 337, 587]),
-    ("q longer than max_seqlen_q", "cu_seqlens_q", 2, [0, 100, 137, 387 + 200], [0, 300, 337, 587]),
-    ("negative k", "cu_seqlens_k", 0, [0, 100, 137, 387], [-50, 300, 337, 587]),
-    ("k past the tokens", "cu_seqlens_k", 2, [0, 100, 137, 387], [0, 300, 337, 2 ** 31 - 1]),
+GOOD_Q, GOOD_K = [0, 100, 137, 387], [0, 300, 337, 587]   # sequence lengths q (100, 37, 250), k (300, 37, 250)
+VARLEN_BAD = [  # (what, argument, bad sequence, cu_q, cu_k)
+    ("decreasing q", "cu_seqlens_q", 1, [0, 140, 137, 387], GOOD_K),
+    ("q past the tokens", "cu_seqlens_q", 2, [0, 100, 137, 10 ** 9], GOOD_K),
+    ("q longer than max_seqlen_q", "cu_seqlens_q", 2, [0, 100, 137, 387 + 200], GOOD_K),
+    ("q not starting at 0", "cu_seqlens_q", 0, [3, 100, 137, 387], GOOD_K),
+    ("negative k", "cu_seqlens_k", 0, GOOD_Q, [-50, 300, 337, 587]),
+    ("k past the tokens", "cu_seqlens_k", 2, GOOD_Q, [0, 300, 337, 2 ** 31 - 1]),
 ]
 
 
@@ -115,7 +117,7 @@ def test_gpu_varlen_bad_offsets_give_nan_rows_and_an_error(bad):
     import cupy as cp
     what, arg, seq, cu_q, cu_k = bad
     rng = np.random.default_rng(8)
-    tq, tk = 387 + (200 if "max_seqlen" in what else 0), 587
+    tq, tk = cu_q[-1] if cu_q[-1] < 10 ** 6 else 387, 587
     q = cp.asarray(rng.standard_normal((tq, 8, 64), dtype=np.float32).astype(F16))
     k = cp.asarray(rng.standard_normal((tk, 2, 64), dtype=np.float32).astype(F16))
     v = cp.asarray(rng.standard_normal((tk, 2, 64), dtype=np.float32).astype(F16))
@@ -124,13 +126,11 @@ def test_gpu_varlen_bad_offsets_give_nan_rows_and_an_error(bad):
     with pytest.raises(ValueError, match=rf"flash_attention_varlen: {arg}: .*sequence {seq}\b"):
         vc.check_errors()
     o = o.get().astype(np.float32)
-    good_q = [0, 100, 137, 387]
     for b in range(3):
         if b == seq:
             continue
-        rows = slice(good_q[b], good_q[b + 1])
+        rows, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         assert np.isfinite(o[rows]).all(), f"sequence {b} should be untouched"
-        ks = slice([0, 300, 337, 587][b], [0, 300, 337, 587][b + 1])
         want = vc.reference.flash_attention(q.get()[rows][None].astype(np.float32),
                                             k.get()[ks][None].astype(np.float32),
                                             v.get()[ks][None].astype(np.float32), causal=True)[0]
@@ -138,7 +138,7 @@ def test_gpu_varlen_bad_offsets_give_nan_rows_and_an_error(bad):
     lo, hi = max(0, cu_q[seq]), min(tq, cu_q[seq + 1])
     if hi > lo:
         assert np.isnan(o[lo:hi]).all(), "the bad sequence's rows should be NaN"
-    # same call with check="host" raises before the launch
+    # the same call with check="host" raises before the launch
     with pytest.raises(ValueError, match="cu_seqlens"):
         attention.flash_attention_varlen(q, k, v, cp.asarray(cu_q, dtype=cp.int32), cp.asarray(cu_k, dtype=cp.int32),
                                          max_seqlen_q=250, max_seqlen_k=300, causal=True, check="host")

@@ -200,9 +200,11 @@ def test_gpu_nan_inf(dtype):
     tg, tr = vc.quantize(cp.asarray(x), "mxfp4"), vc.quantize(x, "mxfp4")
     _assert_same(tg, tr, dtype)
     assert tg.scales.get()[1, 0] == 255 and tg.scales.get()[2, 1] == 255
-    for gs in (None, 1.0):
-        with pytest.raises(ValueError, match="NaN or Inf"):
-            vc.quantize(cp.asarray(x), "nvfp4", gs)
+    with pytest.raises(ValueError, match="NaN or Inf"):          # no global_scale: the amax read raises
+        vc.quantize(cp.asarray(x), "nvfp4")
+    vc.quantize(cp.asarray(x), "nvfp4", 1.0)                      # given: flagged on the device, no sync
+    with pytest.raises(ValueError, match="quantize: x: NaN or Inf"):
+        vc.check_errors()
 
 
 @pytest.mark.gpu
@@ -276,6 +278,7 @@ def test_gpu_same_signature_twice_then_views_and_bad_input(fmt, gs, dtype):
     if fmt == "nvfp4":
         with pytest.raises(ValueError, match="NaN or Inf"):
             vc.quantize(bad, fmt, gs)
+            vc.check_errors()  # a given global_scale: raised by the check, not the call
     else:
         assert int(vc.quantize(bad, fmt).scales[5, 0]) == 255
     _assert_same(vc.quantize(xd, fmt, gs), want, dtype)   # and the plan is still good

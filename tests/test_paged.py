@@ -335,11 +335,11 @@ def test_gpu_same_signature_twice_then_views_and_bad_input(case, check):
         bad = d[3].copy()
         bad[0, 0] = 10_000
         with pytest.raises(ValueError, match="block_table"):
-            paged.paged_attention(d[0], d[1], d[2], bad, d[4])
+            paged.paged_attention(d[0], d[1], d[2], bad, d[4], check=check)
         bad_lens = d[4].copy()
         bad_lens[0] = 0
         with pytest.raises(ValueError, match="seq_lens"):
-            paged.paged_attention(d[0], d[1], d[2], d[3], bad_lens)
+            paged.paged_attention(d[0], d[1], d[2], d[3], bad_lens, check=check)
     if cp.cuda.runtime.getDeviceCount() > 1:
         with cp.cuda.Device(1):
             d1 = [cp.asarray(a) for a in h]

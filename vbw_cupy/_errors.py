@@ -53,9 +53,9 @@ def buffer(device_id: int | None = None):
     return buf
 
 
-def pending(device_id: int | None = None) -> list[str]:
-    """Messages of the errors flagged on a device (all devices used so far when None), clearing them.
-    Synchronizes those devices."""
+def pending(device_id: int | None = None, op: str | None = None) -> list[str]:
+    """Messages of the errors flagged on a device (all devices used so far when None), clearing them; with
+    `op`, only that operation's (the others stay flagged). Synchronizes those devices."""
     cp = rt.cupy
     if cp is None:
         return []
@@ -65,9 +65,14 @@ def pending(device_id: int | None = None) -> list[str]:
             continue
         with cp.cuda.Device(dev):
             words = buf.get()
+            if op is not None:
+                words[[c for c in range(_WORDS) if c not in CODES or CODES[c][0] != op]] = 0
             if not words.any():
                 continue
-            buf.fill(0)
+            if op is None:
+                buf.fill(0)
+            else:
+                buf[np.flatnonzero(words)] = 0
         for code in np.flatnonzero(words):
             op, arg, what = CODES.get(int(code), ("a vbw_cupy kernel", "?", f"unknown error code {int(code)}"))
             where = f" (first in sequence {0x7fffffff - int(words[code])})" if code in _INDEXED else ""
@@ -76,11 +81,12 @@ def pending(device_id: int | None = None) -> list[str]:
     return msgs
 
 
-def check_errors(device=None) -> None:
+def check_errors(device=None, op=None) -> None:
     """Raise ValueError if a kernel flagged bad index values since the last check (see the module docs).
 
     Synchronizes each device that has run such a kernel; clears the flags it reports. `device`: a device id to
-    check only that one (default: every device used)."""
-    msgs = pending(None if device is None else int(device))
+    check only that one (default: every device used); `op`: an operation's name ("paged_attention",
+    "flash_attention_varlen", "quantize") to check only its flags (a ``check="host"`` call does this)."""
+    msgs = pending(None if device is None else int(device), op)
     if msgs:
         raise ValueError("; ".join(msgs))

@@ -510,7 +510,7 @@ def _varlen_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen
     cu_k = cu_seqlens_k if _is_host(cu_seqlens_k) else rt.as_gpu_array(cu_seqlens_k, "cu_seqlens_k")
     host = _checks.check_mode(check) == "host"
     if host:
-        _errors.check_errors()
+        _errors.check_errors(op="flash_attention_varlen")
     # offsets on the GPU with both max_seqlen given are checked by the kernel (no copy, no sync)
     read = host or _is_host(cu_q) or _is_host(cu_k) or max_seqlen_q is None or max_seqlen_k is None
     shape, win, scale, softcap, return_lse = _check_varlen(

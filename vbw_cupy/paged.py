@@ -275,7 +275,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
                     and seq_lens.data.device_id == dev and (k_cache.data.ptr | v_cache.data.ptr) % 16 == 0):
                 plan = sig.plan
                 if plan is None:  # check="host": the values, then the plan of the longest sequence
-                    _errors.check_errors()
+                    _errors.check_errors(op="paged_attention")
                     _, lens = _checks.check_paged_values(block_table, seq_lens, sig.num_blocks, sig.block_size)
                     _check_max_seqlen(max_seqlen, lens)
                     max_len = int(lens.max())
@@ -306,7 +306,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     q, k_cache, v_cache, block_table, seq_lens = arrays.values()
     check = _checks.check_mode(check) == "host"
     if check:
-        _errors.check_errors()
+        _errors.check_errors(op="paged_attention")
     shape = _checks.check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window, softcap,
                                      softmax_scale=softmax_scale, dtypes=_checks.GPU_ATTENTION_DTYPES,
                                      check_values=check)
