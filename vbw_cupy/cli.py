@@ -204,7 +204,7 @@ def _generate(args) -> int:
     model = load_model(args.checkpoint, weights=args.weights or ("fp32" if args.device == "cpu" else "fp16"),
                        device=args.device)
     cfg = model.config
-    tok = load_tokenizer(args.tokenizer or _default_tokenizer(args.checkpoint), cfg.bos_id, cfg.eos_id,
+    tok = load_tokenizer(args.tokenizer or _default_tokenizer(args.checkpoint), cfg.bos_id, cfg.eos_ids[0],
                          vocab_size=cfg.vocab_size)
     ids = tok.encode(args.prompt, bos=True)
     print(args.prompt, end="", flush=True)

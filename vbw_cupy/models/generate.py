@@ -56,6 +56,8 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
     sequences have no text (see `generate`).
     """
     cfg, ops = model.config, model.ops
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens: expected a value >= 0, got {max_new_tokens}")
     sampler = sampler or Sampler()
     stop = cfg.stop_ids if stop_ids is None else frozenset(stop_ids)
     prompts = [[int(t) for t in p] for p in prompts]
@@ -63,7 +65,7 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
         check_prompt(p, cfg.seq_len, b)
     seqs = [Sequence(p, []) for p in prompts]
     budget = [min(max_new_tokens, cfg.seq_len - len(p) + 1) for p in prompts]
-    cache = model.new_cache(len(prompts), max(len(p) + n - 1 for p, n in zip(prompts, budget)))
+    cache = model.new_cache(len(prompts), max(len(p) + max(n - 1, 0) for p, n in zip(prompts, budget)))
     result = Generation(seqs, prefill_tokens=sum(map(len, prompts)))
 
     def keep(b, token) -> bool:
@@ -91,7 +93,7 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
         result.decode_tokens += len(active)
         active = [b for b, row in zip(active, logits) if keep(b, sampler(row))]
     result.decode_seconds = time.perf_counter() - t0
-    for s in seqs:  # a prompt that already fills seq_len generates nothing
+    for s in seqs:  # max_new_tokens = 0: nothing was generated
         s.finish_reason = s.finish_reason or "length"
     return result
 
@@ -107,7 +109,7 @@ def generate(model: Llama, tokenizer, prompts, *, max_new_tokens: int = 256, tem
 
     >>> from vbw_cupy.models import load_model, load_tokenizer, generate          # doctest: +SKIP
     >>> model = load_model("stories15M.bin")                                       # doctest: +SKIP
-    >>> out = generate(model, load_tokenizer("tokenizer.bin"), "Once upon a time", max_new_tokens=64)
+    >>> out = generate(model, load_tokenizer("tokenizer.bin"), "Once upon a time")  # doctest: +SKIP
     >>> print(out.sequences[0].text)                                               # doctest: +SKIP
     """
     texts = [prompts] if isinstance(prompts, str) else list(prompts)

@@ -22,7 +22,7 @@ class LlamaConfig:
     query attention: query head h reads KV head h // (n_heads // n_kv_heads)); seq_len: the longest sequence
     (prompt plus generated tokens, less the last one, which is never fed back). rope_style "adjacent" rotates
     pairs (2j, 2j + 1) of a head (llama2.c), "halves" pairs (j, j + head_dim / 2) (Hugging Face).
-    shared_classifier: the logits use the token embedding. Generation stops at any id of `stop_ids`.
+    shared_classifier: the logits use the token embedding. Generation stops at BOS or any of `eos_ids`.
     """
     dim: int
     hidden_dim: int
@@ -36,7 +36,7 @@ class LlamaConfig:
     rope_style: str = "adjacent"
     shared_classifier: bool = True
     bos_id: int = 1
-    eos_id: int = 2
+    eos_ids: tuple = (2,)
 
     def __post_init__(self):
         for name in ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len"):
@@ -61,7 +61,7 @@ class LlamaConfig:
 
     @property
     def stop_ids(self) -> frozenset:
-        return frozenset((self.bos_id, self.eos_id))
+        return frozenset((self.bos_id, *self.eos_ids))
 
 
 @dataclasses.dataclass

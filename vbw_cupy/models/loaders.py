@@ -6,6 +6,7 @@ tensors are views of the map; a Hugging Face folder is read through the `safeten
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 from pathlib import Path
@@ -97,7 +98,7 @@ def _hf_config(folder: Path) -> LlamaConfig:
                        vocab_size=c["vocab_size"], seq_len=c.get("max_position_embeddings", 2048),
                        norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=float(c.get("rope_theta", 10000.0)),
                        rope_style="halves", shared_classifier=bool(c.get("tie_word_embeddings", False)),
-                       bos_id=c.get("bos_token_id", 1), eos_id=eos[0] if isinstance(eos, list) else eos)
+                       bos_id=c.get("bos_token_id", 1), eos_ids=tuple(eos) if isinstance(eos, list) else (eos,))
 
 
 def load_hf(folder) -> tuple[LlamaConfig, LlamaWeights]:
@@ -110,17 +111,20 @@ def load_hf(folder) -> tuple[LlamaConfig, LlamaWeights]:
     if not files:
         raise FileNotFoundError(f"checkpoint: no *.safetensors file in {folder}")
     safetensors = require_extra("safetensors")
-    where = {}
-    for f in files:
-        with safetensors.safe_open(str(f), framework="np") as st:
-            where.update((k, f) for k in st.keys())
+    with contextlib.ExitStack() as stack:
+        shards = [stack.enter_context(safetensors.safe_open(str(f), framework="np")) for f in files]
+        where = {name: shard for shard in shards for name in shard.keys()}
 
-    def get(name):
-        if name not in where:
-            raise KeyError(f"{folder}: tensor {name!r} not found in {', '.join(f.name for f in files)}")
-        with safetensors.safe_open(str(where[name]), framework="np") as st:
-            return st.get_tensor(name)
+        def get(name):
+            if name not in where:
+                raise KeyError(f"{folder}: tensor {name!r} not found in {', '.join(f.name for f in files)}")
+            return where[name].get_tensor(name)
 
+        return config, _hf_weights(config, get)
+
+
+def _hf_weights(config: LlamaConfig, get) -> LlamaWeights:
+    """The weights of a Hugging Face Llama, `get(name)` reading one tensor."""
     names = {"rms_att": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
              "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "rms_ffn": "post_attention_layernorm",
              "w1": "mlp.gate_proj", "w2": "mlp.down_proj", "w3": "mlp.up_proj"}
@@ -128,8 +132,7 @@ def load_hf(folder) -> tuple[LlamaConfig, LlamaWeights]:
               for i in range(config.n_layers)]
     emb = get("model.embed_tokens.weight")
     classifier = emb if config.shared_classifier else get("lm_head.weight")
-    weights = LlamaWeights(emb, layers, get("model.norm.weight"), classifier)
-    return config, weights
+    return LlamaWeights(emb, layers, get("model.norm.weight"), classifier)
 
 
 def load_checkpoint(path) -> tuple[LlamaConfig, LlamaWeights]:
