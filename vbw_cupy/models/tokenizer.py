@@ -42,14 +42,15 @@ class Llama2cTokenizer:
             raise FileNotFoundError(f"tokenizer: {path} does not exist")
         buf = path.read_bytes()
         pieces, scores, pos = [], [], 4
+        want = "" if vocab_size is None else f" (expected {vocab_size} tokens, the model's vocab_size)"
         while pos < len(buf) if vocab_size is None else len(pieces) < vocab_size:
             if pos + 8 > len(buf):
                 raise ValueError(f"{path}: truncated tokenizer: token {len(pieces)} needs bytes {pos}..{pos + 8}, "
-                                 f"the file has {len(buf)}")
+                                 f"the file has {len(buf)}{want}")
             score, n = float(np.frombuffer(buf, "<f4", 1, pos)[0]), int(np.frombuffer(buf, "<i4", 1, pos + 4)[0])
             if n < 0 or pos + 8 + n > len(buf):
                 raise ValueError(f"{path}: truncated tokenizer: token {len(pieces)} of {n} bytes at offset "
-                                 f"{pos + 8}, the file has {len(buf)}")
+                                 f"{pos + 8}, the file has {len(buf)}{want}")
             pieces.append(buf[pos + 8:pos + 8 + n])
             scores.append(score)
             pos += 8 + n
