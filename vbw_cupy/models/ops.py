@@ -35,10 +35,6 @@ class ArrayOps:
         self.xp = xp
         self.attn_dtype = np.dtype(attn_dtype)
 
-    @property
-    def name(self) -> str:
-        return "cpu" if self.xp is np else "gpu"
-
     # -- moving data
     def asarray(self, x, dtype=None):
         """A host array (a memory map, say) as a backend array; on NumPy a view when no cast is needed."""
