@@ -335,8 +335,11 @@ def test_hf_tokenizer_round_trip(tmp_path, text):
 
 def test_sampling_is_deterministic_for_a_seed():
     logits = np.random.default_rng(7).standard_normal(50)
-    draw = lambda seed: [Sampler(0.9, top_k=20, top_p=0.95, seed=seed)(logits) for _ in range(1)] + \
-        (lambda s: [s(logits) for _ in range(30)])(Sampler(0.9, top_k=20, top_p=0.95, seed=seed))
+
+    def draw(seed):
+        sampler = Sampler(0.9, top_k=20, top_p=0.95, seed=seed)
+        return [sampler(logits) for _ in range(30)]
+
     assert draw(11) == draw(11)
     assert draw(11) != draw(12)
     assert Sampler(0.0)(logits) == int(np.argmax(logits))
