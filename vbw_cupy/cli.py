@@ -1,4 +1,4 @@
-"""Command line: ``vbw-cupy selftest | info | bench | tune`` (also ``python -m vbw_cupy``)."""
+"""Command line: ``vbw-cupy selftest | info | bench | tune | generate`` (also ``python -m vbw_cupy``)."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import numpy as np
 
@@ -184,6 +185,43 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def _default_tokenizer(checkpoint: str) -> Path:
+    """tokenizer.json inside a Hugging Face folder, tokenizer.bin beside a llama2.c file."""
+    ckpt = Path(checkpoint)
+    return ckpt / "tokenizer.json" if ckpt.is_dir() else ckpt.parent / "tokenizer.bin"
+
+
+def cmd_generate(args) -> int:
+    try:
+        return _generate(args)
+    except (FileNotFoundError, ValueError, KeyError, ImportError, RuntimeError) as e:
+        print(f"vbw-cupy generate: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(args) -> int:
+    from .models import Sampler, generate_ids, load_model, load_tokenizer
+    args.device = args.device or ("gpu" if rt.gpu_available() else "cpu")
+    model = load_model(args.checkpoint, weights=args.weights or ("fp32" if args.device == "cpu" else "fp16"),
+                       device=args.device)
+    cfg = model.config
+    tok = load_tokenizer(args.tokenizer or _default_tokenizer(args.checkpoint), cfg.bos_id, cfg.eos_ids[0],
+                         vocab_size=cfg.vocab_size)
+    ids = tok.encode(args.prompt, bos=True)
+    print(args.prompt, end="", flush=True)
+    stream = tok.stream(ids[-1])
+    out = generate_ids(model, [ids], max_new_tokens=args.max_new_tokens,
+                       sampler=Sampler(args.temperature, args.top_k, args.top_p, args.seed),
+                       on_token=lambda b, t: print(stream.push(t), end="", flush=True))
+    print(stream.flush())
+    if args.print_ids:
+        print("ids: " + " ".join(str(t) for t in ids + out.sequences[0].ids))
+    print(f"prefill: {out.prefill_tokens} tokens, {out.prefill_tokens_per_s:.1f} tokens/s; "
+          f"decode: {out.decode_tokens} tokens, {out.decode_tokens_per_s:.1f} tokens/s "
+          f"({args.device}, {model.weight_format} weights)", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="vbw-cupy", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -193,8 +231,22 @@ def main(argv=None) -> int:
     b.add_argument("pytest_args", nargs="*")
     t = sub.add_parser("tune", help="autotune the standard shapes of every kernel and cache the choices")
     t.add_argument("kernels", nargs="*")
+    g = sub.add_parser("generate", help="generate text with a Llama checkpoint (llama2.c .bin or Hugging Face folder)")
+    g.add_argument("checkpoint", help="a llama2.c .bin file or a Hugging Face Llama folder")
+    g.add_argument("--tokenizer", help="tokenizer.bin or tokenizer.json (default: beside / inside the checkpoint)")
+    g.add_argument("--prompt", default="", help="the prompt text (default: empty, BOS only)")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 is off")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--weights", choices=("fp32", "fp16", "nvfp4", "mxfp4"),
+                   help="linear weights as stored in memory (default fp32 on cpu, fp16 on gpu)")
+    g.add_argument("--device", choices=("gpu", "cpu"), help="default: gpu when one is visible, else cpu")
+    g.add_argument("--print-ids", action="store_true", help="print the prompt and generated token ids")
     args = p.parse_args(argv)
-    return {"selftest": cmd_selftest, "info": cmd_info, "bench": cmd_bench, "tune": cmd_tune}[args.cmd](args)
+    return {"selftest": cmd_selftest, "info": cmd_info, "bench": cmd_bench, "tune": cmd_tune,
+            "generate": cmd_generate}[args.cmd](args)
 
 
 if __name__ == "__main__":

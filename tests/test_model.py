@@ -1,0 +1,440 @@
+"""vbw_cupy.models on NumPy: tiny checkpoints written here in both formats, checked against an independent
+float64 forward pass that follows llama2.c's run.c step by step (one token at a time, a dense KV cache)."""
+from __future__ import annotations
+
+import json
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from vbw_cupy import dequantize, quantize
+from vbw_cupy.cli import main as cli_main
+from vbw_cupy.models import (Llama2cTokenizer, Sampler, generate, generate_ids, load_checkpoint, load_model,
+                             load_tokenizer, sampling_probs)
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+RUN_C_ORDER = ("token_embedding", "rms_att", "wq", "wk", "wv", "wo", "rms_ffn", "w1", "w2", "w3", "rms_final")
+
+
+def random_weights(rng, dim, hidden, n_layers, n_heads, n_kv_heads, vocab, shared):
+    """float32 weights in run.c's layout ([out, in] matrices, stacked over layers)."""
+    kv = dim * n_kv_heads // n_heads
+    shapes = {"token_embedding": (vocab, dim), "rms_att": (n_layers, dim), "wq": (n_layers, dim, dim),
+              "wk": (n_layers, kv, dim), "wv": (n_layers, kv, dim), "wo": (n_layers, dim, dim),
+              "rms_ffn": (n_layers, dim), "w1": (n_layers, hidden, dim), "w2": (n_layers, dim, hidden),
+              "w3": (n_layers, hidden, dim), "rms_final": (dim,)}
+    w = {}
+    for name, shape in shapes.items():
+        if name.startswith("rms"):
+            w[name] = (1.0 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            w[name] = (rng.standard_normal(shape) / np.sqrt(shape[-1]) * (3.0 if name == "token_embedding" else 1.0)
+                       ).astype(np.float32)
+    w["wcls"] = w["token_embedding"] if shared else (rng.standard_normal((vocab, dim)) * 0.3).astype(np.float32)
+    w["sizes"] = dict(dim=dim, hidden=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                      vocab=vocab)
+    return w
+
+
+def write_llama2c(path, w, seq_len, shared):
+    s = w["sizes"]
+    head = (s["dim"], s["hidden"], s["n_layers"], s["n_heads"], s["n_kv_heads"], s["vocab"] * (1 if shared else -1),
+            seq_len)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<7i", *head))
+        for name in RUN_C_ORDER:
+            f.write(w[name].astype("<f4").tobytes())
+        f.write(np.zeros(2 * seq_len * (s["dim"] // s["n_heads"]) // 2, "<f4").tobytes())  # freq_cis, unused
+        if not shared:
+            f.write(w["wcls"].astype("<f4").tobytes())
+    return path
+
+
+def to_halves(m, n_heads):
+    """Reorder the rows of a q/k projection so that each head's pairs (2j, 2j+1) become (j, j + D/2): what
+    Hugging Face's Llama conversion does to Meta's weights."""
+    out, dim = m.shape
+    return m.reshape(n_heads, out // n_heads // 2, 2, dim).transpose(0, 2, 1, 3).reshape(out, dim)
+
+
+def write_hf(folder, w, seq_len, shared, rope_theta, dtype):
+    from safetensors.numpy import save_file
+    s = w["sizes"]
+    folder.mkdir()
+    cfg = {"model_type": "llama", "hidden_size": s["dim"], "intermediate_size": s["hidden"],
+           "num_hidden_layers": s["n_layers"], "num_attention_heads": s["n_heads"],
+           "num_key_value_heads": s["n_kv_heads"], "vocab_size": s["vocab"], "max_position_embeddings": seq_len,
+           "rms_norm_eps": 1e-5, "rope_theta": rope_theta, "tie_word_embeddings": shared, "bos_token_id": 1,
+           "eos_token_id": 2}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    t = {"model.embed_tokens.weight": w["token_embedding"], "model.norm.weight": w["rms_final"]}
+    if not shared:
+        t["lm_head.weight"] = w["wcls"]
+    for i in range(s["n_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = to_halves(w["wq"][i], s["n_heads"])
+        t[p + "self_attn.k_proj.weight"] = to_halves(w["wk"][i], s["n_kv_heads"])
+        for ours, theirs in (("wv", "self_attn.v_proj"), ("wo", "self_attn.o_proj"), ("w1", "mlp.gate_proj"),
+                             ("w2", "mlp.down_proj"), ("w3", "mlp.up_proj"), ("rms_att", "input_layernorm"),
+                             ("rms_ffn", "post_attention_layernorm")):
+            t[p + theirs + ".weight"] = w[ours][i]
+    half = len(t) // 2  # two shards, as large checkpoints come
+    items = sorted(t.items())
+    save_file({k: np.ascontiguousarray(v).astype(dtype) for k, v in items[:half]}, str(folder / "a.safetensors"))
+    save_file({k: np.ascontiguousarray(v).astype(dtype) for k, v in items[half:]}, str(folder / "b.safetensors"))
+    return folder
+
+
+# ---------------------------------------------------------------------- the independent float64 forward pass
+
+def run_c_forward(w, token, pos, key_cache, value_cache, theta=10000.0):
+    """llama2.c's forward(transformer, token, pos) in float64: logits of one token; fills the caches at pos."""
+    s = w["sizes"]
+    dim, n_heads, n_kv = s["dim"], s["n_heads"], s["n_kv_heads"]
+    head_size = dim // n_heads
+    kv_dim = head_size * n_kv
+    kv_mul = n_heads // n_kv
+    f = lambda name: w[name].astype(np.float64)
+
+    def rmsnorm(x, weight):
+        return weight * (x / np.sqrt(np.mean(x * x) + 1e-5))
+
+    x = f("token_embedding")[token].copy()
+    for l in range(s["n_layers"]):
+        xb = rmsnorm(x, f("rms_att")[l])
+        q = f("wq")[l] @ xb
+        k = f("wk")[l] @ xb
+        v = f("wv")[l] @ xb
+        for i in range(0, dim, 2):
+            freq = 1.0 / theta ** ((i % head_size) / head_size)
+            fcr, fci = np.cos(pos * freq), np.sin(pos * freq)
+            for vec in (q, k) if i < kv_dim else (q,):
+                v0, v1 = vec[i], vec[i + 1]
+                vec[i], vec[i + 1] = v0 * fcr - v1 * fci, v0 * fci + v1 * fcr
+        key_cache[l, pos], value_cache[l, pos] = k, v
+        att_out = np.zeros(dim)
+        for h in range(n_heads):
+            qh = q[h * head_size:(h + 1) * head_size]
+            kvh = slice((h // kv_mul) * head_size, (h // kv_mul + 1) * head_size)
+            scores = np.array([qh @ key_cache[l, t, kvh] for t in range(pos + 1)]) / np.sqrt(head_size)
+            att = np.exp(scores - scores.max())
+            att /= att.sum()
+            att_out[h * head_size:(h + 1) * head_size] = sum(att[t] * value_cache[l, t, kvh] for t in range(pos + 1))
+        x = x + f("wo")[l] @ att_out
+        xb = rmsnorm(x, f("rms_ffn")[l])
+        hb, hb2 = f("w1")[l] @ xb, f("w3")[l] @ xb
+        x = x + f("w2")[l] @ (hb * (1.0 / (1.0 + np.exp(-hb))) * hb2)
+    return f("wcls") @ rmsnorm(x, f("rms_final"))
+
+
+def run_c_greedy(w, prompt, steps, seq_len, theta=10000.0):
+    """run.c's generate loop, greedy: feed the prompt, then argmax, until BOS / EOS or `steps` new tokens or
+    seq_len positions; returns (generated ids, logits of every fed position)."""
+    s = w["sizes"]
+    kv_dim = s["dim"] // s["n_heads"] * s["n_kv_heads"]
+    kc, vc = np.zeros((2, s["n_layers"], seq_len, kv_dim))
+    out, all_logits, token = [], [], prompt[0]
+    for pos in range(seq_len):
+        logits = run_c_forward(w, token, pos, kc, vc, theta)
+        all_logits.append(logits)
+        if pos + 1 < len(prompt):
+            token = prompt[pos + 1]
+            continue
+        token = int(np.argmax(logits))
+        if token in (1, 2):
+            break
+        out.append(token)
+        if len(out) == steps:
+            break
+    return out, np.array(all_logits)
+
+
+def random_prompts(rng, lengths, vocab):
+    return [[1] + [int(t) for t in rng.integers(3, vocab, n - 1)] for n in lengths]
+
+
+# -------------------------------------------------------------------------------------------------- model
+
+SHAPES = {  # dim, hidden, layers, heads, kv heads, vocab
+    "mha-shared": (32, 48, 2, 4, 4, 97, True),
+    "gqa-separate": (48, 80, 2, 6, 2, 113, False),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_llama2c_greedy_matches_run_c(tmp_path, shape):
+    *sizes, shared = SHAPES[shape]
+    rng = np.random.default_rng(1)
+    w = random_weights(rng, *sizes, shared)
+    seq_len = 40
+    model = load_model(write_llama2c(tmp_path / "m.bin", w, seq_len, shared))
+    assert model.config.shared_classifier == shared
+    prompts = random_prompts(rng, (1, 5, 11), sizes[-1])
+    got = generate_ids(model, prompts, max_new_tokens=16)
+    for p, seq in zip(prompts, got.sequences):
+        want, _ = run_c_greedy(w, p, 16, seq_len)
+        assert seq.ids == want
+        assert seq.finish_reason == ("length" if len(want) == 16 else "stop")
+
+
+def test_llama2c_memory_mapped(tmp_path):
+    w = random_weights(np.random.default_rng(2), 32, 48, 2, 4, 2, 97, False)
+    config, weights = load_checkpoint(write_llama2c(tmp_path / "m.bin", w, 16, False))
+    for a in (weights.token_embedding, weights.layers[1].w2, weights.classifier):
+        assert isinstance(a.base, np.memmap)
+    np.testing.assert_array_equal(weights.layers[1].wk, w["wk"][1])
+    np.testing.assert_array_equal(weights.classifier, w["wcls"])
+    assert (config.n_kv_heads, config.shared_classifier) == (2, False)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_hf_halves_rope_matches_run_c(tmp_path, shape):
+    pytest.importorskip("safetensors")
+    *sizes, shared = SHAPES[shape]
+    rng = np.random.default_rng(3)
+    w = random_weights(rng, *sizes, shared)
+    for name in RUN_C_ORDER + ("wcls",):  # the reference reads what bfloat16 storage keeps
+        w[name] = w[name].astype(ml_dtypes.bfloat16).astype(np.float32)
+    if shared:
+        w["wcls"] = w["token_embedding"]
+    seq_len, theta = 32, 500000.0
+    model = load_model(write_hf(tmp_path / "hf", w, seq_len, shared, theta, ml_dtypes.bfloat16))
+    assert model.config.rope_style == "halves" and model.config.rope_theta == theta
+    prompts = random_prompts(rng, (3, 8), sizes[-1])
+    got = generate_ids(model, prompts, max_new_tokens=12)
+    for p, seq in zip(prompts, got.sequences):
+        assert seq.ids == run_c_greedy(w, p, 12, seq_len, theta)[0]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "nvfp4", "mxfp4"])
+def test_stored_weights_match_run_c_on_the_same_values(tmp_path, fmt):
+    rng = np.random.default_rng(4)
+    w = random_weights(rng, 32, 64, 2, 4, 2, 97, True)
+    model = load_model(write_llama2c(tmp_path / "m.bin", w, 32, True), weights=fmt)
+    for name in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):  # what the model multiplies by
+        w[name] = np.stack([m.astype(np.float16).astype(np.float32) if fmt == "fp16"
+                            else dequantize(quantize(m, fmt)) for m in w[name]])
+    prompts = random_prompts(rng, (4, 9), 97)
+    got = generate_ids(model, prompts, max_new_tokens=10)
+    for p, seq in zip(prompts, got.sequences):
+        assert seq.ids == run_c_greedy(w, p, 10, 32)[0]
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "nvfp4"])
+def test_prefill_then_decode_equals_full_recompute(tmp_path, fmt):
+    rng = np.random.default_rng(5)
+    w = random_weights(rng, 48, 80, 2, 6, 2, 113, False)
+    model = load_model(write_llama2c(tmp_path / "m.bin", w, 64, False), weights=fmt)
+    prompts = random_prompts(rng, (7, 2, 13), 113)
+    forced = [[int(t) for t in rng.integers(3, 113, 6)] for _ in prompts]   # teacher forcing
+    slots = [0, 1, 2]
+    cache = model.new_cache(3, 64)
+    steps = [model.prefill(prompts, cache, slots)]
+    for i in range(6):
+        steps.append(model.decode([f[i] for f in forced], cache, slots))
+    for b, (p, f) in enumerate(zip(prompts, forced)):
+        full = model.prefill([p + f], model.new_cache(1, 64), [0], all_logits=True)
+        incremental = np.stack([s[b] for s in steps])
+        np.testing.assert_allclose(incremental, full[len(p) - 1:], rtol=1e-4, atol=1e-4)
+        if fmt == "fp32":  # and both are run.c's logits
+            np.testing.assert_allclose(full, run_c_greedy(w, p + f, 0, len(p + f))[1], rtol=1e-4, atol=1e-4)
+
+
+def test_generation_is_limited_by_seq_len(tmp_path):
+    rng = np.random.default_rng(6)
+    w = random_weights(rng, 32, 48, 1, 4, 4, 97, True)
+    w["token_embedding"][:3] = 0.0   # BOS / EOS never win the argmax: generation runs to its limits
+    model = load_model(write_llama2c(tmp_path / "m.bin", w, 12, True))
+    out = generate_ids(model, random_prompts(rng, (12, 10), 97), max_new_tokens=100)
+    assert [len(s.ids) for s in out.sequences] == [1, 3]     # run.c: the last sampled token is never fed
+    assert all(s.finish_reason == "length" for s in out.sequences)
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+
+def write_tokenizer_bin(path, extra):
+    """<unk>, <s>, </s>, the 256 byte pieces, then `extra` pieces: (bytes, score)."""
+    pieces = [(b"<unk>", 0.0), (b"\n<s>\n", 0.0), (b"\n</s>\n", 0.0)]
+    pieces += [(b"<0x%02X>" % i, 0.0) for i in range(256)] + extra
+    with open(path, "wb") as f:
+        f.write(struct.pack("<i", max(len(p) for p, _ in pieces)))
+        for p, score in pieces:
+            f.write(struct.pack("<fi", score, len(p)) + p)
+    return path
+
+
+EXTRA = [(b" ", -1.0), (b"a", -1.0), (b"b", -1.0), (b"c", -1.0), (b"ab", -2.0), (b"bc", -5.0), (b"abc", -3.0),
+         (b" a", -9.0), ("é".encode(), -1.0), (b"h", -1.0), (b"i", -1.0), (b"hi", -0.5)]
+TOK_VOCAB = 259 + len(EXTRA)
+
+
+@pytest.fixture
+def tok_bin(tmp_path):
+    return write_tokenizer_bin(tmp_path / "tokenizer.bin", EXTRA)
+
+
+def test_tokenizer_merges_by_best_score(tok_bin):
+    tok = load_tokenizer(tok_bin)
+    piece = {p: i for i, p in enumerate(tok.pieces)}
+    # " abc": "ab" (-2) beats "bc" (-5) and " a" (-9); then "abc" (-3) is the only merge left
+    assert tok.encode("abc") == [1, piece[b" "], piece[b"abc"]]
+    assert tok.encode("abc", bos=False, eos=True) == [piece[b" "], piece[b"abc"], 2]
+    assert tok.encode("") == [1]
+    assert tok.decode(tok.encode("abc")) == "abc"                       # the space after BOS is dropped
+    assert tok.decode([piece[b"hi"], piece[b" "], piece[b"abc"]]) == "hi abc"
+
+
+@pytest.mark.parametrize("text", ["hi abc", "é and 日本 \U0001F600!", "a\nb\tc", "ça"])
+def test_tokenizer_round_trip_with_byte_fallback(tok_bin, text):
+    tok = load_tokenizer(tok_bin)
+    ids = tok.encode(text)
+    for ch in set(text) - {"a", "b", "c", "h", "i", " ", "é"}:   # not pieces: their UTF-8 bytes, id = byte + 3
+        fallback = [b + 3 for b in ch.encode()]
+        assert any(ids[i:i + len(fallback)] == fallback for i in range(len(ids)))
+    assert tok.decode(ids) == text
+    stream = tok.stream()
+    pieces = [stream.push(t) for t in ids] + [stream.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)                     # no half characters on the way
+
+
+def test_tokenizer_bin_truncated(tmp_path, tok_bin):
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes(tok_bin.read_bytes()[:-3])
+    with pytest.raises(ValueError, match="cut.bin: truncated tokenizer"):
+        Llama2cTokenizer.from_file(cut)
+    with pytest.raises(ValueError, match="truncated tokenizer"):
+        Llama2cTokenizer.from_file(tok_bin, vocab_size=TOK_VOCAB + 1)
+
+
+def write_hf_tokenizer(path):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": i + 3 for i in range(256)}}
+    for piece in ("h", "i", "hi", " ", "é"):
+        vocab[piece] = len(vocab)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [("h", "i")], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = tokenizers.decoders.Sequence([tokenizers.decoders.ByteFallback(), tokenizers.decoders.Fuse()])
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("text", ["hi hi", "é日\U0001F600 hi"])
+def test_hf_tokenizer_round_trip(tmp_path, text):
+    tok = load_tokenizer(write_hf_tokenizer(tmp_path / "tokenizer.json"))
+    ids = tok.encode(text)
+    assert ids[0] == 1 and tok.decode(ids[1:]) == text
+    stream = tok.stream(ids[0])
+    pieces = [stream.push(t) for t in ids[1:]] + [stream.flush()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+
+def test_sampling_is_deterministic_for_a_seed():
+    logits = np.random.default_rng(7).standard_normal(50)
+
+    def draw(seed):
+        sampler = Sampler(0.9, top_k=20, top_p=0.95, seed=seed)
+        return [sampler(logits) for _ in range(30)]
+
+    assert draw(11) == draw(11)
+    assert draw(11) != draw(12)
+    assert Sampler(0.0)(logits) == int(np.argmax(logits))
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = np.log(np.array([0.05, 0.4, 0.1, 0.3, 0.15]))
+    order = [1, 3, 4, 2, 0]                                          # most likely first
+    assert set(np.flatnonzero(sampling_probs(logits, 1.0, top_k=2))) == set(order[:2])
+    assert set(np.flatnonzero(sampling_probs(logits, 1.0, top_p=0.65))) == set(order[:2])   # 0.4 + 0.3 >= 0.65
+    assert set(np.flatnonzero(sampling_probs(logits, 1.0, top_p=0.7001))) == set(order[:3])
+    assert set(np.flatnonzero(sampling_probs(logits, 1.0, top_k=4, top_p=0.99))) == set(order[:4])
+    np.testing.assert_allclose(sampling_probs(logits, 1.0), np.exp(logits))
+    sampler = Sampler(1.0, top_k=3, seed=0)
+    assert {sampler(logits) for _ in range(300)} == set(order[:3])
+
+
+# ------------------------------------------------------------------------------------------------- errors
+
+def test_truncated_and_oversized_checkpoints_name_sizes(tmp_path):
+    w = random_weights(np.random.default_rng(8), 32, 48, 1, 4, 4, 97, True)
+    good = write_llama2c(tmp_path / "m.bin", w, 16, True).read_bytes()
+    for name, data in (("short.bin", good[:-10]), ("long.bin", good + b"\0" * 8)):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError) as e:
+            load_model(tmp_path / name)
+        msg = str(e.value)
+        assert name in msg and f"expected {len(good)} bytes" in msg and f"got {len(data)} bytes" in msg
+    (tmp_path / "v2.bin").write_bytes(struct.pack("<2i", 0x616B3432, 2) + good[8:])
+    with pytest.raises(ValueError, match="versioned llama2.c export.*version 2"):
+        load_model(tmp_path / "v2.bin")
+
+
+def test_hf_missing_tensor_and_shape_mismatch(tmp_path):
+    pytest.importorskip("safetensors")
+    w = random_weights(np.random.default_rng(9), 32, 48, 1, 4, 2, 97, False)
+    folder = write_hf(tmp_path / "hf", w, 16, False, 10000.0, np.float32)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
+    with pytest.raises(KeyError, match="model.layers.1.input_layernorm.weight"):
+        load_model(folder)
+    (folder / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 4}))
+    with pytest.raises(ValueError, match=r"layers\[0\].wk: expected shape \(32, 32\), got \(16, 32\)"):
+        load_model(folder)
+
+
+def test_prompt_longer_than_seq_len(tmp_path, tok_bin):
+    w = random_weights(np.random.default_rng(10), 32, 48, 1, 4, 4, TOK_VOCAB, True)
+    model = load_model(write_llama2c(tmp_path / "m.bin", w, 8, True))
+    tok = load_tokenizer(tok_bin)
+    n = len(tok.encode("日本 hi"))
+    assert n > 8
+    with pytest.raises(ValueError, match=f"prompt 0: {n} tokens, longer than the model's seq_len = 8"):
+        generate(model, tok, "日本 hi")
+
+
+# ----------------------------------------------------------------------------------------------------- CLI
+
+def cli_ids(capsys, argv):
+    assert cli_main(argv) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("ids: ")]
+    assert len(lines) == 1
+    return [int(t) for t in lines[0][5:].split()]
+
+
+@pytest.mark.parametrize("fmt", ["bin", "hf"])
+def test_cli_generate_print_ids(tmp_path, capsys, tok_bin, fmt):
+    rng = np.random.default_rng(11)
+    w = random_weights(rng, 32, 48, 2, 4, 2, TOK_VOCAB, fmt == "bin")
+    if fmt == "bin":
+        ckpt, tok = write_llama2c(tmp_path / "m.bin", w, 24, True), tok_bin
+    else:
+        pytest.importorskip("safetensors")
+        ckpt = write_hf(tmp_path / "hf", w, 24, False, 10000.0, np.float32)
+        tok = write_hf_tokenizer(ckpt / "tokenizer.json")
+    prompt = "hi é日"
+    ids = cli_ids(capsys, ["generate", str(ckpt), "--tokenizer", str(tok), "--prompt", prompt, "--device", "cpu",
+                           "--print-ids", "--max-new-tokens", "9"])
+    prompt_ids = load_tokenizer(tok).encode(prompt)
+    assert ids[:len(prompt_ids)] == prompt_ids
+    assert ids[len(prompt_ids):] == run_c_greedy(w, prompt_ids, 9, 24)[0]
+    # seeded sampling is reproducible through the command line too
+    argv = ["generate", str(ckpt), "--tokenizer", str(tok), "--prompt", prompt, "--device", "cpu", "--print-ids",
+            "--temperature", "1.0", "--top-p", "0.9", "--top-k", "40", "--seed", "5", "--weights", "mxfp4"]
+    assert cli_ids(capsys, argv) == cli_ids(capsys, argv)
+
+
+def test_cli_errors(tmp_path, capsys, tok_bin):
+    w = random_weights(np.random.default_rng(12), 32, 48, 1, 4, 4, TOK_VOCAB, True)
+    (tmp_path / "ckpt").mkdir()
+    ckpt = write_llama2c(tmp_path / "ckpt" / "m.bin", w, 8, True)
+    base = ["generate", str(ckpt), "--device", "cpu"]
+    assert cli_main(base + ["--prompt", "hi"]) == 2                        # no tokenizer.bin beside the file
+    assert f"tokenizer: {tmp_path / 'ckpt' / 'tokenizer.bin'} does not exist" in capsys.readouterr().err
+    assert cli_main(base + ["--tokenizer", str(tok_bin), "--prompt", "日本 hi"]) == 2
+    assert "longer than the model's seq_len = 8" in capsys.readouterr().err
+    assert cli_main(["generate", str(tmp_path / "none.bin"), "--device", "cpu"]) == 2
+    assert "none.bin does not exist" in capsys.readouterr().err

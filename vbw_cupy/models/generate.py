@@ -1,0 +1,131 @@
+"""Generation: a batch of prompts prefilled together, then decoded one token per sequence per step over the
+paged KV cache; each sequence stops at a stop id (BOS or EOS, not kept), at max_new_tokens, or when it would
+pass the model's seq_len."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from .llama import Llama
+from .sampling import Sampler
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One prompt's result: its ids (BOS first), the generated ids (no stop id), their text, and why it ended
+    ("stop": a stop id was sampled; "length": max_new_tokens or seq_len reached)."""
+    prompt_ids: list
+    ids: list
+    text: str = ""
+    finish_reason: str = ""
+
+
+@dataclasses.dataclass
+class Generation:
+    """The sequences of a `generate` call, in prompt order, and its timings (host wall clock)."""
+    sequences: list
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+def check_prompt(ids, seq_len: int, index: int = 0) -> None:
+    """ValueError when a prompt of token ids is empty or longer than the model's seq_len."""
+    if len(ids) < 1:
+        raise ValueError(f"prompt {index}: expected at least one token (BOS), got none")
+    if len(ids) > seq_len:
+        raise ValueError(f"prompt {index}: {len(ids)} tokens, longer than the model's seq_len = {seq_len}")
+
+
+def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: Sampler | None = None,
+                 on_token=None, stop_ids=None) -> Generation:
+    """Generate from prompts given as lists of token ids (BOS included when wanted).
+
+    Sequence b generates up to min(max_new_tokens, seq_len - len(prompt b) + 1) tokens (the last one sampled
+    is never fed back, as in llama2.c). `sampler` defaults to greedy; `stop_ids` to the config's BOS and EOS.
+    `on_token(b, token)` is called for every kept token as it is sampled. Returns a `Generation` whose
+    sequences have no text (see `generate`).
+    """
+    cfg, ops = model.config, model.ops
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens: expected a value >= 0, got {max_new_tokens}")
+    sampler = sampler or Sampler()
+    stop = cfg.stop_ids if stop_ids is None else frozenset(stop_ids)
+    prompts = [[int(t) for t in p] for p in prompts]
+    for b, p in enumerate(prompts):
+        check_prompt(p, cfg.seq_len, b)
+    seqs = [Sequence(p, []) for p in prompts]
+    budget = [min(max_new_tokens, cfg.seq_len - len(p) + 1) for p in prompts]
+    cache = model.new_cache(len(prompts), max(len(p) + max(n - 1, 0) for p, n in zip(prompts, budget)))
+    result = Generation(seqs, prefill_tokens=sum(map(len, prompts)))
+
+    def keep(b, token) -> bool:
+        """Record `token` for sequence b; False when b is finished (its cache slot is freed)."""
+        if token in stop:
+            seqs[b].finish_reason = "stop"
+        else:
+            seqs[b].ids.append(token)
+            if on_token is not None:
+                on_token(b, token)
+            if len(seqs[b].ids) < budget[b]:
+                return True
+            seqs[b].finish_reason = "length"
+        cache.free(b)
+        return False
+
+    t0 = time.perf_counter()
+    active = [b for b in range(len(prompts)) if budget[b] > 0]
+    logits = ops.to_host(model.prefill([prompts[b] for b in active], cache, active)) if active else []
+    active = [b for b, row in zip(active, logits) if keep(b, sampler(row))]
+    result.prefill_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    while active:
+        logits = ops.to_host(model.decode([seqs[b].ids[-1] for b in active], cache, active))
+        result.decode_tokens += len(active)
+        active = [b for b, row in zip(active, logits) if keep(b, sampler(row))]
+    result.decode_seconds = time.perf_counter() - t0
+    for s in seqs:  # max_new_tokens = 0: nothing was generated
+        s.finish_reason = s.finish_reason or "length"
+    return result
+
+
+def generate(model: Llama, tokenizer, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, on_text=None) -> Generation:
+    """Generate text from a prompt (str) or a batch of prompts (list of str).
+
+    Each prompt is encoded with BOS first. Sampling: greedy at temperature 0, else softmax(logits / temperature)
+    restricted by top_k / top_p, drawn with a generator seeded by `seed` (reproducible). `on_text(b, text)`
+    streams sequence b's new text as tokens arrive (whole UTF-8 characters only). Returns a `Generation`: per
+    sequence prompt_ids, generated ids (no stop token), text and finish_reason; prefill and decode timings.
+
+    >>> from vbw_cupy.models import load_model, load_tokenizer, generate          # doctest: +SKIP
+    >>> model = load_model("stories15M.bin")                                       # doctest: +SKIP
+    >>> out = generate(model, load_tokenizer("tokenizer.bin"), "Once upon a time")  # doctest: +SKIP
+    >>> print(out.sequences[0].text)                                               # doctest: +SKIP
+    """
+    texts = [prompts] if isinstance(prompts, str) else list(prompts)
+    ids = [tokenizer.encode(t, bos=True) for t in texts]
+    streams = [tokenizer.stream(p[-1]) for p in ids]
+
+    def on_token(b, token):
+        piece = streams[b].push(token)
+        if piece and on_text is not None:
+            on_text(b, piece)
+
+    out = generate_ids(model, ids, max_new_tokens=max_new_tokens, sampler=Sampler(temperature, top_k, top_p, seed),
+                       on_token=on_token)
+    for b, s in enumerate(out.sequences):
+        tail = streams[b].flush()
+        if tail and on_text is not None:
+            on_text(b, tail)
+        s.text = tokenizer.decode(s.ids, s.prompt_ids[-1])
+    return out

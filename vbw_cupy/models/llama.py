@@ -1,0 +1,211 @@
+"""The Llama architecture (SPEC section 8): its configuration, its weights, and the forward pass.
+
+The forward pass is written once over an `ArrayOps` backend (`ops.py`): a packed prefill of prompts of
+different lengths (varlen causal attention, K and V written into a paged cache), then decode steps of one
+token per sequence (paged attention). `Llama.prefill` and `Llama.decode` return logits; sampling and the
+generation loop live in `generate.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .ops import ROPE_STYLES, WEIGHT_FORMATS, ArrayOps, numpy_ops
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes and conventions of a Llama model.
+
+    dim: model width; hidden_dim: FFN width; n_heads query heads and n_kv_heads key/value heads (grouped
+    query attention: query head h reads KV head h // (n_heads // n_kv_heads)); seq_len: the longest sequence
+    (prompt plus generated tokens, less the last one, which is never fed back). rope_style "adjacent" rotates
+    pairs (2j, 2j + 1) of a head (llama2.c), "halves" pairs (j, j + head_dim / 2) (Hugging Face).
+    shared_classifier: the logits use the token embedding. Generation stops at BOS or any of `eos_ids`.
+    """
+    dim: int
+    hidden_dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    seq_len: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_style: str = "adjacent"
+    shared_classifier: bool = True
+    bos_id: int = 1
+    eos_ids: tuple = (2,)
+
+    def __post_init__(self):
+        for name in ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
+            raise ValueError(f"n_heads: expected a divisor of dim = {self.dim} with an even head size, "
+                             f"got {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads: expected a divisor of n_heads = {self.n_heads}, got {self.n_kv_heads}")
+        if self.rope_style not in ROPE_STYLES:
+            raise ValueError(f"rope_style: expected one of {ROPE_STYLES}, got {self.rope_style!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.head_dim * self.n_kv_heads
+
+    @property
+    def stop_ids(self) -> frozenset:
+        return frozenset((self.bos_id, *self.eos_ids))
+
+
+@dataclasses.dataclass
+class LayerWeights:
+    """One transformer block; linear weights are [out, in]."""
+    rms_att: object   # [dim]
+    wq: object        # [dim, dim]
+    wk: object        # [kv_dim, dim]
+    wv: object        # [kv_dim, dim]
+    wo: object        # [dim, dim]
+    rms_ffn: object   # [dim]
+    w1: object        # [hidden, dim] (gate)
+    w2: object        # [dim, hidden] (down)
+    w3: object        # [hidden, dim] (up)
+
+    LINEARS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+@dataclasses.dataclass
+class LlamaWeights:
+    """All weights; `classifier` is `token_embedding` itself when the classifier is shared."""
+    token_embedding: object   # [vocab, dim]
+    layers: list
+    rms_final: object         # [dim]
+    classifier: object        # [vocab, dim]
+
+    def check(self, config: LlamaConfig, source: str) -> None:
+        """ValueError naming `source` and the tensor when a shape disagrees with `config`."""
+        c = config
+        want = {"token_embedding": (c.vocab_size, c.dim), "rms_final": (c.dim,), "classifier": (c.vocab_size, c.dim)}
+        got = {n: getattr(self, n) for n in want}
+        per_layer = {"rms_att": (c.dim,), "wq": (c.dim, c.dim), "wk": (c.kv_dim, c.dim), "wv": (c.kv_dim, c.dim),
+                     "wo": (c.dim, c.dim), "rms_ffn": (c.dim,), "w1": (c.hidden_dim, c.dim),
+                     "w2": (c.dim, c.hidden_dim), "w3": (c.hidden_dim, c.dim)}
+        if len(self.layers) != c.n_layers:
+            raise ValueError(f"{source}: expected {c.n_layers} layers, got {len(self.layers)}")
+        for i, layer in enumerate(self.layers):
+            for n, shape in per_layer.items():
+                want[f"layers[{i}].{n}"] = shape
+                got[f"layers[{i}].{n}"] = getattr(layer, n)
+        for n, shape in want.items():
+            if tuple(got[n].shape) != shape:
+                raise ValueError(f"{source}: {n}: expected shape {shape}, got {tuple(got[n].shape)}")
+
+
+class LlamaKVCache:
+    """The KV cache of every layer: one `PagedKVCache` per layer, all allocating the same blocks in step.
+
+    Sequence slots 0..max_batch-1 each hold up to max_tokens tokens."""
+
+    def __init__(self, ops: ArrayOps, config: LlamaConfig, max_batch: int, max_tokens: int, block_size: int = 16):
+        per_seq = -(-max_tokens // block_size)
+        self.layers = [ops.new_kv_cache(max_batch * per_seq, block_size, config.n_kv_heads, config.head_dim,
+                                        max_batch, per_seq) for _ in range(config.n_layers)]
+
+    def lengths(self, slots) -> np.ndarray:
+        """Tokens held by each slot of `slots` (host ints)."""
+        return self.layers[0].lengths(slots)
+
+    def free(self, slot: int) -> None:
+        for cache in self.layers:
+            cache.free(slot)
+
+
+class Llama:
+    """A Llama model on a backend: `prefill` packed prompts, then `decode` one token per sequence.
+
+    Build one with `vbw_cupy.models.load_model(path, weights=..., device=...)`, or from a config and host
+    weights with `Llama(config, weights, ops, weight_format)`: the linear weights are stored as
+    `weight_format` ("fp32", "fp16", "nvfp4", "mxfp4"); norms, embedding and classifier stay float32.
+    """
+
+    def __init__(self, config: LlamaConfig, weights: LlamaWeights, ops: ArrayOps | None = None,
+                 weight_format: str = "fp32"):
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weights: expected one of {WEIGHT_FORMATS}, got {weight_format!r}")
+        self.config = config
+        self.ops = ops = ops or numpy_ops()
+        self.weight_format = weight_format
+        dense = lambda a: ops.asarray(a, np.float32)
+        emb = dense(weights.token_embedding)
+        self.weights = LlamaWeights(
+            token_embedding=emb,
+            layers=[LayerWeights(**{n: ops.linear(getattr(lw, n), weight_format) if n in LayerWeights.LINEARS
+                                    else dense(getattr(lw, n)) for n in LayerWeights.__dataclass_fields__})
+                    for lw in weights.layers],
+            rms_final=dense(weights.rms_final),
+            classifier=emb if weights.classifier is weights.token_embedding else dense(weights.classifier))
+
+    def new_cache(self, max_batch: int, max_tokens: int) -> LlamaKVCache:
+        """An empty KV cache for `max_batch` sequences of up to `max_tokens` tokens each."""
+        return LlamaKVCache(self.ops, self.config, max_batch, max_tokens)
+
+    def prefill(self, prompts, cache: LlamaKVCache, slots, all_logits: bool = False):
+        """Run the prompts (lists of token ids) at positions 0.., writing their K and V into cache slots `slots`
+        (empty). Returns float32 logits of each prompt's last token [B, vocab], or with all_logits=True of every
+        token [sum of lengths, vocab] (packed in prompt order), as a backend array."""
+        lens = np.array([len(p) for p in prompts], dtype=np.int64)
+        if (lens < 1).any():
+            raise ValueError("prompts: every prompt needs at least one token")
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
+        positions = np.concatenate([np.arange(n) for n in lens])
+        ops, max_len = self.ops, int(lens.max())
+
+        def attend(layer, q, k, v):
+            kv_cache = cache.layers[layer]
+            for b, slot in enumerate(slots):
+                kv_cache.append(k[None, cu[b]:cu[b + 1]], v[None, cu[b]:cu[b + 1]], seqs=[slot])
+            return ops.attention_prefill(q, k, v, cu, max_len)
+
+        x = self._blocks(ops.embedding(self.weights.token_embedding, ids), positions, attend)
+        return self._logits(x if all_logits else x[ops.xp.asarray(cu[1:] - 1)])
+
+    def decode(self, tokens, cache: LlamaKVCache, slots):
+        """One token per sequence: `tokens[i]` is fed to cache slot `slots[i]` at the position after its cached
+        tokens. Returns float32 logits [B, vocab] as a backend array."""
+        positions = cache.lengths(slots)
+        ops = self.ops
+
+        def attend(layer, q, k, v):
+            cache.layers[layer].append(k, v, seqs=slots)
+            return ops.attention_decode(q, cache.layers[layer], slots)
+
+        x = self._blocks(ops.embedding(self.weights.token_embedding, np.asarray(tokens, dtype=np.int64)),
+                         positions, attend)
+        return self._logits(x)
+
+    def _blocks(self, x, positions, attend):
+        """The transformer blocks over x [T, dim] float32; attend(layer, q, k, v) does the attention."""
+        c, ops = self.config, self.ops
+        T, hd, adt = x.shape[0], c.head_dim, ops.attn_dtype
+        for i, lw in enumerate(self.weights.layers):
+            h = ops.rmsnorm(x, lw.rms_att, c.norm_eps)
+            q = ops.matmul(h, lw.wq).reshape(T, c.n_heads, hd)
+            k = ops.matmul(h, lw.wk).reshape(T, c.n_kv_heads, hd)
+            v = ops.matmul(h, lw.wv).reshape(T, c.n_kv_heads, hd)
+            q, k = ops.rope(q, k, positions, c.rope_style, c.rope_theta)
+            o = attend(i, q.astype(adt), k.astype(adt), v.astype(adt))
+            x = x + ops.matmul(o.reshape(T, c.dim), lw.wo)
+            h = ops.rmsnorm(x, lw.rms_ffn, c.norm_eps)
+            x = x + ops.matmul(ops.silu_mul(ops.matmul(h, lw.w1), ops.matmul(h, lw.w3)), lw.w2)
+        return x
+
+    def _logits(self, x):
+        return self.ops.matmul(self.ops.rmsnorm(x, self.weights.rms_final, self.config.norm_eps),
+                               self.weights.classifier)

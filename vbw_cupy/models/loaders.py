@@ -1,0 +1,154 @@
+"""Checkpoint loaders (SPEC section 8): llama2.c legacy `.bin` files and Hugging Face Llama folders.
+
+Both return `(LlamaConfig, LlamaWeights)` with host arrays: the llama2.c file is memory-mapped once and its
+tensors are views of the map; a Hugging Face folder is read through the `safetensors` NumPy API (the
+`models` extra, imported only here). `load_model` picks the loader and builds a `Llama` on a backend.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .llama import LayerWeights, Llama, LlamaConfig, LlamaWeights
+from .ops import ops_for
+
+_HEADER = 7 * 4
+_MAGIC = 0x616B3432  # "ak42": the versioned llama2.c export format
+
+
+def require_extra(module: str):
+    """Import `module` from the `models` extra, or ImportError saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"{module} is needed for Hugging Face checkpoints and tokenizers: "
+                          f"pip install 'vbw_cupy[models]'") from e
+
+
+def _existing(path, what: str) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what}: {path} does not exist")
+    return path
+
+
+def load_llama2c(path) -> tuple[LlamaConfig, LlamaWeights]:
+    """A llama2.c legacy (version 0) checkpoint: 7 int32 (dim, hidden_dim, n_layers, n_heads, n_kv_heads,
+    vocab_size, negative for a separate classifier, seq_len) then float32 tensors in run.c's order.
+
+    The file is memory-mapped; every tensor is a view of the map (nothing is copied). ValueError naming the file
+    with the expected and actual size in bytes when it is truncated or too long; versioned exports (magic
+    "ak42") are refused by name."""
+    path = _existing(path, "checkpoint")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(_HEADER)
+    if len(head) >= 4 and int.from_bytes(head[:4], "little") == _MAGIC:
+        version = int.from_bytes(head[4:8], "little") if len(head) >= 8 else "?"
+        raise ValueError(f"{path}: a versioned llama2.c export (magic 'ak42', version {version}); only the legacy "
+                         f"version 0 format is supported (export.py --version 0)")
+    if len(head) < _HEADER:
+        raise ValueError(f"{path}: truncated llama2.c checkpoint: expected at least {_HEADER} bytes for the header, "
+                         f"got {size}")
+    dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len = np.frombuffer(head, "<i4").tolist()
+    config = LlamaConfig(dim=dim, hidden_dim=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                         vocab_size=abs(vocab), seq_len=seq_len, shared_classifier=vocab > 0)
+    L, kv, V = n_layers, config.kv_dim, abs(vocab)
+    shapes = [("token_embedding", (V, dim)), ("rms_att", (L, dim)), ("wq", (L, dim, dim)), ("wk", (L, kv, dim)),
+              ("wv", (L, kv, dim)), ("wo", (L, dim, dim)), ("rms_ffn", (L, dim)), ("w1", (L, hidden, dim)),
+              ("w2", (L, dim, hidden)), ("w3", (L, hidden, dim)), ("rms_final", (dim,)),
+              ("freq_cis", (2, seq_len * config.head_dim // 2))]
+    if not config.shared_classifier:
+        shapes.append(("classifier", (V, dim)))
+    counts = [int(np.prod(s)) for _, s in shapes]
+    expected = _HEADER + 4 * sum(counts)
+    if size != expected:
+        raise ValueError(f"{path}: {'truncated' if size < expected else 'oversized'} llama2.c checkpoint: expected "
+                         f"{expected} bytes for its header ({config}), got {size} bytes")
+    flat = np.memmap(path, dtype="<f4", mode="r", offset=_HEADER, shape=(sum(counts),))
+    t, offset = {}, 0
+    for (name, shape), n in zip(shapes, counts):
+        t[name] = flat[offset:offset + n].reshape(shape)
+        offset += n
+    layers = [LayerWeights(**{n: t[n][i] for n in LayerWeights.__dataclass_fields__}) for i in range(L)]
+    emb = t["token_embedding"]
+    weights = LlamaWeights(emb, layers, t["rms_final"], t.get("classifier", emb))
+    return config, weights
+
+
+def _hf_config(folder: Path) -> LlamaConfig:
+    path = _existing(folder / "config.json", "checkpoint")
+    c = json.loads(path.read_text())
+    if c.get("model_type", "llama") != "llama":
+        raise ValueError(f"{path}: model_type {c['model_type']!r} is not supported (only 'llama')")
+    if c.get("rope_scaling"):
+        raise ValueError(f"{path}: rope_scaling {c['rope_scaling']!r} is not supported")
+    if c.get("attention_bias") or c.get("mlp_bias"):
+        raise ValueError(f"{path}: linear biases (attention_bias / mlp_bias) are not supported")
+    n_heads = c["num_attention_heads"]
+    if c.get("head_dim", c["hidden_size"] // n_heads) * n_heads != c["hidden_size"]:
+        raise ValueError(f"{path}: head_dim {c['head_dim']} * num_attention_heads != hidden_size is not supported")
+    eos = c.get("eos_token_id", 2)
+    return LlamaConfig(dim=c["hidden_size"], hidden_dim=c["intermediate_size"], n_layers=c["num_hidden_layers"],
+                       n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
+                       vocab_size=c["vocab_size"], seq_len=c.get("max_position_embeddings", 2048),
+                       norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=float(c.get("rope_theta", 10000.0)),
+                       rope_style="halves", shared_classifier=bool(c.get("tie_word_embeddings", False)),
+                       bos_id=c.get("bos_token_id", 1), eos_ids=tuple(eos) if isinstance(eos, list) else (eos,))
+
+
+def load_hf(folder) -> tuple[LlamaConfig, LlamaWeights]:
+    """A Hugging Face Llama folder: config.json and *.safetensors (float32, float16 or bfloat16 tensors, kept in
+    their dtype). Its q/k projections are used as they are, with "halves" RoPE. KeyError naming a missing
+    tensor; ValueError naming a tensor of the wrong shape."""
+    folder = _existing(folder, "checkpoint")
+    config = _hf_config(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"checkpoint: no *.safetensors file in {folder}")
+    safetensors = require_extra("safetensors")
+    with contextlib.ExitStack() as stack:
+        shards = [stack.enter_context(safetensors.safe_open(str(f), framework="np")) for f in files]
+        where = {name: shard for shard in shards for name in shard.keys()}
+
+        def get(name):
+            if name not in where:
+                raise KeyError(f"{folder}: tensor {name!r} not found in {', '.join(f.name for f in files)}")
+            return where[name].get_tensor(name)
+
+        return config, _hf_weights(config, get)
+
+
+def _hf_weights(config: LlamaConfig, get) -> LlamaWeights:
+    """The weights of a Hugging Face Llama, `get(name)` reading one tensor."""
+    names = {"rms_att": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
+             "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "rms_ffn": "post_attention_layernorm",
+             "w1": "mlp.gate_proj", "w2": "mlp.down_proj", "w3": "mlp.up_proj"}
+    layers = [LayerWeights(**{n: get(f"model.layers.{i}.{hf}.weight") for n, hf in names.items()})
+              for i in range(config.n_layers)]
+    emb = get("model.embed_tokens.weight")
+    classifier = emb if config.shared_classifier else get("lm_head.weight")
+    return LlamaWeights(emb, layers, get("model.norm.weight"), classifier)
+
+
+def load_checkpoint(path) -> tuple[LlamaConfig, LlamaWeights]:
+    """`load_hf` for a folder, `load_llama2c` for a file."""
+    path = _existing(path, "checkpoint")
+    config, weights = load_hf(path) if path.is_dir() else load_llama2c(path)
+    weights.check(config, str(path))
+    return config, weights
+
+
+def load_model(path, weights: str = "fp32", device: str = "cpu") -> Llama:
+    """A `Llama` from a llama2.c `.bin` file or a Hugging Face folder, its linear weights stored as `weights`
+    ("fp32", "fp16", "nvfp4", "mxfp4": FP4 formats quantize each linear at load), on `device` ("cpu", "gpu").
+
+    >>> model = load_model("stories15M.bin", weights="nvfp4")   # doctest: +SKIP
+    """
+    ops = ops_for(device)
+    config, host = load_checkpoint(path)
+    return Llama(config, host, ops, weights)
