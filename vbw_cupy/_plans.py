@@ -88,3 +88,70 @@ def scratch(name: str, nbytes: int, zeroed: bool = False):
             _retired.append(buf)
         _scratch[key] = new
         return new
+
+
+class Launch:
+    """One kernel launch with its argument block packed once: a replay rewrites only the pointers of the
+    arrays that change from call to call and calls the driver, skipping CuPy's per-argument packing (most of
+    the host cost of a short call).
+
+    `args` are the launch's arguments as CuPy takes them (CuPy arrays, NumPy scalars, NumPy records such as
+    tensor maps); `dynamic` the indices of the arrays a call replaces (their new device pointers are passed to
+    `__call__` in that order); other arrays (scratch, the error word) stay as packed. A Launch belongs to one
+    stream's plan: two threads must not replay the same Launch at once (the driver copies the argument block
+    when the launch is issued, so consecutive replays are safe)."""
+    __slots__ = ("fptr", "dims", "smem", "buf", "words", "params", "pptr", "slots", "empty")
+
+    def __init__(self, kernel, grid, block, args, dynamic=(), shared_mem: int = 0):
+        import numpy as np
+        cp = rt.require_cupy()
+        grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
+        self.empty = min(grid) <= 0
+        if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
+            kernel.max_dynamic_shared_size_bytes = int(shared_mem)
+        parts, where, off = [], {}, 0
+        for i, a in enumerate(args):
+            if isinstance(a, cp.ndarray):
+                raw, align = np.uint64(a.data.ptr).tobytes(), 8
+            elif isinstance(a, (np.ndarray, np.generic)):
+                raw = np.ascontiguousarray(a).tobytes()
+                align = 64 if len(raw) >= 64 else max(1, min(8, len(raw)))
+            else:
+                raise TypeError(f"Launch: argument {i} is a {type(a).__name__} (expected a CuPy array or a NumPy value)")
+            off = -(-off // align) * align
+            parts.append((off, raw))
+            where[i] = off // 8
+            off += len(raw)
+        # 64-byte aligned storage (tensor maps need it), kept alive by this object
+        self.buf = np.zeros(off + 128, dtype=np.uint8)
+        base = -(-self.buf.ctypes.data // 64) * 64 - self.buf.ctypes.data
+        for o, raw in parts:
+            self.buf[base + o:base + o + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        self.words = self.buf[base:base + -(-off // 8) * 8].view(np.uint64)
+        self.params = np.array([self.buf.ctypes.data + base + o for o, _ in parts], dtype=np.uint64)
+        self.pptr = int(self.params.ctypes.data)
+        self.slots = tuple(where[i] for i in dynamic)
+        self.fptr = int(kernel.ptr)
+        self.dims = grid + block
+        self.smem = int(shared_mem)
+
+    def __call__(self, ptrs, stream_ptr: int) -> None:
+        if self.empty:
+            return
+        w = self.words
+        for i, p in zip(self.slots, ptrs):
+            w[i] = p
+        g0, g1, g2, b0, b1, b2 = self.dims
+        _driver().launchKernel(self.fptr, g0, g1, g2, b0, b1, b2, self.smem, stream_ptr, self.pptr, 0)
+
+
+_drv = None
+
+
+def _driver():
+    global _drv
+    if _drv is None:
+        from cupy_backends.cuda.api import driver
+        _drv = driver
+    return _drv

@@ -399,23 +399,41 @@ class _Signature:
 
 class _Plan:
     """One call's launches (from its _Launch) with the arrays left out, to replay on same-signature arrays.
-    The split-K partials are the stream's scratch, fixed when the plan is made (the plan is per stream)."""
-    __slots__ = ("kernel", "grid", "block", "smem", "tail", "combine", "cgrid", "ctail", "o_part", "lse_part")
+    The split-K partials are the stream's scratch, fixed when the plan is made (the plan is per stream).
+    Replays go through `_plans.Launch` (arguments packed once) where the kernel exposes its driver handle."""
+    __slots__ = ("kernel", "grid", "block", "smem", "tail", "combine", "cgrid", "ctail", "o_part", "lse_part",
+                 "fast", "cfast")
 
     def __init__(self, launch):
         self.kernel, self.grid, self.block, self.smem = launch.kernel, launch.grid, launch.block, launch.smem
         self.tail, self.combine, self.cgrid, self.ctail = launch.args[8:], launch.combine, launch.cgrid, \
             launch.cargs[4:]
         self.o_part, self.lse_part = launch.o_part, launch.lse_part
+        self.fast = self.cfast = None
+        if _FAST_LAUNCH and hasattr(self.kernel, "ptr"):
+            self.fast = _plans.Launch(self.kernel, self.grid, self.block, launch.args, range(6), self.smem)
+            if self.combine is not None:
+                self.cfast = _plans.Launch(self.combine, self.cgrid, (128,), launch.cargs, (2, 3))
 
     def run(self, q, k_cache, v_cache, block_table, seq_lens, out):
+        cp = rt.cupy
         if out is None:
-            out = rt.cupy.empty(q.shape, dtype=q.dtype)
+            out = cp.empty(q.shape, dtype=q.dtype)
+        if self.fast is not None:
+            stream = cp.cuda.get_current_stream().ptr
+            self.fast((q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, block_table.data.ptr, seq_lens.data.ptr,
+                       out.data.ptr), stream)
+            if self.cfast is not None:
+                self.cfast((seq_lens.data.ptr, out.data.ptr), stream)
+            return out
         self.kernel(self.grid, self.block, (q, k_cache, v_cache, block_table, seq_lens, out, self.o_part,
                                             self.lse_part) + self.tail, shared_mem=self.smem)
         if self.combine is not None:
             self.combine(self.cgrid, (128,), (self.o_part, self.lse_part, seq_lens, out) + self.ctail)
         return out
+
+
+_FAST_LAUNCH = True  # replay plans through _plans.Launch (False: CuPy's kernel call, for A/B runs)
 
 
 def _plan(cfg_args, q, k_cache, v_cache, block_table, seq_lens, out, max_len):
