@@ -153,26 +153,12 @@ class Case:
             print(f"  flash_attention peer failed: {type(e).__name__}: {e}", file=sys.stderr)
             return None
 
-    def plain_ms(self, check="device", n=30, reps=5):
+    def plain_ms(self, check="device"):
         """The public call in a Python loop (no graph), tables rotated: what a user's decode loop pays."""
-        import cupy as cp
-
-        def call(t):
-            paged.paged_attention(self.q, self.k, self.v, t, self.lens, check=check, max_seqlen=self.ctx,
-                                  out=self.out)
-        for t in self.tables:
-            call(t)
-        cp.cuda.Device().synchronize()
-        times = []
-        for _ in range(reps):
-            s, e = cp.cuda.Event(), cp.cuda.Event()
-            s.record()
-            for i in range(n):
-                call(self.tables[i % self.copies])
-            e.record()
-            e.synchronize()
-            times.append(cp.cuda.get_elapsed_time(s, e) / n)
-        return float(np.median(times))
+        tables = itertools.cycle(self.tables)
+        return _timing.time_ms(lambda: paged.paged_attention(self.q, self.k, self.v, next(tables), self.lens,
+                                                             check=check, max_seqlen=self.ctx, out=self.out),
+                               warmup=self.copies, rep=5, inner=30)
 
     def free(self):
         del self.k, self.v, self.tables, self.launches

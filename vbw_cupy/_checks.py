@@ -180,6 +180,20 @@ def _check_options(window, softcap, causal, softmax_scale, D):
     effective_scale(softmax_scale, D)
 
 
+def _check_qkv(q, k, v, q_layout, kv_layout, dtypes, *, k_name="k", v_name="v"):
+    """What every attention op checks first, in this order: the ranks of q, k, v, q's dtype (one of `dtypes`),
+    k's and v's dtype (q's), q's head dim, and no empty dimension in q or k."""
+    _check_array("q", q, q_layout.count(",") + 1, q_layout)
+    _check_array(k_name, k, kv_layout.count(",") + 1, kv_layout)
+    _check_array(v_name, v, kv_layout.count(",") + 1, kv_layout)
+    _check_float_dtype("q", q, dtypes)
+    _check_same_dtype(k_name, k, "q", q)
+    _check_same_dtype(v_name, v, "q", q)
+    _check_head_dim(int(q.shape[-1]), "q")
+    _check_nonempty("q", q.shape, q_layout)
+    _check_nonempty(k_name, k.shape, kv_layout)
+
+
 def check_attention_args(q, k, v, window=(-1, -1), softcap=0.0, *, causal=False, softmax_scale=None,
                          dtypes=ATTENTION_DTYPES):
     """Check the arguments of `flash_attention` and return their sizes.
@@ -190,16 +204,8 @@ def check_attention_args(q, k, v, window=(-1, -1), softcap=0.0, *, causal=False,
     copied. Raises TypeError / ValueError naming the argument. Returns
     `AttentionShape(B, Sq, Sk, Hq, Hkv, D)` (a tuple).
     """
-    _check_array("q", q, 4, "[B, Sq, Hq, D]")
-    _check_array("k", k, 4, "[B, Sk, Hkv, D]")
-    _check_array("v", v, 4, "[B, Sk, Hkv, D]")
-    _check_float_dtype("q", q, dtypes)
-    _check_same_dtype("k", k, "q", q)
-    _check_same_dtype("v", v, "q", q)
+    _check_qkv(q, k, v, "[B, Sq, Hq, D]", "[B, Sk, Hkv, D]", dtypes)
     B, Sq, Hq, D = (int(n) for n in q.shape)
-    _check_head_dim(D, "q")
-    _check_nonempty("q", q.shape, "[B, Sq, Hq, D]")
-    _check_nonempty("k", k.shape, "[B, Sk, Hkv, D]")
     Bk, Sk, Hkv, Dk = (int(n) for n in k.shape)
     if Bk != B or Dk != D:
         raise ValueError(f"k: expected shape [B, Sk, Hkv, D] with B == q's {B} and D == q's {D}, "
@@ -262,16 +268,8 @@ def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window=(-1, -1), soft
     (it is then computed from the offsets). Returns `VarlenShape(B, total_q, total_k, Hq, Hkv, D,
     max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k)` with host copies of the offsets when read.
     """
-    _check_array("q", q, 3, "[total_q, Hq, D]")
-    _check_array("k", k, 3, "[total_k, Hkv, D]")
-    _check_array("v", v, 3, "[total_k, Hkv, D]")
-    _check_float_dtype("q", q, dtypes)
-    _check_same_dtype("k", k, "q", q)
-    _check_same_dtype("v", v, "q", q)
+    _check_qkv(q, k, v, "[total_q, Hq, D]", "[total_k, Hkv, D]", dtypes)
     total_q, Hq, D = (int(n) for n in q.shape)
-    _check_head_dim(D, "q")
-    _check_nonempty("q", q.shape, "[total_q, Hq, D]")
-    _check_nonempty("k", k.shape, "[total_k, Hkv, D]")
     total_k, Hkv, Dk = (int(n) for n in k.shape)
     if Dk != D:
         raise ValueError(f"k: expected shape [total_k, Hkv, D] with D == q's {D}, got {tuple(k.shape)}")
@@ -311,16 +309,9 @@ def check_paged_args(q, k_cache, v_cache, block_table, seq_lens, window=(-1, -1)
     the stream. Returns `PagedShape(B, Hq, Hkv, D, num_blocks, block_size, max_blocks, block_table,
     seq_lens)` with host copies of the two int arrays when values were checked (else None).
     """
-    _check_array("q", q, 3, "[B, Hq, D]")
-    _check_array("k_cache", k_cache, 4, "[num_blocks, block_size, Hkv, D]")
-    _check_array("v_cache", v_cache, 4, "[num_blocks, block_size, Hkv, D]")
-    _check_float_dtype("q", q, dtypes)
-    _check_same_dtype("k_cache", k_cache, "q", q)
-    _check_same_dtype("v_cache", v_cache, "q", q)
+    _check_qkv(q, k_cache, v_cache, "[B, Hq, D]", "[num_blocks, block_size, Hkv, D]", dtypes,
+               k_name="k_cache", v_name="v_cache")
     B, Hq, D = (int(n) for n in q.shape)
-    _check_head_dim(D, "q")
-    _check_nonempty("q", q.shape, "[B, Hq, D]")
-    _check_nonempty("k_cache", k_cache.shape, "[num_blocks, block_size, Hkv, D]")
     num_blocks, block_size, Hkv, Dk = (int(n) for n in k_cache.shape)
     if Dk != D:
         raise ValueError(f"k_cache: expected shape [num_blocks, block_size, Hkv, D] with D == q's {D}, "

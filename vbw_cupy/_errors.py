@@ -53,6 +53,17 @@ def buffer(device_id: int | None = None):
     return buf
 
 
+_slots: dict = {}  # (device id, code) -> a view of the word from that code on (what a kernel's flag pointer takes)
+
+
+def slot(device_id: int, code: int):
+    """The error word from `code` on, for kernels that set one flag (`*flag = 1`) rather than call vbw_err::flag."""
+    v = _slots.get((device_id, code))
+    if v is None:
+        v = _slots[(device_id, code)] = buffer(device_id)[code:]
+    return v
+
+
 def pending(device_id: int | None = None, op: str | None = None) -> list[str]:
     """Messages of the errors flagged on a device (all devices used so far when None), clearing them; with
     `op`, only that operation's (the others stay flagged). Synchronizes those devices."""
@@ -75,9 +86,9 @@ def pending(device_id: int | None = None, op: str | None = None) -> list[str]:
                 buf[np.flatnonzero(words)] = 0
         for code in np.flatnonzero(words):
             op, arg, what = CODES.get(int(code), ("a vbw_cupy kernel", "?", f"unknown error code {int(code)}"))
-            where = f" (first in sequence {0x7fffffff - int(words[code])})" if code in _INDEXED else ""
-            msgs.append(f"{op}: {arg}: {what}{where}; the rows of those sequences are NaN "
-                        f"(device {dev})" if code in _INDEXED else f"{op}: {arg}: {what} (device {dev})")
+            where = (f" (first in sequence {0x7fffffff - int(words[code])}); the rows of those sequences are NaN"
+                     if code in _INDEXED else "")
+            msgs.append(f"{op}: {arg}: {what}{where} (device {dev})")
     return msgs
 
 

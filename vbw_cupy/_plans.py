@@ -14,6 +14,8 @@ from __future__ import annotations
 import collections
 import threading
 
+import numpy as np
+
 from . import _runtime as rt
 
 
@@ -100,11 +102,12 @@ class Launch:
     `__call__` in that order); other arrays (scratch, the error word) stay as packed. A Launch belongs to one
     stream's plan: two threads must not replay the same Launch at once (the driver copies the argument block
     when the launch is issued, so consecutive replays are safe)."""
-    __slots__ = ("fptr", "dims", "smem", "buf", "words", "params", "pptr", "slots", "empty")
+    __slots__ = ("fptr", "dims", "smem", "buf", "words", "params", "pptr", "slots", "empty", "driver")
 
     def __init__(self, kernel, grid, block, args, dynamic=(), shared_mem: int = 0):
-        import numpy as np
+        from cupy_backends.cuda.api import driver
         cp = rt.require_cupy()
+        self.driver = driver
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
         self.empty = min(grid) <= 0
@@ -143,15 +146,4 @@ class Launch:
         for i, p in zip(self.slots, ptrs):
             w[i] = p
         g0, g1, g2, b0, b1, b2 = self.dims
-        _driver().launchKernel(self.fptr, g0, g1, g2, b0, b1, b2, self.smem, stream_ptr, self.pptr, 0)
-
-
-_drv = None
-
-
-def _driver():
-    global _drv
-    if _drv is None:
-        from cupy_backends.cuda.api import driver
-        _drv = driver
-    return _drv
+        self.driver.launchKernel(self.fptr, g0, g1, g2, b0, b1, b2, self.smem, stream_ptr, self.pptr, 0)

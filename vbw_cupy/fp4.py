@@ -152,7 +152,8 @@ def quantize(x, format: str = "nvfp4", global_scale=None) -> FP4Tensor:
     ValueError. Any K: the last block is zero-padded.
     On the GPU, NVFP4 without a `global_scale` reads the tensor twice (amax first) and synchronizes once to read
     the amax (a NaN / Inf raises there). With a `global_scale` it makes one pass and no sync (it can then be
-    captured in a CUDA graph): NaN / Inf are flagged on the device and `vbw_cupy.check_errors()` raises them. A CuPy call with the shape, dtype, format, global_scale and device of an
+    captured in a CUDA graph): NaN / Inf are flagged on the device and `vbw_cupy.check_errors()` raises them.
+    A CuPy call with the shape, dtype, format, global_scale and device of an
     earlier checked call reuses its launch plan (contiguity, alignment and device are checked every time).
 
     >>> import numpy as np, vbw_cupy
@@ -235,7 +236,7 @@ _q_plans = _plans.PlanCache()
 
 def _nan_flag(device_id):
     """The error-word slot the nvfp4 kernel sets on NaN / Inf input (see vbw_cupy/_errors.py)."""
-    return _errors.buffer(device_id)[_errors.NVFP4_NONFINITE:]
+    return _errors.slot(device_id, _errors.NVFP4_NONFINITE)
 
 
 def _quantize_planned(plan, x):

@@ -423,7 +423,7 @@ def _launch(plan, a2, out, bias):
                        out if cnt is None else cnt) + tail + extra, shared_mem=smem)
 
 
-_fast_launches: dict = {}  # (id of a plan, bias given) -> (plan, _plans.Launch); plans with a TMA map excluded
+_fast_launches = _plans.PlanCache(4096)  # (id of a plan, bias is None) -> (plan, _plans.Launch, pointer slots)
 
 
 def _launch_fast(plan, a2, out, bias):
@@ -434,23 +434,16 @@ def _launch_fast(plan, a2, out, bias):
         kern, grid, block, smem, wp, ws, cnt, tail, amap, _ = plan
         if amap or not _FAST_LAUNCH or not hasattr(kern, "ptr"):
             return _launch(plan, a2, out, bias)
-        b = out if bias is None else bias
-        args = (a2, wp, out, b, out if ws is None else ws, out if cnt is None else cnt) + tail + \
-            (() if amap is None else (rt.NO_TENSOR_MAP,))
-        dyn = (0, 2) + (() if bias is None else (3,)) + ((3,) if bias is None else ()) + \
-            ((4,) if ws is None else ()) + ((5,) if cnt is None else ())
-        if len(_fast_launches) > 4096:
-            _fast_launches.clear()
-        hit = _fast_launches[key] = (plan, _plans.Launch(kern, grid, block, args, dyn, smem), bias is None,
-                                     ws is None, cnt is None)
-    _, L, no_bias, no_ws, no_cnt = hit
+        # a2, out and bias (or out in its place) change per call; so do ws / cnt where out stands in for them
+        args = (a2, wp, out, out if bias is None else bias, out if ws is None else ws,
+                out if cnt is None else cnt) + tail + (() if amap is None else (rt.NO_TENSOR_MAP,))
+        dyn = (0, 2, 3) + ((4,) if ws is None else ()) + ((5,) if cnt is None else ())
+        hit = (plan, _plans.Launch(kern, grid, block, args, dyn, smem), len(dyn) - 3)
+        _fast_launches.put(key, hit)
+    _, launch, n_out = hit
     o = out.data.ptr
-    ptrs = [a2.data.ptr, o, o if no_bias else bias.data.ptr]
-    if no_ws:
-        ptrs.append(o)
-    if no_cnt:
-        ptrs.append(o)
-    L(ptrs, rt.cupy.cuda.get_current_stream().ptr)
+    launch([a2.data.ptr, o, o if bias is None else bias.data.ptr] + [o] * n_out,
+           rt.cupy.cuda.get_current_stream().ptr)
 
 
 _FAST_LAUNCH = True  # the fast path replays through _plans.Launch (False: CuPy's kernel call, for A/B runs)
