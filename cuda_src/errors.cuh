@@ -15,6 +15,8 @@ enum : int {
   VARLEN_CU_Q = 3,        // cu_seqlens_q[b..b+1] out of order, past the tokens, or longer than max_seqlen_q
   VARLEN_CU_K = 4,        // cu_seqlens_k likewise (max_seqlen_k)
   NVFP4_NONFINITE = 5,    // quantize nvfp4 with a given global_scale met NaN or Inf (index not recorded)
+  MODEL_TOKEN_IDS = 6,    // a token id outside [0, vocab) (models: embedding)
+  MODEL_POSITIONS = 7,    // a position outside the RoPE table or the slot's block table, or a bad slot
 };
 
 __device__ __forceinline__ void flag(int* err, int code, int index) {

@@ -26,9 +26,11 @@ CODES = {
     4: ("flash_attention_varlen", "cu_seqlens_k",
         "offsets out of order or past the tokens, or a sequence longer than max_seqlen_k"),
     5: ("quantize", "x", "NaN or Inf in the input of an nvfp4 quantize with a given global_scale"),
+    6: ("models.LlamaGPU", "tokens", "a token id outside [0, vocab_size)"),
+    7: ("models.LlamaGPU", "positions", "a position past the model's seq_len or the cache's capacity, or a bad slot"),
 }
 NVFP4_NONFINITE = 5
-_INDEXED = {1, 2, 3, 4}  # codes that record the smallest bad sequence
+_INDEXED = {1, 2, 3, 4, 6, 7}  # codes that record the smallest bad sequence
 _WORDS = 16
 
 _lock = threading.Lock()
@@ -86,7 +88,8 @@ def pending(device_id: int | None = None, op: str | None = None) -> list[str]:
                 buf[np.flatnonzero(words)] = 0
         for code in np.flatnonzero(words):
             op, arg, what = CODES.get(int(code), ("a vbw_cupy kernel", "?", f"unknown error code {int(code)}"))
-            where = (f" (first in sequence {0x7fffffff - int(words[code])}); the rows of those sequences are NaN"
+            noun = "sequence" if code <= 4 else "row"
+            where = (f" (first in {noun} {0x7fffffff - int(words[code])}); the rows of those {noun}s are NaN"
                      if code in _INDEXED else "")
             msgs.append(f"{op}: {arg}: {what}{where} (device {dev})")
     return msgs

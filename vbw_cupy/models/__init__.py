@@ -1,5 +1,6 @@
 """The Llama model family built from vbw_cupy's ops: loaders (llama2.c `.bin`, Hugging Face folders),
-tokenizers, the forward pass over a small array backend (`ops.py`), sampling and generation.
+tokenizers, the forward pass over a small array backend (`ops.py`, the NumPy reference path), the GPU model
+(`gpu.py`: fused kernels, paged decode in a CUDA graph), sampling and generation.
 
 >>> from vbw_cupy.models import load_model, load_tokenizer, generate                  # doctest: +SKIP
 >>> model = load_model("stories15M.bin", weights="nvfp4")                              # doctest: +SKIP
@@ -8,10 +9,11 @@ tokenizers, the forward pass over a small array backend (`ops.py`), sampling and
 from .generate import Generation, Sequence, generate, generate_ids
 from .llama import LayerWeights, Llama, LlamaConfig, LlamaKVCache, LlamaWeights
 from .loaders import load_checkpoint, load_hf, load_llama2c, load_model
-from .ops import ArrayOps, cupy_ops, numpy_ops
+from .gpu import GPUKVCache, LlamaGPU
+from .ops import ArrayOps, numpy_ops
 from .sampling import Sampler, sampling_probs
 from .tokenizer import HFTokenizer, Llama2cTokenizer, load_tokenizer
 
 __all__ = ["LlamaConfig", "LlamaWeights", "LayerWeights", "Llama", "LlamaKVCache", "load_model", "load_checkpoint",
            "load_llama2c", "load_hf", "Llama2cTokenizer", "HFTokenizer", "load_tokenizer", "ArrayOps", "numpy_ops",
-           "cupy_ops", "Sampler", "sampling_probs", "generate", "generate_ids", "Generation", "Sequence"]
+           "LlamaGPU", "GPUKVCache", "Sampler", "sampling_probs", "generate", "generate_ids", "Generation", "Sequence"]

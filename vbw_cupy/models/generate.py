@@ -52,7 +52,9 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
 
     Sequence b generates up to min(max_new_tokens, seq_len - len(prompt b) + 1) tokens (the last one sampled
     is never fed back, as in llama2.c). `sampler` defaults to greedy; `stop_ids` to the config's BOS and EOS.
-    `on_token(b, token)` is called for every kept token as it is sampled. Returns a `Generation` whose
+    `on_token(b, token)` is called for every kept token as it is sampled. A GPU model samples greedy and plain
+    temperature draws on the device (`LlamaGPU.decode_sample`, seeded by the sampler's seed); other samplers
+    run on the host from copied logits. Returns a `Generation` whose
     sequences have no text (see `generate`).
     """
     cfg, ops = model.config, model.ops
@@ -88,10 +90,16 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
     active = [b for b, row in zip(active, logits) if keep(b, sampler(row))]
     result.prefill_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
+    on_gpu = sampler.on_gpu and hasattr(model, "decode_sample")  # only the token ids come back each step
+    gpu_seed = 0 if sampler.seed is None else sampler.seed
     while active:
-        logits = ops.to_host(model.decode([seqs[b].ids[-1] for b in active], cache, active))
+        last = [seqs[b].ids[-1] for b in active]
+        if on_gpu:
+            picked = model.decode_sample(last, cache, active, temperature=sampler.temperature, seed=gpu_seed)
+        else:
+            picked = [sampler(row) for row in ops.to_host(model.decode(last, cache, active))]
         result.decode_tokens += len(active)
-        active = [b for b, row in zip(active, logits) if keep(b, sampler(row))]
+        active = [b for b, t in zip(active, picked) if keep(b, int(t))]
     result.decode_seconds = time.perf_counter() - t0
     for s in seqs:  # max_new_tokens = 0: nothing was generated
         s.finish_reason = s.finish_reason or "length"

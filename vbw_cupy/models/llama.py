@@ -209,3 +209,23 @@ class Llama:
     def _logits(self, x):
         return self.ops.matmul(self.ops.rmsnorm(x, self.weights.rms_final, self.config.norm_eps),
                                self.weights.classifier)
+
+
+def random_weights(config: LlamaConfig, seed: int = 0, xp=np, dtype=np.float32) -> LlamaWeights:
+    """Random weights of a plausible scale (linear entries ~ N(0, 1 / in), norms ~ 1 + N(0, 0.1)) for tests and
+    benchmarks, generated with `xp` (numpy or cupy) in `dtype`."""
+    c = config
+    rng = xp.random.default_rng(seed)
+    normal = lambda shape: rng.standard_normal(shape, dtype=np.float32)
+
+    def lin(out, inp):
+        return (normal((out, inp)) * np.float32(inp ** -0.5)).astype(dtype)
+
+    def norm():
+        return (1.0 + 0.1 * normal((c.dim,))).astype(np.float32)
+
+    layers = [LayerWeights(rms_att=norm(), wq=lin(c.dim, c.dim), wk=lin(c.kv_dim, c.dim), wv=lin(c.kv_dim, c.dim),
+                           wo=lin(c.dim, c.dim), rms_ffn=norm(), w1=lin(c.hidden_dim, c.dim),
+                           w2=lin(c.dim, c.hidden_dim), w3=lin(c.hidden_dim, c.dim)) for _ in range(c.n_layers)]
+    emb = normal((c.vocab_size, c.dim)).astype(dtype)
+    return LlamaWeights(emb, layers, norm(), emb if c.shared_classifier else lin(c.vocab_size, c.dim))

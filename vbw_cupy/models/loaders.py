@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .llama import LayerWeights, Llama, LlamaConfig, LlamaWeights
-from .ops import ops_for
+from .ops import numpy_ops
 
 _HEADER = 7 * 4
 _MAGIC = 0x616B3432  # "ak42": the versioned llama2.c export format
@@ -143,12 +143,19 @@ def load_checkpoint(path) -> tuple[LlamaConfig, LlamaWeights]:
     return config, weights
 
 
-def load_model(path, weights: str = "fp32", device: str = "cpu") -> Llama:
-    """A `Llama` from a llama2.c `.bin` file or a Hugging Face folder, its linear weights stored as `weights`
-    ("fp32", "fp16", "nvfp4", "mxfp4": FP4 formats quantize each linear at load), on `device` ("cpu", "gpu").
+def load_model(path, weights: str | None = None, device: str = "cpu"):
+    """A model from a llama2.c `.bin` file or a Hugging Face folder, its linear weights stored as `weights`
+    (FP4 formats quantize each linear at load): on device "cpu" a `Llama` on the NumPy reference ("fp32",
+    the default, "fp16", "nvfp4", "mxfp4"); on "gpu" a `LlamaGPU` ("fp16", the default, "nvfp4", "mxfp4").
 
-    >>> model = load_model("stories15M.bin", weights="nvfp4")   # doctest: +SKIP
+    >>> model = load_model("stories15M.bin", weights="nvfp4", device="gpu")   # doctest: +SKIP
     """
-    ops = ops_for(device)
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device: expected 'cpu' or 'gpu', got {device!r}")
+    if device == "gpu":
+        from .gpu import LlamaGPU, require_gpu
+        require_gpu()
+        config, host = load_checkpoint(path)
+        return LlamaGPU(config, host, weights or "fp16")
     config, host = load_checkpoint(path)
-    return Llama(config, host, ops, weights)
+    return Llama(config, host, numpy_ops(), weights or "fp32")

@@ -2,8 +2,8 @@
 
 `ArrayOps(xp, attn_dtype)` implements every operation with array-module calls and the library's public,
 dispatching ops (`vbw_cupy.quantize`, `fp4_matmul`, `flash_attention_varlen`, `PagedKVCache`): NumPy arrays
-run the float64 reference (`vbw_cupy.reference`), so `numpy_ops()` is the CPU path. A GPU backend is an
-`ArrayOps` over CuPy (`cupy_ops()`), or a subclass that swaps single methods for fused kernels.
+run the float64 reference (`vbw_cupy.reference`), so `numpy_ops()` is the CPU path. The GPU path is
+`gpu.LlamaGPU`, written with fused kernels rather than these operations.
 
 Conventions: activations are [T, features] (T tokens of a packed batch); the residual stream, norms and
 matmul outputs are float32; q, k, v enter attention and the KV cache in `attn_dtype`; a linear weight is
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _runtime as rt
 from ..attention import flash_attention_varlen
 from ..fp4 import FP4Tensor, dequantize, quantize
 from ..gemm import fp4_matmul
@@ -127,21 +126,3 @@ def _rotate(xp, x, cos, sin, style):
 def numpy_ops() -> ArrayOps:
     """The CPU backend: NumPy arrays, float32 activations, attention by the float64 reference."""
     return ArrayOps(np, np.float32)
-
-
-def cupy_ops() -> ArrayOps:
-    """The same backend over CuPy arrays: float16 attention and KV cache for the GPU kernels."""
-    if not rt.gpu_available():
-        raise RuntimeError("device gpu: " + ("CuPy is not installed (pip install vbw_cupy[cuda12])"
-                                             if not rt.have_cupy() else "no CUDA device is visible"))
-    return ArrayOps(rt.require_cupy(), np.float16)
-
-
-def ops_for(device: str) -> ArrayOps:
-    """The backend for `device` ("cpu" or "gpu")."""
-    if device == "cpu":
-        return numpy_ops()
-    if device == "gpu":
-        return cupy_ops()
-    raise ValueError(f"device: expected 'cpu' or 'gpu', got {device!r}")
-

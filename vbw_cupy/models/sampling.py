@@ -36,7 +36,14 @@ class Sampler:
         if top_k < 0:
             raise ValueError(f"top_k: expected a value >= 0 (0: off), got {top_k}")
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
+        self.seed = seed
         self.rng = np.random.default_rng(seed)
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether a GPU model can sample for this sampler (greedy or plain temperature; top-k / top-p run on the
+        host from copied logits)."""
+        return self.top_k == 0 and self.top_p == 1.0
 
     def __call__(self, logits) -> int:
         """One token id from host logits [vocab]."""

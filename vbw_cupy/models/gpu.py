@@ -1,0 +1,422 @@
+"""The Llama forward pass on the GPU: the library's GEMMs and attention with fused kernels around them
+(cuda_src/model.cu), and a decode step captured in one CUDA graph.
+
+`LlamaGPU` has the interface of `Llama` (`new_cache`, `prefill`, `decode`), so `generate_ids` and the CLI run
+either; it adds `decode_sample` (the next tokens sampled on the GPU, only B ints copied back per step).
+
+Per layer: x (float32 residual) -> add_rmsnorm -> one fused QKV GEMM -> rope_store (RoPE on q and k, K and V
+stored into the paged cache at each token's position) -> flash_attention_varlen (prefill) or paged_attention
+(decode) -> O GEMM -> add_rmsnorm -> one fused gate/up GEMM -> silu_mul -> down GEMM. GEMMs are
+`fp4_matmul` for nvfp4 / mxfp4 weights and cuBLAS (`cupy.matmul`) for float16 ones; activations entering a
+GEMM or attention are float16.
+
+The cache reserves each slot's blocks up front (`GPUKVCache`): block_table never changes during decoding, so
+a decode step needs no host values. `seq_lens` lives on the device and is advanced by the step itself
+(`step_positions`); the host keeps a mirror for planning. A decode graph is captured per (batch, context
+bucket): the bucket is the smallest power of two >= the longest sequence, the max_seqlen paged_attention
+plans its split for, so a step costs what its context needs. Each graph owns a private CuPy memory pool for
+the arrays it allocated while being captured, so nothing the graph writes is ever handed to another array.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _errors
+from .. import _runtime as rt
+from ..attention import flash_attention_varlen
+from ..fp4 import FP4Tensor, dequantize, quantize
+from ..gemm import fp4_matmul
+from ..paged import paged_attention
+from .llama import LayerWeights, LlamaConfig, LlamaWeights
+from .ops import ArrayOps
+
+_SOURCE = "model.cu"
+_NS = "vbw_model::"
+_THREADS = 256
+#: weight storage on the GPU: dense float16 (cuBLAS) or FP4 (fp4_matmul)
+GPU_WEIGHT_FORMATS = ("fp16", "nvfp4", "mxfp4")
+_ACT = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+_NULL = np.uint64(0)  # a null pointer argument
+
+
+def kernel_instances() -> list[tuple[str, str]]:
+    names = [f"{_NS}embedding<float>", f"{_NS}step_positions", f"{_NS}sample_rows"]
+    for t in _ACT.values():
+        names += [f"{_NS}rope_store<{t}>", f"{_NS}silu_mul<{t}>", f"{_NS}add_rmsnorm<{t}, {t}>"]
+    return [(_SOURCE, n) for n in names]
+
+
+def _kernel(name: str):
+    return rt.get_kernel(_SOURCE, _NS + name)
+
+
+def rope_table(config: LlamaConfig) -> np.ndarray:
+    """float32 [seq_len, head_dim]: per position the head_dim / 2 cosines then sines of pos * theta^(-2j / D),
+    computed in float64 (as the reference's `ArrayOps.rope`)."""
+    D = config.head_dim
+    inv_freq = config.rope_theta ** (-np.arange(0, D, 2, dtype=np.float64) / D)
+    ang = np.arange(config.seq_len, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+
+
+class GPUKVCache:
+    """Every layer's paged KV cache in one pair of arrays [n_layers, num_blocks, block_size, Hkv, D], with one
+    block table and one seq_lens shared by the layers. Slot b owns blocks b * per_seq .. (b + 1) * per_seq - 1
+    for its whole life (reserved at creation), so decoding never allocates."""
+
+    def __init__(self, config: LlamaConfig, max_batch: int, max_tokens: int, dtype, block_size: int = 16):
+        cp = rt.require_cupy()
+        per_seq = -(-max_tokens // block_size)
+        nb = max_batch * per_seq
+        shape = (config.n_layers, nb, block_size, config.n_kv_heads, config.head_dim)
+        self.block_size, self.num_blocks, self.capacity = block_size, nb, per_seq * block_size
+        self.k = cp.zeros(shape, dtype=dtype)
+        self.v = cp.zeros(shape, dtype=dtype)
+        self.block_table = cp.arange(nb, dtype=cp.int32).reshape(max_batch, per_seq)
+        self.seq_lens = cp.ones(max_batch, dtype=cp.int32)  # an idle slot attends one (zero) key: a valid length
+        self.active = cp.zeros(max_batch, dtype=cp.int32)
+        self._lens = np.zeros(max_batch, dtype=np.int64)
+
+    @property
+    def max_batch(self) -> int:
+        return int(self._lens.shape[0])
+
+    def lengths(self, slots) -> np.ndarray:
+        """Tokens held by each slot of `slots` (the host mirror; no device access)."""
+        return self._lens[np.asarray(slots, dtype=np.int64)].copy()
+
+    def free(self, slot: int) -> None:
+        """Empty slot `slot` (its blocks stay reserved for the next sequence put there). It stays idle in decode
+        steps (no position, nothing stored) until a prefill fills it again."""
+        self._lens[slot] = 0
+        self.seq_lens[slot] = 1
+        self.active[slot] = 0
+
+
+class _Linear:
+    """A linear layer's weight [out, in] on the GPU: float16 (cuBLAS) or an FP4Tensor (fp4_matmul)."""
+    __slots__ = ("w",)
+
+    def __init__(self, w_gpu_f32, fmt: str):
+        self.w = w_gpu_f32.astype(np.float16) if fmt == "fp16" else quantize(w_gpu_f32, fmt)
+
+    def __call__(self, x, out_dtype=None):
+        if isinstance(self.w, FP4Tensor):
+            return fp4_matmul(x, self.w, out_dtype=out_dtype)
+        y = x @ self.w.T
+        return y if out_dtype is None else y.astype(out_dtype)
+
+    def dense(self) -> np.ndarray:
+        """The weight as the GEMM sees it, float32 on the host."""
+        w = self.w
+        return (dequantize(w, np.float32) if isinstance(w, FP4Tensor) else w.astype(np.float32)).get()
+
+
+class LlamaGPU:
+    """A Llama model on the GPU (see the module docs). Build one with `load_model(path, weights=..., device="gpu")`
+    or `LlamaGPU(config, weights, weight_format)` from host (NumPy, memory-mapped) or CuPy weights.
+
+    weight_format: "fp16" (cuBLAS), "nvfp4" or "mxfp4" (fp4_matmul; quantized at load). q, k and v are fused
+    into one [dim + 2 kv_dim, dim] weight and gate / up into one [2 hidden_dim, dim] weight (an FP4 tensor
+    quantizes each row on its own, so fusing changes nothing but NVFP4's per-tensor scale). The classifier is
+    a linear layer of the same format; norms and the embedding stay float32.
+    """
+
+    def __init__(self, config: LlamaConfig, weights: LlamaWeights, weight_format: str = "fp16", *,
+                 act_dtype=np.float16):
+        cp = rt.require_cupy()
+        if weight_format not in GPU_WEIGHT_FORMATS:
+            raise ValueError(f"weights: expected one of {GPU_WEIGHT_FORMATS} on the GPU, got {weight_format!r}")
+        act_dtype = np.dtype(act_dtype)
+        if act_dtype.name not in _ACT:
+            raise TypeError(f"act_dtype: expected float16 or bfloat16, got {act_dtype}")
+        self.config, self.weight_format, self.act_dtype = config, weight_format, act_dtype
+        self._t = _ACT[act_dtype.name]
+        self.ops = ArrayOps(cp, act_dtype)  # generate_ids uses ops.to_host
+        f32 = lambda a: cp.asarray(a, dtype=cp.float32)
+        lin = lambda *parts: _Linear(cp.concatenate([f32(p) for p in parts]) if len(parts) > 1 else f32(parts[0]),
+                                     weight_format)
+        self.embedding = f32(weights.token_embedding)
+        self.layers = [dict(rms_att=f32(lw.rms_att), rms_ffn=f32(lw.rms_ffn), wqkv=lin(lw.wq, lw.wk, lw.wv),
+                            wo=lin(lw.wo), w13=lin(lw.w1, lw.w3), w2=lin(lw.w2)) for lw in weights.layers]
+        self.rms_final = f32(weights.rms_final)
+        self.classifier = lin(weights.classifier)
+        self.rope = cp.asarray(rope_table(config))
+        self._graphs: dict = {}
+
+    # -- host view of what runs (for the tests' reference runs)
+    def host_weights(self) -> LlamaWeights:
+        """The weights as the GPU computes with them (FP4 weights dequantized), float32 on the host, unfused."""
+        c = self.config
+        layers = []
+        for L in self.layers:
+            qkv, w13 = L["wqkv"].dense(), L["w13"].dense()
+            layers.append(LayerWeights(
+                rms_att=L["rms_att"].get(), wq=qkv[:c.dim], wk=qkv[c.dim:c.dim + c.kv_dim], wv=qkv[c.dim + c.kv_dim:],
+                wo=L["wo"].dense(), rms_ffn=L["rms_ffn"].get(), w1=w13[:c.hidden_dim], w2=L["w2"].dense(),
+                w3=w13[c.hidden_dim:]))
+        return LlamaWeights(self.embedding.get(), layers, self.rms_final.get(), self.classifier.dense())
+
+    def new_cache(self, max_batch: int, max_tokens: int) -> GPUKVCache:
+        return GPUKVCache(self.config, max_batch, max_tokens, self.act_dtype)
+
+    # -- the kernels
+    def _norm(self, x, delta, w):
+        cp = rt.cupy
+        out = cp.empty(x.shape, dtype=self.act_dtype)
+        rt.launch(_kernel(f"add_rmsnorm<{self._t}, {self._t}>"), (x.shape[0],), (_THREADS,),
+                  (x, _NULL if delta is None else delta, w, out, np.int32(x.shape[1]), np.float32(self.config.norm_eps)))
+        return out
+
+    def _embed(self, ids):
+        cp, c = rt.cupy, self.config
+        x = cp.empty((ids.shape[0], c.dim), dtype=cp.float32)
+        rt.launch(_kernel("embedding<float>"), (ids.shape[0],), (_THREADS,),
+                  (self.embedding, ids, x, np.int32(c.dim), np.int32(c.vocab_size),
+                   _errors.buffer(cp.cuda.Device().id)))
+        return x
+
+    def _rope_store(self, qkv, pos, slots, cache: GPUKVCache, layer: int, packed_kv: bool):
+        cp, c = rt.cupy, self.config
+        T, D = qkv.shape[0], c.head_dim
+        q = cp.empty((T, c.n_heads, D), dtype=self.act_dtype)
+        k = cp.empty((T, c.n_kv_heads, D), dtype=self.act_dtype) if packed_kv else None
+        v = cp.empty((T, c.n_kv_heads, D), dtype=self.act_dtype) if packed_kv else None
+        bt = cache.block_table
+        rt.launch(_kernel(f"rope_store<{self._t}>"), (T, c.n_heads + c.n_kv_heads), (D // 2,),
+                  (qkv, pos, slots, self.rope, np.int32(c.seq_len), q, _NULL if k is None else k,
+                   _NULL if v is None else v, cache.k[layer], cache.v[layer], bt,
+                   np.int32(bt.shape[0]), np.int32(bt.shape[1]), np.int32(cache.num_blocks),
+                   np.int32(cache.block_size), np.int32(c.n_heads), np.int32(c.n_kv_heads), np.int32(D),
+                   np.int32(0 if c.rope_style == "adjacent" else 1), _errors.buffer(cp.cuda.Device().id)))
+        return q, k, v
+
+    def _swiglu(self, gu):
+        cp = rt.cupy
+        H = gu.shape[1] // 2
+        out = cp.empty((gu.shape[0], H), dtype=self.act_dtype)
+        n = out.size
+        rt.launch(_kernel(f"silu_mul<{self._t}>"), (min(-(-n // _THREADS), 4096),), (_THREADS,),
+                  (gu, out, np.int32(H), np.int64(n)))
+        return out
+
+    def _forward(self, x, pos, slots, cache, attend, packed_kv):
+        """The blocks and the classifier over x [T, dim] float32 (consumed): float32 logits [T, vocab]."""
+        c = self.config
+        T = x.shape[0]
+        h = self._norm(x, None, self.layers[0]["rms_att"])
+        for i, L in enumerate(self.layers):
+            q, k, v = self._rope_store(L["wqkv"](h), pos, slots, cache, i, packed_kv)
+            o = attend(i, q, k, v)
+            h = self._norm(x, L["wo"](o.reshape(T, c.dim)), L["rms_ffn"])
+            d = L["w2"](self._swiglu(L["w13"](h)))
+            h = self._norm(x, d, self.layers[i + 1]["rms_att"] if i + 1 < len(self.layers) else self.rms_final)
+        return self.classifier(h, out_dtype=np.float32)
+
+    # -- prefill
+    def prefill(self, prompts, cache: GPUKVCache, slots, all_logits: bool = False):
+        """Run prompts (lists of token ids) at positions 0.. into empty cache slots `slots` (one varlen causal
+        attention per layer). Returns float32 logits of each prompt's last token [B, vocab], or with
+        all_logits=True of every token [sum of lengths, vocab], as CuPy arrays."""
+        cp = rt.cupy
+        lens = np.array([len(p) for p in prompts], dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if (lens < 1).any():
+            raise ValueError("prompts: every prompt needs at least one token")
+        if (lens > cache.capacity).any() or (lens > self.config.seq_len).any():
+            raise ValueError(f"prompts: {int(lens.max())} tokens, more than the cache's {cache.capacity} or the "
+                             f"model's seq_len = {self.config.seq_len}")
+        cu_h = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        ids = cp.asarray(np.concatenate([np.asarray(p, dtype=np.int32) for p in prompts]))
+        pos = cp.asarray(np.concatenate([np.arange(n, dtype=np.int32) for n in lens]))
+        tok_slot = cp.asarray(np.repeat(slots, lens).astype(np.int32))
+        cu, max_len = cp.asarray(cu_h), int(lens.max())
+
+        def attend(layer, q, k, v):
+            return flash_attention_varlen(q, k, v, cu, cu, max_seqlen_q=max_len, max_seqlen_k=max_len, causal=True)
+
+        logits = self._forward(self._embed(ids), pos, tok_slot, cache, attend, packed_kv=True)
+        cache._lens[slots] = lens
+        cache.seq_lens[cp.asarray(slots)] = cp.asarray(lens.astype(np.int32))
+        cache.active[cp.asarray(slots)] = 1
+        return logits if all_logits else logits[cp.asarray(cu_h[1:] - 1)]
+
+    # -- decode
+    def _decode_step(self, st: "_StepState", cache: GPUKVCache, bucket: int):
+        """One decode step over slots 0..B-1 on the state's buffers (no host values: capturable)."""
+        B = st.tokens.shape[0]
+        rt.launch(_kernel("step_positions"), (-(-B // 128),), (128,), (cache.seq_lens, cache.active, st.pos,
+                                                                         np.int32(B)))
+        table, lens = cache.block_table[:B], cache.seq_lens[:B]
+
+        def attend(layer, q, k, v):
+            return paged_attention(q, cache.k[layer], cache.v[layer], table, lens, max_seqlen=bucket)
+
+        logits = self._forward(self._embed(st.tokens), st.pos, st.slots, cache, attend, packed_kv=False)
+        st.logits[...] = logits
+        if st.inv_temp is not None:
+            rt.launch(_kernel("sample_rows"), (B,), (_THREADS,),
+                      (st.logits, np.int32(self.config.vocab_size), np.float32(st.inv_temp), np.uint64(st.seed),
+                       st.pos, st.tokens))
+
+    def _state(self, cache: GPUKVCache, inv_temp, seed) -> "_StepState":
+        """The step buffers (and graphs) for this cache and sampling mode; those of other caches are dropped."""
+        key = (id(cache), inv_temp, seed)
+        st = self._graphs.get(key)
+        if st is None:
+            for k in [k for k in self._graphs if k[0] != id(cache)]:
+                del self._graphs[k]
+            st = self._graphs[key] = _StepState(cache.max_batch, self.config.vocab_size, inv_temp, seed)
+        return st
+
+    def decode(self, tokens, cache: GPUKVCache, slots, *, graph: bool = True):
+        """Feed `tokens[i]` to cache slot `slots[i]` (one token each, after its cached ones); slots of the cache
+        not listed stay idle. Returns float32 logits [len(slots), vocab] (CuPy). With graph=True the step is
+        replayed from a CUDA graph (captured on first use for this batch size and context bucket)."""
+        st = self._step(tokens, cache, slots, graph, None, 0)
+        return st.logits[rt.cupy.asarray(np.asarray(slots, dtype=np.int64))]
+
+    def decode_sample(self, tokens, cache: GPUKVCache, slots, *, temperature: float = 0.0, seed: int = 0,
+                      graph: bool = True) -> np.ndarray:
+        """`decode` then the next token of each listed slot sampled on the GPU: greedy at temperature 0, else
+        a draw from softmax(logits / temperature) (Gumbel-max, keyed by seed, slot and position). Returns
+        host int64 ids [len(slots)] (the only copy to the host)."""
+        if not temperature >= 0.0:
+            raise ValueError(f"temperature: expected a value >= 0, got {temperature}")
+        inv = 0.0 if temperature == 0.0 else 1.0 / float(temperature)
+        st = self._step(tokens, cache, slots, graph, inv, int(seed) & ((1 << 64) - 1))
+        return st.tokens.get()[np.asarray(slots, dtype=np.int64)].astype(np.int64)
+
+    def _step(self, tokens, cache, slots, graph, inv_temp, seed):
+        cp = rt.cupy
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        B = cache.max_batch
+        if slots.size and (slots.min() < 0 or slots.max() >= B or np.unique(slots).size != slots.size):
+            raise ValueError(f"slots: expected distinct slots in [0, {B}), got {slots.tolist()}")
+        if (cache._lens[slots] < 1).any():
+            raise ValueError("slots: every slot needs a prefilled sequence")
+        if (cache._lens[slots] + 1 > cache.capacity).any():
+            raise ValueError(f"slots: a sequence would pass the cache's capacity of {cache.capacity} tokens")
+        st = self._state(cache, inv_temp, seed)
+        longest = int(cache._lens[slots].max()) + 1
+        bucket = min(1 << (longest - 1).bit_length(), cache.capacity)
+        active = np.zeros(B, dtype=np.int32)
+        active[slots] = 1
+        host_tokens = np.zeros(B, dtype=np.int32)
+        host_tokens[slots] = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        st.tokens.set(host_tokens)
+        cache.active.set(active)
+        if not graph:
+            self._decode_step(st, cache, bucket)
+        else:
+            g = st.graphs.get(bucket)
+            if g is None:
+                g = st.graphs[bucket] = _capture(lambda: self._decode_step(st, cache, bucket),
+                                                 (cache.seq_lens, st.tokens))
+            else:
+                cp.cuda.get_current_stream().synchronize()  # the inputs above were written on this stream
+                g.replay()
+        cache._lens[slots] += 1
+        return st
+
+
+class _StepState:
+    """The fixed buffers a decode graph reads and writes: next-token ids in and out, positions, slot ids,
+    logits; and the graphs captured over them (one per context bucket)."""
+
+    def __init__(self, B: int, vocab: int, inv_temp, seed):
+        cp = rt.require_cupy()
+        self.tokens = cp.zeros(B, dtype=cp.int32)
+        self.pos = cp.zeros(B, dtype=cp.int32)
+        self.slots = cp.arange(B, dtype=cp.int32)
+        self.logits = cp.zeros((B, vocab), dtype=cp.float32)
+        self.inv_temp, self.seed = inv_temp, seed
+        self.graphs: dict = {}
+
+
+class _Graph:
+    """A captured step: the graph, its stream and the private memory pool of the arrays it allocated."""
+
+    def __init__(self, graph, stream, pool):
+        self.graph, self.stream, self.pool = graph, stream, pool
+
+    def replay(self):
+        self.graph.launch(stream=self.stream)
+        self.stream.synchronize()
+
+
+def _capture(step, state) -> _Graph:
+    """Run `step` once eagerly (it builds every plan and scratch buffer), put the arrays `state` back as they
+    were, capture `step` on a private stream and memory pool, and replay it once: the call is one step."""
+    cp = rt.require_cupy()
+    saved = [a.copy() for a in state]
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    pool = cp.cuda.MemoryPool()
+    with stream, cp.cuda.using_allocator(pool.malloc):
+        step()
+        for a, b in zip(state, saved):
+            a[...] = b
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            step()
+        finally:
+            graph = stream.end_capture()
+    g = _Graph(graph, stream, pool)
+    g.replay()
+    return g
+
+
+def require_gpu() -> None:
+    """RuntimeError saying why the GPU model cannot run here (no CuPy, or no visible device)."""
+    if not rt.gpu_available():
+        raise RuntimeError("device gpu: " + ("CuPy is not installed (pip install vbw_cupy[cuda12])"
+                                             if not rt.have_cupy() else "no CUDA device is visible"))
+
+
+def reference_logits(model: LlamaGPU, prompts, steps: int):
+    """Greedy decode of `steps` tokens on the GPU from `prompts`, then the float64-reference model (NumPy,
+    the GPU's weights dequantized) run over the same tokens (teacher forcing): (gpu logits, reference
+    logits) of every decoded position, host float64 [steps + 1, B, vocab], and the relative error of each."""
+    from .llama import Llama
+    from .ops import numpy_ops
+    B = len(prompts)
+    cache = model.new_cache(B, max(map(len, prompts)) + steps)
+    gpu = [model.prefill(prompts, cache, range(B)).get()]
+    seqs = [list(p) for p in prompts]
+    for _ in range(steps):
+        nxt = gpu[-1].argmax(axis=1)
+        for s, t in zip(seqs, nxt):
+            s.append(int(t))
+        gpu.append(model.decode(nxt, cache, range(B)).get())
+    ref_model = Llama(model.config, model.host_weights(), numpy_ops(), "fp32")
+    full = ref_model.prefill(seqs, ref_model.new_cache(B, max(map(len, seqs))), list(range(B)), all_logits=True)
+    lens = [len(p) for p in prompts]
+    offs = np.concatenate([[0], np.cumsum([n + steps for n in lens])])
+    ref = np.stack([np.stack([full[offs[b] + lens[b] - 1 + i] for b in range(B)]) for i in range(steps + 1)])
+    got = np.stack(gpu).astype(np.float64)
+    err = np.array([np.linalg.norm(got[i] - ref[i]) / np.linalg.norm(ref[i]) for i in range(steps + 1)])
+    return got, ref, err
+
+
+def selftest_cases():
+    def case():
+        from .. import _timing
+        from .llama import LlamaConfig, random_weights
+        cfg = LlamaConfig(dim=256, hidden_dim=768, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000, seq_len=256)
+        rows = []
+        for fmt in ("fp16", "nvfp4"):
+            model = LlamaGPU(cfg, random_weights(cfg, seed=3), fmt)
+            rng = np.random.default_rng(4)
+            prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (37, 5, 64)]
+            _, _, err = reference_logits(model, prompts, 6)
+            cache = model.new_cache(1, 200)
+            model.prefill([prompts[0]], cache, [0])
+            t = _timing.time_ms(lambda: model.decode_sample([5], cache, [0]), warmup=2, rep=20)
+            rows.append({"op": "LlamaGPU", "shape": f"dim 256 x 2 layers, GQA 8/2, {fmt}, prefill 3 + 6 decode steps",
+                         "error": float(err.max()), "bound": 2e-2, "ok": bool(err.max() <= 2e-2),
+                         "time_ms": t, "peer": "-(decode step, graph)", "peer_ms": None})
+        return rows
+    case.__qualname__ = "LlamaGPU[tiny, fp16 and nvfp4, vs float64 model]"
+    return [case]
