@@ -274,7 +274,6 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="7B at batch 1 only, no 2048-token prefill")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    os.environ.setdefault("VBW_CUPY_AUTOTUNE", "0")
     rows, copy_gbs = run(a.quick)
     if a.json:
         with open(a.json, "w") as f:

@@ -11,7 +11,7 @@
 // RoPE angles come from a float32 table [max_pos, D] built in float64 on the host: per position D / 2 cosines,
 // then D / 2 sines.
 //
-// Tiling: one CTA per row (norm, embedding, sampling: a block reduction over the row); rope_store is one CTA
+// Tiling: one CTA per row (norm: 1024 threads, values in registers; embedding, sampling: 256 threads); rope_store is one CTA
 // per (token, head) with D / 2 threads, one rotation pair each; silu_mul is a flat grid-stride loop.
 //
 // Safety: token ids outside the vocabulary, positions outside the RoPE table or the slot's block table, slots
@@ -64,15 +64,46 @@ __global__ void __launch_bounds__(THREADS) embedding(const E* __restrict__ table
   for (int i = threadIdx.x; i < dim; i += THREADS) o[i] = to_float(row[i]);
 }
 
-// Row t: x += delta (when given, float16 / bfloat16 / float32 D), then out = x / sqrt(mean(x^2) + eps) * w
-// in float32, stored as O. The reference's order: ms in float32, scale = 1 / sqrt(ms + eps), (x * scale) * w.
+// Row t: x += delta (when given), then out = x / sqrt(mean(x^2) + eps) * w in float32, stored as O. The
+// reference's order: ms in float32, scale = 1 / sqrt(ms + eps), (x * scale) * w. NORM_THREADS threads a row,
+// up to NORM_VALS values each kept in registers (dim <= 8192); wider rows re-read x.
+constexpr int NORM_THREADS = 1024, NORM_VALS = 8;
+
+__device__ __forceinline__ float norm_block_sum(float v) {
+  __shared__ float part[NORM_THREADS / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  if (l == 0) part[w] = v;
+  __syncthreads();
+  v = l < NORM_THREADS / 32 ? part[l] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 template <typename D, typename O>
-__global__ void __launch_bounds__(THREADS) add_rmsnorm(float* __restrict__ x, const D* __restrict__ delta,
-                                                       const float* __restrict__ w, O* __restrict__ out, int dim,
-                                                       float eps) {
+__global__ void __launch_bounds__(NORM_THREADS) add_rmsnorm(float* __restrict__ x, const D* __restrict__ delta,
+                                                            const float* __restrict__ w, O* __restrict__ out,
+                                                            int dim, float eps) {
   const long long base = (long long)blockIdx.x * dim;
+  float vals[NORM_VALS];
   float ss = 0.f;
-  for (int i = threadIdx.x; i < dim; i += THREADS) {
+#pragma unroll
+  for (int j = 0; j < NORM_VALS; ++j) {
+    const int i = threadIdx.x + j * NORM_THREADS;
+    vals[j] = 0.f;
+    if (i < dim) {
+      float v = x[base + i];
+      if (delta != nullptr) {
+        v += to_float(delta[base + i]);
+        x[base + i] = v;
+      }
+      vals[j] = v;
+      ss += v * v;
+    }
+  }
+  for (int i = threadIdx.x + NORM_VALS * NORM_THREADS; i < dim; i += NORM_THREADS) {
     float v = x[base + i];
     if (delta != nullptr) {
       v += to_float(delta[base + i]);
@@ -80,8 +111,14 @@ __global__ void __launch_bounds__(THREADS) add_rmsnorm(float* __restrict__ x, co
     }
     ss += v * v;
   }
-  const float scale = 1.f / sqrtf(block_sum(ss) / dim + eps);
-  for (int i = threadIdx.x; i < dim; i += THREADS) out[base + i] = from_float<O>(x[base + i] * scale * w[i]);
+  const float scale = 1.f / sqrtf(norm_block_sum(ss) / dim + eps);
+#pragma unroll
+  for (int j = 0; j < NORM_VALS; ++j) {
+    const int i = threadIdx.x + j * NORM_THREADS;
+    if (i < dim) out[base + i] = from_float<O>(vals[j] * scale * w[i]);
+  }
+  for (int i = threadIdx.x + NORM_VALS * NORM_THREADS; i < dim; i += NORM_THREADS)
+    out[base + i] = from_float<O>(x[base + i] * scale * w[i]);
 }
 
 // Decode step start, slot b of the batch: when active[b], pos[b] = seq_lens[b] (the position of the token fed

@@ -7,8 +7,8 @@ either; it adds `decode_sample` (the next tokens sampled on the GPU, only B ints
 Per layer: x (float32 residual) -> add_rmsnorm -> one fused QKV GEMM -> rope_store (RoPE on q and k, K and V
 stored into the paged cache at each token's position) -> flash_attention_varlen (prefill) or paged_attention
 (decode) -> O GEMM -> add_rmsnorm -> one fused gate/up GEMM -> silu_mul -> down GEMM. GEMMs are
-`fp4_matmul` for nvfp4 / mxfp4 weights and cuBLAS (`cupy.matmul`) for float16 ones; activations entering a
-GEMM or attention are float16.
+`fp4_matmul` for nvfp4 / mxfp4 weights and cuBLAS (`_blas.matmul_nt`, capturable) for float16 ones;
+activations entering a GEMM or attention are float16 (or bfloat16, `act_dtype`).
 
 The cache reserves each slot's blocks up front (`GPUKVCache`): block_table never changes during decoding, so
 a decode step needs no host values. `seq_lens` lives on the device and is advanced by the step itself
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _blas
 from .. import _errors
 from .. import _runtime as rt
 from ..attention import flash_attention_varlen
@@ -75,6 +76,7 @@ class GPUKVCache:
         self.block_table = cp.arange(nb, dtype=cp.int32).reshape(max_batch, per_seq)
         self.seq_lens = cp.ones(max_batch, dtype=cp.int32)  # an idle slot attends one (zero) key: a valid length
         self.active = cp.zeros(max_batch, dtype=cp.int32)
+        self._active = np.zeros(max_batch, dtype=np.int32)   # host mirror of `active`
         self._lens = np.zeros(max_batch, dtype=np.int64)
 
     @property
@@ -91,20 +93,21 @@ class GPUKVCache:
         self._lens[slot] = 0
         self.seq_lens[slot] = 1
         self.active[slot] = 0
+        self._active[slot] = 0
 
 
 class _Linear:
-    """A linear layer's weight [out, in] on the GPU: float16 (cuBLAS) or an FP4Tensor (fp4_matmul)."""
+    """A linear layer's weight [out, in] on the GPU: dense in the activations' dtype (cuBLAS, through `_blas`
+    so that it can be captured) or an FP4Tensor (fp4_matmul)."""
     __slots__ = ("w",)
 
-    def __init__(self, w_gpu_f32, fmt: str):
-        self.w = w_gpu_f32.astype(np.float16) if fmt == "fp16" else quantize(w_gpu_f32, fmt)
+    def __init__(self, w_gpu_f32, fmt: str, act_dtype):
+        self.w = w_gpu_f32.astype(act_dtype) if fmt == "fp16" else quantize(w_gpu_f32, fmt)
 
     def __call__(self, x, out_dtype=None):
         if isinstance(self.w, FP4Tensor):
             return fp4_matmul(x, self.w, out_dtype=out_dtype)
-        y = x @ self.w.T
-        return y if out_dtype is None else y.astype(out_dtype)
+        return _blas.matmul_nt(x, self.w, out_dtype)
 
     def dense(self) -> np.ndarray:
         """The weight as the GEMM sees it, float32 on the host."""
@@ -135,7 +138,7 @@ class LlamaGPU:
         self.ops = ArrayOps(cp, act_dtype)  # generate_ids uses ops.to_host
         f32 = lambda a: cp.asarray(a, dtype=cp.float32)
         lin = lambda *parts: _Linear(cp.concatenate([f32(p) for p in parts]) if len(parts) > 1 else f32(parts[0]),
-                                     weight_format)
+                                     weight_format, act_dtype)
         self.embedding = f32(weights.token_embedding)
         self.layers = [dict(rms_att=f32(lw.rms_att), rms_ffn=f32(lw.rms_ffn), wqkv=lin(lw.wq, lw.wk, lw.wv),
                             wo=lin(lw.wo), w13=lin(lw.w1, lw.w3), w2=lin(lw.w2)) for lw in weights.layers]
@@ -164,7 +167,7 @@ class LlamaGPU:
     def _norm(self, x, delta, w):
         cp = rt.cupy
         out = cp.empty(x.shape, dtype=self.act_dtype)
-        rt.launch(_kernel(f"add_rmsnorm<{self._t}, {self._t}>"), (x.shape[0],), (_THREADS,),
+        rt.launch(_kernel(f"add_rmsnorm<{self._t}, {self._t}>"), (x.shape[0],), (1024,),
                   (x, _NULL if delta is None else delta, w, out, np.int32(x.shape[1]), np.float32(self.config.norm_eps)))
         return out
 
@@ -239,6 +242,7 @@ class LlamaGPU:
         cache._lens[slots] = lens
         cache.seq_lens[cp.asarray(slots)] = cp.asarray(lens.astype(np.int32))
         cache.active[cp.asarray(slots)] = 1
+        cache._active[slots] = 1
         return logits if all_logits else logits[cp.asarray(cu_h[1:] - 1)]
 
     # -- decode
@@ -285,7 +289,8 @@ class LlamaGPU:
             raise ValueError(f"temperature: expected a value >= 0, got {temperature}")
         inv = 0.0 if temperature == 0.0 else 1.0 / float(temperature)
         st = self._step(tokens, cache, slots, graph, inv, int(seed) & ((1 << 64) - 1))
-        return st.tokens.get()[np.asarray(slots, dtype=np.int64)].astype(np.int64)
+        st.held = st.tokens.get()
+        return st.held[np.asarray(slots, dtype=np.int64)].astype(np.int64)
 
     def _step(self, tokens, cache, slots, graph, inv_temp, seed):
         cp = rt.cupy
@@ -300,12 +305,17 @@ class LlamaGPU:
         st = self._state(cache, inv_temp, seed)
         longest = int(cache._lens[slots].max()) + 1
         bucket = min(1 << (longest - 1).bit_length(), cache.capacity)
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if st.held is None or not np.array_equal(st.held[slots], tokens):  # a sampling loop feeds back what it got
+            host_tokens = np.zeros(B, dtype=np.int32)
+            host_tokens[slots] = tokens
+            st.tokens.set(host_tokens)
+            st.held = host_tokens
         active = np.zeros(B, dtype=np.int32)
         active[slots] = 1
-        host_tokens = np.zeros(B, dtype=np.int32)
-        host_tokens[slots] = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        st.tokens.set(host_tokens)
-        cache.active.set(active)
+        if not np.array_equal(active, cache._active):
+            cache.active.set(active)
+            cache._active = active
         if not graph:
             self._decode_step(st, cache, bucket)
         else:
@@ -327,6 +337,7 @@ class _StepState:
     def __init__(self, B: int, vocab: int, inv_temp, seed):
         cp = rt.require_cupy()
         self.tokens = cp.zeros(B, dtype=cp.int32)
+        self.held = None   # host copy of `tokens` when known (skips the upload when the caller feeds it back)
         self.pos = cp.zeros(B, dtype=cp.int32)
         self.slots = cp.arange(B, dtype=cp.int32)
         self.logits = cp.zeros((B, vocab), dtype=cp.float32)
