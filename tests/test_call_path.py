@@ -319,3 +319,36 @@ def test_gpu_graph_paged_cache_attention():
     _fill_(q, rng)
     _replay(g, s)
     np.testing.assert_array_equal(res.get(), cache.attention(q).get())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_gpu_graph_paged_cache_append_and_attention(dtype):
+    """A captured decode step (append one token to sequences 2 and 0, attend) replayed step after step writes at
+    the device lengths, crossing block boundaries, and equals the same steps run eagerly on a second cache."""
+    import cupy as cp
+    rng = np.random.default_rng(5)
+    new = lambda *shape: cp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+    caches = [paged.PagedKVCache(64, 16, 2, 64, dtype, max_batch=3, max_blocks_per_seq=8) for _ in range(2)]
+    prompt = [new(3, 13, 2, 64) for _ in range(2)]
+    for c in caches:
+        c.append(*prompt)
+        c.reserve(12)
+    k, v, q = new(2, 2, 64), new(2, 2, 64), new(2, 8, 64)
+    seqs = [2, 0]
+
+    def step(c):
+        c.append(k, v, seqs=seqs)
+        return c.attention(q, seqs=seqs, max_seqlen=128)
+
+    g, res, s = _capture(lambda: step(caches[0]))    # the eager warm-up runs step 1; the capture runs nothing
+    step(caches[1])
+    for i in range(8):
+        for a in (k, v, q):
+            _fill_(a, rng)
+        _replay(g, s)
+        want = step(caches[1]).get()
+        np.testing.assert_array_equal(res.get(), want)
+    assert caches[0].sync_lengths().tolist() == [13 + 9, 13, 13 + 9]
+    np.testing.assert_array_equal(caches[0].k_cache.get(), caches[1].k_cache.get())
+    vc.check_errors()

@@ -35,6 +35,7 @@ from . import autotune
 from . import reference as ref
 
 _SOURCE = "attention_decode.cu"
+_STORE_SOURCE = "paged_store.cu"
 _DPS = (64, 128, 256)
 _CONFIGS = ((4, 2), (4, 3), (2, 3), (8, 2), (2, 2))  # (WARPS, STAGES) the kernel is instantiated for
 _EXPLORE_CONFIGS = ((2, 4), (4, 4), (8, 3))          # benchmark sweeps only (not in kernel_instances)
@@ -110,7 +111,8 @@ def kernel_instances() -> list[tuple[str, str]]:
     for T in ("__half", "__nv_bfloat16"):
         out += [(_SOURCE, _kernel_name(T, dp, w, s)) for dp in _DPS for (w, s) in _CONFIGS]
         out.append((_SOURCE, _combine_name(T)))
-    return out
+    out += [(_STORE_SOURCE, f"vbw_store::paged_append<{e}>") for e in ("unsigned short", "float")]
+    return out + [(_STORE_SOURCE, "vbw_store::advance_lens")]
 
 
 # ------------------------------------------------------------------------------------------- the launch
@@ -483,6 +485,10 @@ class PagedKVCache:
     - ``attention(q, seqs=None, **kw)``: `paged_attention` of q [B, Hq, D] over those sequences (no
       device-to-host copy: the kernel checks the values it reads).
     - ``free(seq)``: returns a sequence's blocks to the free list and empties its slot.
+    - CUDA graphs: on the GPU, ``append`` writes at the lengths held on the device and advances them there, and
+      ``attention`` allocates nothing on a repeated call, so both can be captured. A replay cannot allocate
+      blocks: call ``reserve(tokens, seqs)`` before capturing, and ``sync_lengths()`` after replays to bring the
+      host's copy of the lengths up to date.
 
     Example, a greedy decode loop over a batch of 8 (``model`` is yours)::
 
@@ -525,6 +531,8 @@ class PagedKVCache:
         self._table = np.zeros((int(max_batch), int(max_blocks_per_seq)), dtype=np.int64)
         self._nblk = np.zeros(int(max_batch), dtype=np.int64)           # blocks owned per slot
         self._free = list(range(int(num_blocks) - 1, -1, -1))           # pop() hands out block 0 first
+        self._slot_arrays: dict = {}   # slot list -> device int32 array (see _device_slots)
+        self._gathers: dict = {}       # slot list -> (block_table rows, seq_lens) buffers (see attention)
 
     # -- bookkeeping
     @property
@@ -579,9 +587,54 @@ class PagedKVCache:
             i = int(np.argmax(need_blocks > self._table.shape[1]))
             raise MemoryError(f"sequence {int(slots[i])} would reach {int(new_len[i])} tokens, over max_blocks_per_seq "
                               f"* block_size = {self._table.shape[1] * bs}")
-        extra = need_blocks - self._nblk[slots]
+        extra = np.maximum(need_blocks - self._nblk[slots], 0)   # reserve() may have allocated ahead
         if int(extra.sum()) > len(self._free):
             raise MemoryError(f"PagedKVCache: {int(extra.sum())} new blocks needed, {len(self._free)} free")
+        if xp is not np and extra.any() and rt.cupy.cuda.get_current_stream().is_capturing():
+            raise RuntimeError("PagedKVCache.append: new blocks are needed while a CUDA graph is being captured; "
+                               "call reserve(tokens, seqs) before capturing")
+        self._allocate(slots, extra)
+        if xp is np:
+            pos = self._lens[slots][:, None] + np.arange(T)[None, :]                     # [B, T]
+            flat = self._table[slots[:, None], pos // bs] * bs + pos % bs               # row in [num_blocks * bs]
+            self.k_cache.reshape(-1, Hkv, D)[flat.reshape(-1)] = k_new.reshape(-1, Hkv, D)
+            self.v_cache.reshape(-1, Hkv, D)[flat.reshape(-1)] = v_new.reshape(-1, Hkv, D)
+            self.seq_lens[slots] = new_len
+        else:  # positions from the device lengths: no host values, so a captured append replays step after step
+            k_new, v_new = rt.ensure_contiguous(k_new), rt.ensure_contiguous(v_new)
+            dev = self._device_slots(slots)
+            elem = "float" if self.k_cache.dtype == np.float32 else "unsigned short"
+            err = _errors.buffer(self.k_cache.data.device_id)
+            rt.launch(rt.get_kernel(_STORE_SOURCE, f"vbw_store::paged_append<{elem}>"), (T, B), (128,),
+                      (k_new, v_new, dev, self.seq_lens, self.block_table, np.int32(self.max_batch),
+                       np.int32(self._table.shape[1]), np.int32(self.num_blocks), np.int32(bs), self.k_cache,
+                       self.v_cache, np.int32(T), np.int32(Hkv * D), err))
+            rt.launch(rt.get_kernel(_STORE_SOURCE, "vbw_store::advance_lens"), (-(-B // 128),), (128,),
+                      (self.seq_lens, dev, np.int32(B), np.int32(self.max_batch), np.int32(T)))
+        self._lens[slots] = new_len
+
+    def reserve(self, tokens: int, seqs=None) -> None:
+        """Allocate now the blocks that `tokens` more tokens of each sequence `seqs` (default: every slot that
+        holds tokens) will need, so that appends of up to that many tokens allocate nothing: what a CUDA graph
+        that captures `append` needs (its replays write at the device lengths and cannot allocate)."""
+        slots = np.flatnonzero(self._lens > 0) if seqs is None else self._slots(seqs, len(np.atleast_1d(seqs)))
+        need = -(-(self._lens[slots] + int(tokens)) // self.block_size)
+        if (need > self._table.shape[1]).any():
+            raise MemoryError(f"reserve: {int(tokens)} more tokens pass max_blocks_per_seq * block_size = "
+                              f"{self._table.shape[1] * self.block_size} for some sequence of {list(slots)}")
+        extra = np.maximum(need - self._nblk[slots], 0)
+        if int(extra.sum()) > len(self._free):
+            raise MemoryError(f"PagedKVCache: {int(extra.sum())} new blocks needed, {len(self._free)} free")
+        self._allocate(slots, extra)
+
+    def sync_lengths(self) -> np.ndarray:
+        """Read the device lengths into the host mirror (a sync) after replaying a captured append, which
+        advances only the device's seq_lens; returns them."""
+        self._lens = np.asarray(self.seq_lens.get() if self.xp is not np else self.seq_lens, dtype=np.int64)
+        return self._lens.copy()
+
+    def _allocate(self, slots, extra) -> None:
+        """Give slot slots[i] extra[i] more blocks from the free list (checked by the caller)."""
         rows, cols, ids = [], [], []
         for s, e in zip(slots, extra):
             for _ in range(int(e)):
@@ -589,16 +642,25 @@ class PagedKVCache:
                 self._table[s, c] = self._free.pop()
                 self._nblk[s] += 1
                 rows.append(s), cols.append(c), ids.append(self._table[s, c])
-        pos = self._lens[slots][:, None] + np.arange(T)[None, :]                     # [B, T]
-        flat = self._table[slots[:, None], pos // bs] * bs + pos % bs               # row in [num_blocks * bs]
-        idx = xp.asarray(flat.reshape(-1))
-        self.k_cache.reshape(-1, Hkv, D)[idx] = k_new.reshape(-1, Hkv, D)
-        self.v_cache.reshape(-1, Hkv, D)[idx] = v_new.reshape(-1, Hkv, D)
-        if rows:
+        if not rows:
+            return
+        if self.xp is np:
+            self.block_table[np.array(rows), np.array(cols)] = np.array(ids, dtype=np.int32)
+        else:
+            xp = self.xp
             self.block_table[xp.asarray(np.array(rows)), xp.asarray(np.array(cols))] = \
                 xp.asarray(np.array(ids, dtype=np.int32))
-        self._lens[slots] = new_len
-        self.seq_lens[xp.asarray(slots)] = xp.asarray(new_len.astype(np.int32))
+
+    def _device_slots(self, slots):
+        """int32 device array of `slots`, kept per distinct slot list (no host-to-device copy on a repeated
+        call, so the call can be captured)."""
+        key = slots.tobytes()
+        a = self._slot_arrays.get(key)
+        if a is None:
+            if len(self._slot_arrays) >= 64:
+                self._slot_arrays.clear()
+            a = self._slot_arrays[key] = self.xp.asarray(slots.astype(np.int32))
+        return a
 
     def free(self, seq) -> None:
         """Return sequence slot `seq`'s blocks to the free list; its length becomes 0."""
@@ -622,9 +684,20 @@ class PagedKVCache:
             raise ValueError(f"seqs: sequence slot {int(slots[i])} is empty; append a token first")
         if seqs is None:
             table, lens = self.block_table[:B], self.seq_lens[:B]
-        else:
-            idx = self.xp.asarray(slots)
-            table, lens = self.block_table[idx], self.seq_lens[idx]
+        elif self.xp is np:
+            table, lens = self.block_table[slots], self.seq_lens[slots]
+        else:  # gathered into buffers kept per slot list: nothing allocated, so the call can be captured
+            idx = self._device_slots(slots)
+            key = slots.tobytes()
+            bufs = self._gathers.get(key)
+            if bufs is None:
+                if len(self._gathers) >= 64:
+                    self._gathers.clear()
+                bufs = self._gathers[key] = (self.xp.empty((B, self.block_table.shape[1]), dtype=np.int32),
+                                             self.xp.empty((B,), dtype=np.int32))
+            table, lens = bufs
+            self.xp.take(self.block_table, idx, axis=0, out=table)
+            self.xp.take(self.seq_lens, idx, out=lens)
         if self.xp is np:
             return paged_attention(q, self.k_cache, self.v_cache, table, lens, **kw)
         # a power-of-two bound (within the table): one launch plan serves many steps of a growing sequence
