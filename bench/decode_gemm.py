@@ -72,7 +72,7 @@ def main(argv=None):
             t = _graph_us([lambda w=w: vc.fp4_matmul(x, w) for w in ws])
             rows.append((N, K, M, t, t_bare, nbytes))
             print(f"N={N:5d} K={K:5d} M={M:2d}: fp4_matmul {t:7.1f} us, bare read {t_bare:7.1f} us "
-                  f"({nbytes / t_bare / 1e6:.0f} GB/s) -> {t / t_bare:.2f}x (bar <= {BAR})", flush=True)
+                  f"({nbytes / t_bare / 1e3:.0f} GB/s) -> {t / t_bare:.2f}x (bar <= {BAR})", flush=True)
         del ws, bufs
         cp.get_default_memory_pool().free_all_blocks()
     worst = max(r[3] / r[4] for r in rows)

@@ -322,8 +322,22 @@ def test_gpu_graph_paged_cache_attention():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
-def test_gpu_graph_paged_cache_append_and_attention(dtype):
+def test_gpu_paged_cache_append_float32_matches_numpy():
+    """The append kernel copies 4-byte elements too: the same appends on the GPU and on NumPy give equal caches."""
+    import cupy as cp
+    rng = np.random.default_rng(6)
+    caches = [paged.PagedKVCache(20, 8, 2, 16, np.float32, max_batch=3, max_blocks_per_seq=6, xp=xp) for xp in (cp, np)]
+    for T, seqs in ((5, None), (1, [2, 0]), (11, [1]), (1, [0, 1, 2])):
+        k, v = (rng.standard_normal((len(seqs or range(3)), T, 2, 16), dtype=np.float32) for _ in range(2))
+        caches[0].append(cp.asarray(k), cp.asarray(v), seqs=seqs)
+        caches[1].append(k, v, seqs=seqs)
+    for name in ("k_cache", "v_cache", "block_table", "seq_lens"):
+        np.testing.assert_array_equal(getattr(caches[0], name).get(), getattr(caches[1], name))
+
+
+@pytest.mark.gpu
+def test_gpu_graph_paged_cache_append_and_attention():
+    dtype = np.float16
     """A captured decode step (append one token to sequences 2 and 0, attend) replayed step after step writes at
     the device lengths, crossing block boundaries, and equals the same steps run eagerly on a second cache."""
     import cupy as cp
