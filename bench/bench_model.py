@@ -236,9 +236,10 @@ def run(quick=False):
 
 
 def format_table(rows, copy_gbs):
-    out = [f"copy bandwidth {copy_gbs:.0f} GB/s; prompt {PROMPT}, {NEW} new tokens; decode in a CUDA graph",
+    out = [f"copy bandwidth {copy_gbs:.0f} GB/s; prompt {PROMPT}, {NEW} new tokens; decode in a CUDA graph; "
+           "first run = the first prefill + decode of a shape (compiles, tunes, captures; the disk caches may be warm)",
            f"{'shape':12} {'side':16} {'B':>3} {'decode tok/s':>12} {'roofline':>9} {'frac':>5} "
-           f"{'vs torch':>8} {'prefill ms':>10} {'torch eager':>11}"]
+           f"{'vs torch':>8} {'prefill ms':>10} {'torch eager':>11} {'first run s':>11}"]
     for r in rows:
         if "decode_tok_s" not in r:
             continue
@@ -248,7 +249,7 @@ def format_table(rows, copy_gbs):
         out.append(f"{r['shape']:12} {r['side']:16} {r['B']:>3} {r['decode_tok_s']:12.1f} "
                    f"{r.get('roofline_tok_s', math.nan):9.0f} {frac:5.2f} "
                    f"{r['decode_tok_s'] / t['decode_tok_s'] if t else math.nan:8.2f} {r['prefill_ms']:10.1f} "
-                   f"{r.get('decode_tok_s_eager', math.nan):11.1f}")
+                   f"{r.get('decode_tok_s_eager', math.nan):11.1f} {r.get('first_run_s', math.nan):11.2f}")
     for r in rows:
         if "prefill2048_ms" in r:
             t = next(p for p in rows if p["shape"] == r["shape"] and p["side"] == "torch fp16" and "prefill2048_ms" in p)

@@ -172,6 +172,18 @@ def cmd_bench(args) -> int:
     return subprocess.call(cmd, cwd=str(bench_dir.parent))
 
 
+def cmd_bench_model(args) -> int:
+    script = rt.SOURCE_DIR.parent / "bench" / "bench_model.py"
+    if not script.is_file():
+        print(f"vbw-cupy bench-model: the benchmark lives in the source checkout (bench/bench_model.py), not found "
+              f"next to {rt.SOURCE_DIR}")
+        return 1
+    if not rt.gpu_available():
+        print(f"vbw-cupy bench-model: {_no_gpu_reason()}; the model benchmark needs a GPU.")
+        return 1
+    return subprocess.call([sys.executable, str(script), *(["--quick"] if args.quick else [])])
+
+
 def cmd_tune(args) -> int:
     from . import autotune
     if not rt.gpu_available():
@@ -231,6 +243,9 @@ def main(argv=None) -> int:
     b.add_argument("pytest_args", nargs="*")
     t = sub.add_parser("tune", help="autotune the standard shapes of every kernel and cache the choices")
     t.add_argument("kernels", nargs="*")
+    bm = sub.add_parser("bench-model", help="Llama decode and prefill against torch and the memory roofline "
+                                            "(bench/bench_model.py)")
+    bm.add_argument("--quick", action="store_true", help="skip the 7B batch-16 and 2048-token prefill runs")
     g = sub.add_parser("generate", help="generate text with a Llama checkpoint (llama2.c .bin or Hugging Face folder)")
     g.add_argument("checkpoint", help="a llama2.c .bin file or a Hugging Face Llama folder")
     g.add_argument("--tokenizer", help="tokenizer.bin or tokenizer.json (default: beside / inside the checkpoint)")
@@ -246,7 +261,7 @@ def main(argv=None) -> int:
     g.add_argument("--print-ids", action="store_true", help="print the prompt and generated token ids")
     args = p.parse_args(argv)
     return {"selftest": cmd_selftest, "info": cmd_info, "bench": cmd_bench, "tune": cmd_tune,
-            "generate": cmd_generate}[args.cmd](args)
+            "generate": cmd_generate, "bench-model": cmd_bench_model}[args.cmd](args)
 
 
 if __name__ == "__main__":
