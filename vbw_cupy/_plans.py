@@ -92,6 +92,15 @@ def scratch(name: str, nbytes: int, zeroed: bool = False):
         return new
 
 
+def kernel_ptr(kernel) -> int | None:
+    """The driver handle (CUfunction) of a CuPy kernel: a `RawKernel` (what `RawModule.get_function` returns,
+    holding a `Function` as `.kernel`) or a `Function`; None when neither exposes one."""
+    ptr = getattr(kernel, "ptr", None)
+    if ptr is None:
+        ptr = getattr(getattr(kernel, "kernel", None), "ptr", None)
+    return int(ptr) if ptr else None
+
+
 class Launch:
     """One kernel launch with its argument block packed once: a replay rewrites only the pointers of the
     arrays that change from call to call and calls the driver, skipping CuPy's per-argument packing (most of
@@ -135,7 +144,7 @@ class Launch:
         self.params = np.array([self.buf.ctypes.data + base + o for o, _ in parts], dtype=np.uint64)
         self.pptr = int(self.params.ctypes.data)
         self.slots = tuple(where[i] for i in dynamic)
-        self.fptr = int(kernel.ptr)
+        self.fptr = kernel_ptr(kernel)
         self.dims = grid + block
         self.smem = int(shared_mem)
 

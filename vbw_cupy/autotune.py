@@ -171,9 +171,16 @@ def registered() -> list[str]:
     return sorted(_registry)
 
 
+_enabled_last = ("1", True)  # (raw value, parsed): every fast-path call asks, the value rarely changes
+
+
 def enabled() -> bool:
     """VBW_CUPY_AUTOTUNE: "0" (or off/false/no) uses the per-arch defaults; "1" (default) tunes new keys."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+    global _enabled_last
+    raw = os.environ.get(ENV_SWITCH, "1")
+    if raw != _enabled_last[0]:
+        _enabled_last = (raw, raw.strip().lower() not in ("0", "off", "false", "no"))
+    return _enabled_last[1]
 
 
 def _budget_s() -> float:

@@ -432,7 +432,7 @@ def _launch_fast(plan, a2, out, bias):
     hit = _fast_launches.get(key)
     if hit is None or hit[0] is not plan:
         kern, grid, block, smem, wp, ws, cnt, tail, amap, _ = plan
-        if amap or not _FAST_LAUNCH or not hasattr(kern, "ptr"):
+        if amap or not _FAST_LAUNCH or _plans.kernel_ptr(kern) is None:
             return _launch(plan, a2, out, bias)
         # a2, out and bias (or out in its place) change per call; so do ws / cnt where out stands in for them
         args = (a2, wp, out, out if bias is None else bias, out if ws is None else ws,

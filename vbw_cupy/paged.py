@@ -412,7 +412,7 @@ class _Plan:
             launch.cargs[4:]
         self.o_part, self.lse_part = launch.o_part, launch.lse_part
         self.fast = self.cfast = None
-        if _FAST_LAUNCH and hasattr(self.kernel, "ptr"):
+        if _FAST_LAUNCH and _plans.kernel_ptr(self.kernel) is not None:
             self.fast = _plans.Launch(self.kernel, self.grid, self.block, launch.args, range(6), self.smem)
             if self.combine is not None:
                 self.cfast = _plans.Launch(self.combine, self.cgrid, (128,), launch.cargs, (2, 3))
