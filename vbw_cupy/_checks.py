@@ -15,16 +15,33 @@ import numpy as np
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")  # what quantize and fp4_matmul take
 
 
-def check_float_dtype(name: str, dtype) -> np.dtype:
-    """`dtype` as a NumPy dtype if it is one of FLOAT_DTYPES, else a TypeError naming the argument."""
+def check_float_dtype(name: str, dtype, allowed=FLOAT_DTYPES) -> np.dtype:
+    """`dtype` as a NumPy dtype if its name is in `allowed`, else a TypeError naming the argument."""
     try:
         dt = np.dtype(dtype)
-    except TypeError:
+    except (TypeError, ValueError):  # an unhashable or nonsense object
         dt = None
-    if dt is None or dt.name not in FLOAT_DTYPES:
+    if dt is None or dt.name not in allowed:
         got = repr(dtype) if dt is None else dt
-        raise TypeError(f"{name}: expected float16, bfloat16 or float32, got {got}")
+        raise TypeError(f"{name}: expected {', '.join(allowed[:-1])} or {allowed[-1]}, got {got}")
     return dt
+
+
+#: NVFP4: the largest block scale max|block| / (6 * global_scale) a given global_scale may ask for. E4M3 stops at
+#: 448; up to 512 the saturated elements stay within E2M1's rounding error at 6 (6 * 512 / 448 < 7).
+NVFP4_MAX_BLOCK_SCALE = 512.0
+
+
+def check_nvfp4_global_scale(amax, global_scale) -> None:
+    """ValueError naming global_scale when it is below amax / 3072, amax = max|x| (finite): x's largest block
+    would then saturate. Same float32 steps as the quantize rule (SPEC section 2), so the GPU kernel's flag
+    (_errors.py code 8) agrees with it."""
+    with np.errstate(over="ignore"):
+        s = np.float32(np.float32(amax) / np.float32(6.0)) / np.float32(global_scale)
+    if s > NVFP4_MAX_BLOCK_SCALE:
+        raise ValueError(f"global_scale: expected at least max|x| / 3072 = {float(amax) / 3072:.6g} (max|x| = "
+                         f"{float(amax):.6g}; None gives the default max|x| / 2688), got {float(global_scale):.6g}: "
+                         f"x's largest block would need an E4M3 scale of {float(s):.6g} > 448 and saturate")
 
 
 #: dtypes the reference accepts for q, k, v (the GPU kernels take float16 and bfloat16 only).

@@ -6,7 +6,9 @@ in float64 one block of queries at a time, so 8k tokens never build an 8k x 8k x
 """
 from __future__ import annotations
 
+import ml_dtypes as _ml_dtypes
 import numpy as np
+
 
 def rel_error(got, want) -> float:
     """Relative Frobenius error ||got - want|| / ||want|| in float64 (||got|| when want is all zeros; NaN
@@ -57,17 +59,13 @@ def e4m3_encode(s: np.ndarray) -> np.ndarray:
 
 
 def e4m3_decode(code: np.ndarray) -> np.ndarray:
-    code = np.asarray(code).astype(np.int64)
-    e, m = (code >> 3) & 15, code & 7
-    v = np.where(e > 0, np.ldexp(1.0 + m / 8.0, e - 7), m * 2.0 ** -9)
-    return np.where(code & 0x80, -v, v).astype(np.float32)
+    """float32 values of E4M3 (fn) codes: 0x7F and 0xFF are NaN (ml_dtypes.float8_e4m3fn decodes them)."""
+    return np.asarray(code).astype(np.uint8).view(_ml_dtypes.float8_e4m3fn).astype(np.float32)
 
 
 def e8m0_decode(code: np.ndarray) -> np.ndarray:
-    code = np.asarray(code)
-    with np.errstate(over="ignore"):  # code 255 overflows before it becomes NaN below
-        v = np.ldexp(np.float32(1.0), code.astype(np.int32) - 127).astype(np.float32)
-    return np.where(code == 255, np.float32(np.nan), v).astype(np.float32)
+    """float32 values 2^(code - 127) of E8M0 codes, 255 NaN (ml_dtypes.float8_e8m0fnu decodes them)."""
+    return np.asarray(code).astype(np.uint8).view(_ml_dtypes.float8_e8m0fnu).astype(np.float32)
 
 
 def _blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, int]:
@@ -203,8 +201,6 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None):
 # vbw_cupy._checks on them first.
 
 import math as _math
-
-import ml_dtypes as _ml_dtypes
 
 _BLOCK_ROWS = 256            # query rows per block, at most
 _BLOCK_ELEMS = 1 << 21       # score elements per block, at most (rows shrink when Sk * group is large)
