@@ -52,7 +52,7 @@ def test_numpy_path_is_the_reference():
     (lambda w, a: gemm.fp4_matmul(a.astype(np.int8), w), TypeError, r"a: expected dtype"),
     (lambda w, a: gemm.fp4_matmul(a, w, out_dtype=np.int32), TypeError, r"out_dtype"),
     (lambda w, a: gemm.fp4_matmul(a[:0], w), ValueError, r"empty dimension"),
-    (lambda w, a: gemm.fp4_matmul([[1.0] * 40], w), TypeError, r"a: expected a NumPy or CuPy array"),
+    (lambda w, a: gemm.fp4_matmul([[1.0] * 40], w), TypeError, r"a: expected a NumPy or GPU array, got list"),
     (lambda w, a: gemm.fp4_matmul(a, w, bias=[0.0] * 24), TypeError, r"bias: expected an array"),
 ])
 def test_bad_input_raises_before_any_launch(call, exc, match):

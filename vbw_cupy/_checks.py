@@ -97,6 +97,36 @@ class PagedShape(_NamedTuple):
 
 # ---- argument checks (NumPy and CuPy alike) ---------------------------------------------------
 
+def check_array_like(name, x) -> None:
+    """TypeError naming the argument unless `x` is an array: NumPy, CuPy, or what CuPy takes (an object with
+    __dlpack__ or __cuda_array_interface__: torch, JAX, Numba). Lists, numbers and NumPy scalars are not."""
+    if isinstance(x, np.ndarray):
+        return
+    if isinstance(x, np.generic):
+        raise TypeError(f"{name}: expected a NumPy or GPU array, got a NumPy scalar ({type(x).__name__}); "
+                        f"pass numpy.asarray(...) of the values")
+    if not (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")
+            or all(hasattr(x, a) for a in ("shape", "dtype", "ndim"))):
+        raise TypeError(f"{name}: expected a NumPy or GPU array, got {type(x).__name__}")
+
+
+def split_host_device(**arrays) -> bool:
+    """True when every argument is a NumPy array (the reference path), False when none is (the GPU path).
+    TypeError naming the first argument that is no array (`check_array_like`), else, when NumPy and GPU
+    arrays are mixed, the first NumPy one."""
+    for name, x in arrays.items():
+        check_array_like(name, x)
+    host = {n: isinstance(a, np.ndarray) for n, a in arrays.items()}
+    if all(host.values()):
+        return True
+    if any(host.values()):
+        first_dev = next(n for n, h in host.items() if not h)
+        bad = next(n for n, h in host.items() if h)
+        raise TypeError(f"{bad}: expected a GPU array like {first_dev} (NumPy and GPU inputs cannot be mixed), "
+                        f"got numpy.ndarray")
+    return False
+
+
 def _check_array(name, x, ndim, layout):
     if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
         raise TypeError(f"{name}: expected an array of shape {layout}, got {type(x).__name__}")
@@ -155,13 +185,24 @@ def check_window(window):
     return left, right
 
 
+#: Largest |softmax_scale|: with float16 inputs |q.k| <= 256 * 65504^2 < 2^41, so scaled scores (times log2(e),
+#: as the kernels use them) stay far inside float32 and a finite input never gives NaN.
+MAX_SOFTMAX_SCALE = 2.0 ** 64
+#: softcap, when on, lies in this range: the kernels compute softmax_scale / softcap and softcap * log2(e) in
+#: float32, which then stay finite and normal (a denormal softcap is flushed to zero on the GPU).
+SOFTCAP_RANGE = (2.0 ** -32, 2.0 ** 64)
+
+
 def check_softcap(softcap):
-    """Validate `softcap`: a finite real >= 0 (0 turns it off). Returns it as a float."""
+    """Validate `softcap`: 0 (off) or a float in SOFTCAP_RANGE (2^-32 to 2^64). Returns it as a float."""
     if not _is_real(softcap):
         raise TypeError(f"softcap: expected a float >= 0, got {type(softcap).__name__} {softcap!r}")
     softcap = float(softcap)
     if not (_math.isfinite(softcap) and softcap >= 0.0):
         raise ValueError(f"softcap: expected a finite float >= 0 (0 is off), got {softcap}")
+    if softcap != 0.0 and not SOFTCAP_RANGE[0] <= softcap <= SOFTCAP_RANGE[1]:
+        raise ValueError(f"softcap: expected 0 (off) or a float from 2^-32 to 2^64 (float32 must hold "
+                         f"softmax_scale / softcap), got {softcap}")
     return softcap
 
 
@@ -173,15 +214,18 @@ def check_flag(name, value):
 
 
 def effective_scale(softmax_scale, D):
-    """`softmax_scale`, or 1/sqrt(D) when it is None; must be a finite real. Returns a float."""
+    """`softmax_scale`, or 1/sqrt(D) when it is None; must be a real with |softmax_scale| <= 2^64
+    (MAX_SOFTMAX_SCALE; zero and negative scales are allowed). Returns a float."""
     if softmax_scale is None:
         return 1.0 / _math.sqrt(D)
     if not _is_real(softmax_scale):
         raise TypeError(f"softmax_scale: expected None or a float, got {type(softmax_scale).__name__} "
                         f"{softmax_scale!r}")
-    if not _math.isfinite(float(softmax_scale)):
-        raise ValueError(f"softmax_scale: expected a finite float, got {float(softmax_scale)}")
-    return float(softmax_scale)
+    scale = float(softmax_scale)
+    if not abs(scale) <= MAX_SOFTMAX_SCALE:  # NaN fails too
+        raise ValueError(f"softmax_scale: expected a finite float with |softmax_scale| <= 2^64 (larger scales "
+                         f"overflow float32 scores), got {scale}")
+    return scale
 
 
 def effective_window(window, causal):

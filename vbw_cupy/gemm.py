@@ -543,9 +543,7 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
             raise ValueError("a and w: both must be on the host (NumPy) or both on the GPU")
         a_shape, a_dtype = tuple(a.shape), np.dtype(np.float32)
     else:
-        if isinstance(a, (list, tuple, int, float)) or not hasattr(a, "dtype"):
-            if not (hasattr(a, "__dlpack__") or hasattr(a, "__cuda_array_interface__")):
-                raise TypeError(f"a: expected a NumPy or CuPy array, got {type(a).__name__}")
+        _checks.check_array_like("a", a)
         if not isinstance(a, np.ndarray):
             a = rt.as_gpu_array(a, "a")
         a_dtype = np.dtype(a.dtype)
