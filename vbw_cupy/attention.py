@@ -532,7 +532,10 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     Scores are softmax_scale * q.k (default 1/sqrt(D)), then softcap * tanh(s / softcap) when softcap > 0.
     Query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right, with (left, right) = window (-1 is
     unbounded); causal=True sets right = 0 (bottom-right aligned). Softmax and accumulation in float32. A
-    query that sees no key gets output 0 and lse -inf.
+    query that sees no key gets output 0 and lse -inf. |softmax_scale| <= 2^64 (zero and negative allowed) and
+    softcap 0 (off) or in [2^-32, 2^64], else ValueError: the kernels' float32 scores then cannot overflow for
+    float16 inputs. NaN / Inf inputs: the reference makes non-finite exactly the outputs that depend on them (a
+    NaN query row is NaN); the GPU kernels are only tested for finite inputs.
 
     Returns o [B, Sq, Hq, D] in q's dtype (a CuPy array for GPU inputs) and, with return_lse=True, also
     lse float32 [B, Hq, Sq] (natural log of each row's softmax denominator).

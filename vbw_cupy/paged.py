@@ -225,8 +225,9 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     b is k_cache[block_table[b, t // block_size], t % block_size]. The query is the sequence's last token and
     sees keys [max(0, seq_lens[b] - 1 - left), seq_lens[b]) with (left, right) = window (-1: unbounded;
     right cannot reach past the query). Scores are softmax_scale * q.k (default 1/sqrt(D)), then
-    softcap * tanh(s / softcap) when softcap > 0. Accumulation in float32. Returns [B, Hq, D] in q's dtype
-    (written into `out` when given: a C-contiguous GPU array of that shape and dtype).
+    softcap * tanh(s / softcap) when softcap > 0 (|softmax_scale| <= 2^64, softcap 0 or in [2^-32, 2^64], as in
+    flash_attention; a left window past every sequence is unbounded). Accumulation in float32. Returns
+    [B, Hq, D] in q's dtype (written into `out` when given: a C-contiguous GPU array of that shape and dtype).
 
     Checks: dtypes, ranks, shapes (q against the caches and tables), window, softcap and scale are checked from
     the shapes on the host at no cost. The VALUES of seq_lens (each in [1, max_blocks * block_size]) and of the
