@@ -79,10 +79,11 @@ __device__ __forceinline__ float e8m0_decode(unsigned code) {
     return __int_as_float((int)(code << 23));
 }
 
-// E4M3 (fn: bias 7, max 448, denormals step 2^-9): NVFP4 block scales. Built from bits, no libm.
+// E4M3 (fn: bias 7, max 448, denormals step 2^-9, 0x7F / 0xFF NaN): NVFP4 block scales. Built from bits, no libm.
 __device__ __forceinline__ float e4m3_decode(unsigned code) {
     unsigned e = (code >> 3) & 15u, m = code & 7u;
     float v = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;  // 2^-9
+    if ((code & 0x7Fu) == 0x7Fu) v = __int_as_float(0x7fc00000);
     return (code & 0x80u) ? -v : v;
 }
 

@@ -53,6 +53,7 @@
 //       both: quantize MXFP4 87% fp16, 84% bf16, 93% fp32; NVFP4 67% / 64% / 92%; dequantize 75-88%.
 //       The committed NVFP4 (no prefetch, a step per thread) was timed by direct launch only. 99 GPU
 //       tests bit-exact on both builds, which compile to the same SASS as this file.
+#include "errors.cuh"
 #include "fp4.cuh"
 
 namespace vbw {
@@ -297,8 +298,9 @@ __global__ void __launch_bounds__(256, 3) mxfp4_quantize(const T* __restrict__ x
 }
 
 // NVFP4 quantize with a given float32 global scale: one 16-element block per unit (two per 16-bit
-// thread step). Sets *flag to 1 when the input holds NaN or Inf (the caller then raises and discards
-// the output).
+// thread step). `flag` is the error word from NVFP4_NONFINITE on: sets it to 1 when the input holds NaN or
+// Inf (the caller then raises and discards the output), and the NVFP4_SATURATED word when a finite block
+// needs a scale above 512 (global_scale too small: its elements saturate past E2M1's rounding error).
 // The SPEC rounds x / denom once (IEEE division). With rcp = RN(1/denom), q0 = RN(x * rcp) is within an
 // ulp of x / denom, the residual x - q0 * denom is exact in one FMA, and RN(q0 + residual * rcp) is the
 // correctly rounded quotient (Markstein's theorem), as long as nothing under- or overflows near the
@@ -321,6 +323,7 @@ __global__ void __launch_bounds__(256, 4) nvfp4_quantize(const T* __restrict__ x
             if (mb >= 0x7f800000u) *flag = 1;
             // SPEC order: s = f32(amax / 6) / gscale, clamp to [2^-9, 448], round to E4M3.
             float s = __fdiv_rn(__fdiv_rn(__uint_as_float(mb), 6.0f), gscale);
+            if (s > 512.0f && mb < 0x7f800000u) flag[vbw_err::NVFP4_SATURATED - vbw_err::NVFP4_NONFINITE] = 1;
             s = fminf(fmaxf(s, 0.001953125f), 448.0f);
             float sq;
             code[u] = (unsigned char)e4m3_round_pos(s, sq);

@@ -174,8 +174,9 @@ template <> __device__ __forceinline__ u32 sir_h<__half>(u32 x) { return x << 7;
 template <> __device__ __forceinline__ u32 sir_h<__nv_bfloat16>(u32 x) { return (x << 4) + 0x70007000u; } // u * 2^126
 
 template <int BLK> __device__ __forceinline__ float scale_value(u32 code);
-template <> __device__ __forceinline__ float scale_value<16>(u32 code) {   // E4M3 (fn), sign honoured
-  const float v = __uint_as_float((code & 0x7Fu) << 20) * 0x1p120f;
+template <> __device__ __forceinline__ float scale_value<16>(u32 code) {   // E4M3 (fn), sign honoured, 0x7F NaN
+  const float v = (code & 0x7Fu) == 0x7Fu ? __int_as_float(0x7fc00000)
+                                          : __uint_as_float((code & 0x7Fu) << 20) * 0x1p120f;
   return (code & 0x80u) ? -v : v;
 }
 template <> __device__ __forceinline__ float scale_value<32>(u32 code) { return vbw::e8m0_decode(code); }

@@ -489,3 +489,27 @@ def test_wgmma_kernel_only_where_it_can_run():
             assert at.default_config(A._tunable_name(hd), arch)["KIND"] == "mma", (hd, arch)
     with pytest.raises(ValueError, match="aligned"):
         A.instance_name("float16", 64, A.default_config(64, 90), vec=False)
+
+
+# ---------------------------------------------------------------- NaN rules on the GPU (issue 18)
+# What the kernels must meet of the reference's rules (tests/test_reference_attention.py): a NaN query row is
+# NaN, and rows whose query tile never loads the bad key stay as they were. Rows that share a key tile with a
+# masked bad key are not covered yet (the kernels may multiply their p = 0 by it): see issue 18, item 3.
+
+@pytest.mark.gpu
+def test_gpu_nan_query_row_and_far_rows():
+    cp = rt.require_cupy()
+    rng = np.random.default_rng(41)
+    q, k, v = (_rand(rng, (1, 1024, 2, 64), np.float16), _rand(rng, (1, 1024, 1, 64), np.float16),
+               _rand(rng, (1, 1024, 1, 64), np.float16))
+    q[0, 5, 1, 3] = np.nan
+    o, lse = A.flash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), return_lse=True)
+    o, lse = o.get(), lse.get()
+    assert np.isnan(o[0, 5, 1]).all() and np.isnan(lse[0, 1, 5])
+    assert np.isfinite(np.delete(o[0, :, 1], 5, axis=0)).all() and np.isfinite(o[0, :, 0]).all()
+    q[0, 5, 1, 3] = 0
+    clean = A.flash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=True).get()
+    v[0, 600, 0, 3] = np.nan
+    o = A.flash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=True).get()
+    assert np.isnan(o[0, 600:]).any(axis=(1, 2)).all()          # every row that sees key 600
+    np.testing.assert_array_equal(o[0, :256], clean[0, :256])  # query tiles that never load it

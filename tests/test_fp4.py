@@ -186,7 +186,8 @@ def test_gpu_bitexact_edges(fmt, dtype):
     if fmt == "nvfp4":  # NVFP4 refuses Inf (tested below); keep the finite rows
         x = x[np.all(np.isfinite(x.astype(np.float32)), axis=1)]
     _assert_same(vc.quantize(cp.asarray(x), fmt), vc.quantize(x, fmt), dtype)
-    if fmt == "nvfp4":  # a small given global scale drives the block scales into E4M3's denormal range
+    if fmt == "nvfp4":  # a large given global scale drives the block scales into E4M3's denormal range
+        x = x[np.abs(x.astype(np.float32)).max(axis=1) < 3072 * 1e3]  # (rows it would saturate are refused)
         _assert_same(vc.quantize(cp.asarray(x), fmt, 1e3), vc.quantize(x, fmt, 1e3), dtype)
 
 
@@ -341,3 +342,93 @@ def test_global_scale_underflow_gpu_matches_host():
     t, r = vc.quantize(cp.asarray(x), "nvfp4"), vc.quantize(x, "nvfp4")
     assert t.global_scale == r.global_scale == np.float32(1.0)
     assert np.array_equal(cp.asnumpy(t.data), r.data) and np.array_equal(cp.asnumpy(t.scales), r.scales)
+
+
+# ---------------------------------------------------------------- scale codes, global_scale range, float64 (issue 18)
+
+def test_scale_decode_tables_match_ml_dtypes():
+    """Every E4M3 and E8M0 code decodes as ml_dtypes does; NaN exactly at E4M3FN's 0x7F / 0xFF and E8M0's 255."""
+    codes = np.arange(256, dtype=np.uint8)
+    for decode, fmt, nan_codes in ((ref.e4m3_decode, ml_dtypes.float8_e4m3fn, [0x7F, 0xFF]),
+                                   (ref.e8m0_decode, ml_dtypes.float8_e8m0fnu, [255])):
+        got, want = decode(codes), codes.view(fmt).astype(np.float32)
+        assert got.dtype == np.float32
+        assert np.flatnonzero(np.isnan(got)).tolist() == nan_codes
+        np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(got)], want.view(np.uint32)[~np.isnan(want)])
+    # the SPEC's values, independent of ml_dtypes
+    assert ref.e4m3_decode(np.array([0x7E, 0x01, 0x08, 0x80])).tolist() == [448.0, 2.0 ** -9, 2.0 ** -6, -0.0]
+    assert ref.e8m0_decode(np.array([0, 127, 254])).tolist() == [2.0 ** -127, 1.0, 2.0 ** 127]
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_nvfp4_nan_scale_code_decodes_its_block_to_nan(code):
+    t = vc.quantize(random_input((2, 32), np.float32), "nvfp4")
+    scales = t.scales.copy()
+    scales[1, 0] = code
+    d = vc.dequantize(vc.FP4Tensor(t.data, scales, t.global_scale, "nvfp4", t.shape))
+    assert np.isnan(d[1, :16]).all() and np.isfinite(d[1, 16:]).all()
+    np.testing.assert_array_equal(d[0], vc.dequantize(t)[0])
+
+
+def test_nvfp4_global_scale_too_small_is_refused():
+    x = random_input((4, 100), np.float32)
+    amax = float(np.abs(x).max())
+    with pytest.raises(ValueError, match=r"global_scale: expected at least max\|x\| / 3072 = .*got 1e-06.*saturate"):
+        vc.quantize(x, "nvfp4", global_scale=1e-6)
+    with pytest.raises(ValueError, match="global_scale"):
+        vc.quantize(x, "nvfp4", global_scale=amax / 3500)
+    # from the default (amax / 2688) down to amax / 3072 the largest block saturates by under E2M1's step at 6
+    for g in (amax / 2688, amax / 3000):
+        t = vc.quantize(x, "nvfp4", global_scale=g)
+        assert ref.rel_error(vc.dequantize(t), x) < 0.2
+    assert vc.quantize(np.zeros((2, 16), np.float32), "nvfp4", global_scale=1e-30).global_scale == np.float32(1e-30)
+
+
+def test_nvfp4_large_global_scale_loses_precision_gracefully():
+    """A global_scale far above amax / 2688 is allowed: block scales below E4M3's 2^-9 clamp to it and their
+    elements are within 2^-9 * global_scale of their values (the documented bound), never saturated."""
+    x = random_input((8, 64), np.float32)
+    for g in (float(np.abs(x).max()) * 512 / 6, 1e6):  # every block's scale at or under 2^-9
+        d = vc.dequantize(vc.quantize(x, "nvfp4", global_scale=g))
+        assert np.all(np.abs(d - x) <= 2.0 ** -9 * g)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_dequantize_to_float64(fmt):
+    t = vc.quantize(random_input((3, 50), np.float32), fmt)
+    d = vc.dequantize(t, np.float64)
+    assert d.dtype == np.float64
+    np.testing.assert_array_equal(d, vc.dequantize(t, np.float32).astype(np.float64))
+    with pytest.raises(TypeError, match="dtype: expected float16, bfloat16, float32 or float64, got int64"):
+        vc.dequantize(t, np.int64)
+
+
+@pytest.mark.gpu
+def test_gpu_e4m3_and_e8m0_nan_codes():
+    """fp4.cuh decodes every scale code as the reference does, NaN codes included."""
+    import cupy as cp
+    for fmt, block in (("nvfp4", 16), ("mxfp4", 32)):
+        data = np.full((256, block // 2), 0x22, np.uint8)   # every element 1.0
+        scales = np.arange(256, dtype=np.uint8)[:, None]
+        tr = vc.FP4Tensor(data, scales, np.float32(1.0), fmt, (256, block))
+        tg = vc.FP4Tensor(cp.asarray(data), cp.asarray(scales), np.float32(1.0), fmt, (256, block))
+        for dtype in (np.float32, np.float64):
+            got, want = vc.dequantize(tg, dtype).get(), vc.dequantize(tr, dtype)
+            assert got.dtype == want.dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(got, want)  # NaN positions compared too
+
+
+@pytest.mark.gpu
+def test_gpu_global_scale_too_small_is_flagged():
+    """With a global_scale the GPU quantize does not sync: the saturation is flagged and check_errors raises."""
+    import cupy as cp
+    x = random_input((64, 256), np.float32)
+    vc.check_errors()
+    vc.quantize(cp.asarray(x), "nvfp4", float(np.abs(x).max()) / 2688)   # fine
+    vc.check_errors()
+    vc.quantize(cp.asarray(x), "nvfp4", 1e-6)
+    with pytest.raises(ValueError, match="quantize: global_scale: too small for x"):
+        vc.check_errors()
+    vc.quantize(cp.asarray(x), "nvfp4", 1e-6)   # the fast path (a replayed plan) flags it too
+    with pytest.raises(ValueError, match="global_scale"):
+        vc.check_errors()

@@ -51,8 +51,10 @@ def test_numpy_path_is_the_reference():
     (lambda w, a: gemm.fp4_matmul(a.astype(np.float64), w), TypeError, r"a: expected dtype float16"),
     (lambda w, a: gemm.fp4_matmul(a.astype(np.int8), w), TypeError, r"a: expected dtype"),
     (lambda w, a: gemm.fp4_matmul(a, w, out_dtype=np.int32), TypeError, r"out_dtype"),
+    (lambda w, a: gemm.fp4_matmul(a, w, out_dtype=[np.float16]), TypeError, r"out_dtype: expected .*got \["),
+    (lambda w, a: gemm.fp4_matmul(np.float16(1.0), w), TypeError, r"a: expected a NumPy or GPU array, got a NumPy"),
     (lambda w, a: gemm.fp4_matmul(a[:0], w), ValueError, r"empty dimension"),
-    (lambda w, a: gemm.fp4_matmul([[1.0] * 40], w), TypeError, r"a: expected a NumPy or CuPy array"),
+    (lambda w, a: gemm.fp4_matmul([[1.0] * 40], w), TypeError, r"a: expected a NumPy or GPU array, got list"),
     (lambda w, a: gemm.fp4_matmul(a, w, bias=[0.0] * 24), TypeError, r"bias: expected an array"),
 ])
 def test_bad_input_raises_before_any_launch(call, exc, match):
@@ -314,6 +316,23 @@ def test_mxfp4_nan_block_propagates():
     x = cp.random.standard_normal((64, 256), dtype=cp.float32)
     x[5, 40] = np.nan
     w = quantize(x, "mxfp4")
+    a = cp.random.standard_normal((4, 256), dtype=cp.float32).astype(cp.float16)
+    got = gemm.fp4_matmul(a, w).get()
+    assert np.isnan(got[:, 5]).all()
+    assert np.isfinite(np.delete(got, 5, axis=1)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_nvfp4_nan_scale_code_propagates(code):
+    """E4M3FN's NaN scale codes (never made by quantize, possible in a hand-built FP4Tensor) make that row of w
+    NaN, as in the reference: the fp32-partial mode is chosen and decodes them to NaN."""
+    cp = rt.require_cupy()
+    w = quantize(cp.random.standard_normal((64, 256), dtype=cp.float32), "nvfp4")
+    scales = w.scales.copy()
+    scales[5, 3] = code
+    w = FP4Tensor(w.data, scales, w.global_scale, "nvfp4", w.shape)
+    assert gemm._scale_info(w)[1:] == (False, False)
     a = cp.random.standard_normal((4, 256), dtype=cp.float32).astype(cp.float16)
     got = gemm.fp4_matmul(a, w).get()
     assert np.isnan(got[:, 5]).all()

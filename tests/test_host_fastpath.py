@@ -269,6 +269,24 @@ def test_paged_numpy_inputs_still_use_the_reference(kernels):
     assert _launches(kernels) == [] and not paged._sigs
 
 
+def test_paged_unreachable_left_window_is_unbounded(kernels):
+    """window=(2**40, 0) reaches past any sequence (capacity 40 here): launched as unbounded, no OverflowError."""
+    d = _paged_case()
+    paged.paged_attention(*d, window=(2 ** 40, 0))
+    huge = _launches(kernels)
+    paged.paged_attention(*d, window=(-1, 0))
+    _same_launches(huge, _launches(kernels), d)
+
+
+def test_fp4_matmul_unhashable_out_dtype_on_the_fast_path(kernels):
+    from vbw_cupy import gemm
+    w = fp4.quantize(np.ones((24, 40), np.float32), "nvfp4")
+    w._cache["gemm_v1_fast"] = {"an earlier call": None}  # what a checked GPU call leaves: the fast path is tried
+    a = fc.asgpu(np.ones((3, 40), np.float16))
+    with pytest.raises(TypeError, match=r"out_dtype: expected float16, bfloat16 or float32, got \[1\]"):
+        gemm.fp4_matmul(a, w, out_dtype=[1])
+
+
 def test_paged_max_seqlen_must_bound_checked_lengths(kernels):
     """Where seq_lens' values are read (check="host", NumPy inputs), a max_seqlen below the longest sequence is
     an error, on the full path and on a replay alike; otherwise it only bounds the split count."""

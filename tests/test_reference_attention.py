@@ -474,7 +474,7 @@ _H = np.float16
 BAD = [
     # dense
     (_dense(q=np.zeros((4, 4, 8), _H)), ValueError, r"q: expected a 4-d array \[B, Sq, Hq, D\], got 3-d"),
-    (_dense(k=[[1.0]]), TypeError, "q: expected a GPU array like k .*, got numpy.ndarray"),
+    (_dense(k=[[1.0]]), TypeError, "k: expected a NumPy or GPU array, got list"),
     (lambda: _checks.check_attention_args(np.zeros((1, 4, 4, 8), _H), [[1.0]], [[1.0]]), TypeError,
      r"k: expected an array of shape \[B, Sk, Hkv, D\], got list"),
     (_dense(q=np.zeros((1, 4, 4, 8)), k=np.zeros((1, 6, 2, 8)), v=np.zeros((1, 6, 2, 8))), TypeError,
@@ -502,7 +502,7 @@ BAD = [
     (_dense(softcap=-1.0), ValueError, r"softcap: expected a finite float >= 0 \(0 is off\), got -1.0"),
     (_dense(softcap=float("nan")), ValueError, "softcap: expected a finite float >= 0"),
     (_dense(softcap="big"), TypeError, "softcap: expected a float >= 0, got str"),
-    (_dense(softmax_scale=float("inf")), ValueError, "softmax_scale: expected a finite float, got inf"),
+    (_dense(softmax_scale=float("inf")), ValueError, "softmax_scale: expected a finite float .*, got inf"),
     (_dense(softmax_scale="x"), TypeError, "softmax_scale: expected None or a float, got str"),
     (_dense(causal="yes"), TypeError, "causal: expected a bool, got str"),
     (_dense(return_lse=1), TypeError, "return_lse: expected a bool, got int"),
@@ -511,7 +511,7 @@ BAD = [
     (_varlen(k=np.zeros((9, 2, 4), _H), v=np.zeros((9, 2, 4), _H)), ValueError, "k: expected shape .* D == q's 8"),
     (_varlen(k=np.zeros((9, 3, 8), _H), v=np.zeros((9, 3, 8), _H)), ValueError, "divides q's 4 heads"),
     (_varlen(cu_seqlens_q=np.array([0, 3, 7])), TypeError, r"cu_seqlens_q: expected an int32 array \[B \+ 1\], got dtype int64"),
-    (_varlen(cu_seqlens_k=[0, 4, 9]), TypeError, "cu_seqlens_q: expected NumPy offsets with NumPy q, k, v"),
+    (_varlen(cu_seqlens_k=[0, 4, 9]), TypeError, "cu_seqlens_k: expected NumPy offsets with NumPy q, k, v .*got list"),
     (_varlen(cu_seqlens_q=np.array([[0, 3, 7]], np.int32)), ValueError, "cu_seqlens_q: expected a 1-d array"),
     (_varlen(cu_seqlens_q=np.array([7], np.int32)), ValueError, "cu_seqlens_q: expected B \\+ 1 >= 2 offsets, got 1"),
     (_varlen(cu_seqlens_k=np.array([0, 9], np.int32)), ValueError, r"cu_seqlens_k: expected 3 offsets .*, got 2"),
@@ -550,6 +550,18 @@ BAD = [
     (_paged(block_table=np.array([[4, 1], [-1, 0]], np.int32)), ValueError, r"got -1 at \[1, 0\]"),
     (_paged(window=(-3, -1)), ValueError, "window: expected values >= -1"),
     (_paged(softcap=-0.5), ValueError, "softcap: expected a finite float >= 0"),
+    # the argument at fault is named, before any question of CuPy (issue 18)
+    (_paged(seq_lens=[6, 3]), TypeError, "seq_lens: expected a NumPy or GPU array, got list"),
+    (_paged(block_table=np.int32(4)), TypeError, r"block_table: expected a NumPy or GPU array, got a NumPy scalar"),
+    (_dense(v=np.zeros((1, 6, 2, 8), _H).tolist()), TypeError, "v: expected a NumPy or GPU array, got list"),
+    (_dense(q=np.float16(1.0)), TypeError, r"q: expected a NumPy or GPU array, got a NumPy scalar \(float16\)"),
+    (_varlen(q=[1.0]), TypeError, "q: expected a NumPy or GPU array, got list"),
+    # scores must fit float32 in the kernels: bounded softmax_scale, softcap 0 or in [2^-32, 2^64]
+    (_dense(softmax_scale=1e37), ValueError, r"softmax_scale: .*\|softmax_scale\| <= 2\^64 .*got 1e\+37"),
+    (_dense(softmax_scale=-1e37), ValueError, "softmax_scale: "),
+    (_paged(softmax_scale=1e37), ValueError, "softmax_scale: "),
+    (_dense(softcap=1e-40), ValueError, r"softcap: expected 0 \(off\) or a float from 2\^-32 to 2\^64 .*got 1e-40"),
+    (_paged(softcap=1e70), ValueError, "softcap: expected 0 .off. or a float from 2"),
 ]
 
 
@@ -557,3 +569,99 @@ BAD = [
 def test_bad_input(call, exc, msg):
     with pytest.raises(exc, match=msg):
         call()
+
+
+def test_lists_and_numpy_scalars_never_ask_for_cupy(monkeypatch):
+    """Without CuPy a non-array is still a TypeError naming it, not a RuntimeError about installing CuPy."""
+    from vbw_cupy import _runtime as rt
+    monkeypatch.setattr(rt, "cupy", None)
+    q = np.zeros((1, 4, 4, 8), _H).tolist()
+    for call, name in ((lambda: vbw_cupy.flash_attention(q, q, q), "q"),
+                       (lambda: vbw_cupy.quantize(np.float32(1.0)), "x"),
+                       (lambda: vbw_cupy.quantize([1.0, 2.0]), "x"),
+                       (_paged(q=np.float16(0), k_cache=[0], v_cache=[0]), "q")):
+        with pytest.raises(TypeError, match=f"{name}: expected a NumPy or GPU array"):
+            call()
+
+
+def test_extreme_but_valid_options_are_accepted():
+    _dense(softmax_scale=2.0 ** 64, softcap=2.0 ** -32)()
+    _dense(softmax_scale=0.0)()
+    _paged(window=(2 ** 40, 0))()   # an unreachable window is unbounded (the GPU path clamps it)
+    np.testing.assert_array_equal(_paged(window=(2 ** 40, 0))(), _paged()())
+
+
+# ---------------------------------------------------------------- NaN rules (issue 18)
+# NaN / Inf in an input reach exactly the outputs that depend on it; rows that see no key stay 0 with lse -inf.
+
+def _nan_case(S=1024, Hq=2, D=16, seed=31):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((1, S, Hq, D)).astype(np.float32),
+            rng.standard_normal((1, S, 1, D)).astype(np.float32),
+            rng.standard_normal((1, S, 1, D)).astype(np.float32))
+
+
+def _bad_rows(o):
+    return np.flatnonzero(~np.isfinite(o[0]).all(axis=(1, 2)))
+
+
+def test_nan_query_row_is_nan():
+    q, k, v = _nan_case()
+    q[0, 5, 1, 3] = np.nan
+    o, lse = vbw_cupy.flash_attention(q, k, v, return_lse=True)
+    assert np.isnan(o[0, 5, 1]).all() and np.isnan(lse[0, 1, 5])
+    assert np.isfinite(np.delete(o[0, :, 1], 5, axis=0)).all() and np.isfinite(o[0, :, 0]).all()
+    assert np.isfinite(np.delete(lse[0, 1], 5)).all()
+    # a NaN query row that sees no key (causal, Sq > Sk) still gets 0 and -inf
+    o, lse = vbw_cupy.flash_attention(q[:, :8], k[:, :4], v[:, :4], causal=True, return_lse=True)
+    q2 = q[:, :8].copy()
+    q2[0, 0] = np.nan
+    o2, lse2 = vbw_cupy.flash_attention(q2, k[:, :4], v[:, :4], causal=True, return_lse=True)
+    assert (o2[0, 0] == 0).all() and (lse2[0, :, 0] == -np.inf).all()
+    np.testing.assert_array_equal(o2, o)
+
+
+@pytest.mark.parametrize("what", ["k", "v"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_causal_bad_key_reaches_only_later_rows(what, bad):
+    q, k, v = _nan_case()
+    clean = vbw_cupy.flash_attention(q, k, v, causal=True)
+    (k if what == "k" else v)[0, 200, 0, 3] = bad
+    o = vbw_cupy.flash_attention(q, k, v, causal=True)
+    if what == "k" and not np.isnan(bad):   # a score of -inf is a weight of 0: only the +inf rows go bad
+        assert 0 < len(_bad_rows(o)) < 824 and _bad_rows(o).min() >= 200
+    else:
+        assert _bad_rows(o).tolist() == list(range(200, 1024))
+    np.testing.assert_array_equal(o[:, :200], clean[:, :200])
+
+
+def test_window_inf_value_reaches_only_rows_that_see_it():
+    q, k, v = _nan_case()
+    clean = vbw_cupy.flash_attention(q, k, v, window=(8, 8))
+    v[0, 900, 0] = np.inf
+    o = vbw_cupy.flash_attention(q, k, v, window=(8, 8))
+    assert _bad_rows(o).tolist() == list(range(892, 909))  # the 17 rows that see key 900
+    rest = np.r_[0:892, 909:1024]
+    np.testing.assert_array_equal(o[:, rest], clean[:, rest])
+
+
+def test_varlen_and_paged_bad_values_stay_in_their_rows():
+    q, k, v = _nan_case(S=64)
+    v[0, 40, 0] = np.nan                                      # sequence 1 (keys 32..63), key 8 of it
+    cu = np.array([0, 32, 64], np.int32)
+    o = vbw_cupy.flash_attention_varlen(q[0], k[0], v[0], cu, cu, causal=True)
+    assert _bad_rows(o[None]).tolist() == list(range(40, 64))
+    # paged: a NaN past a sequence's length, or outside its window, is never seen
+    h = list(_paged_inputs())
+    h[2] = h[2].copy()
+    h[2][1, 3] = np.nan                   # block 1, slot 3: token 7 of sequence 0, which has 6 tokens
+    h[2][4, 0] = np.nan                   # block 4, slot 0: token 0 of sequence 0
+    o = vbw_cupy.paged_attention(*h, window=(4, 0))           # sequence 0 (6 tokens) sees tokens 1..5
+    assert np.isfinite(o).all()
+    assert np.isnan(vbw_cupy.paged_attention(*h)[0]).all() and np.isfinite(vbw_cupy.paged_attention(*h)[1]).all()
+
+
+def _paged_inputs():
+    rng = np.random.default_rng(19)
+    return (rnd(rng, (2, 4, 8), np.float16), rnd(rng, (5, 4, 2, 8), np.float16), rnd(rng, (5, 4, 2, 8), np.float16),
+            np.array([[4, 1], [0, -1]], np.int32), np.array([6, 3], np.int32))

@@ -15,16 +15,33 @@ import numpy as np
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")  # what quantize and fp4_matmul take
 
 
-def check_float_dtype(name: str, dtype) -> np.dtype:
-    """`dtype` as a NumPy dtype if it is one of FLOAT_DTYPES, else a TypeError naming the argument."""
+def check_float_dtype(name: str, dtype, allowed=FLOAT_DTYPES) -> np.dtype:
+    """`dtype` as a NumPy dtype if its name is in `allowed`, else a TypeError naming the argument."""
     try:
         dt = np.dtype(dtype)
-    except TypeError:
+    except (TypeError, ValueError):  # an unhashable or nonsense object
         dt = None
-    if dt is None or dt.name not in FLOAT_DTYPES:
+    if dt is None or dt.name not in allowed:
         got = repr(dtype) if dt is None else dt
-        raise TypeError(f"{name}: expected float16, bfloat16 or float32, got {got}")
+        raise TypeError(f"{name}: expected {', '.join(allowed[:-1])} or {allowed[-1]}, got {got}")
     return dt
+
+
+#: NVFP4: the largest block scale max|block| / (6 * global_scale) a given global_scale may ask for. E4M3 stops at
+#: 448; up to 512 the saturated elements stay within E2M1's rounding error at 6 (6 * 512 / 448 < 7).
+NVFP4_MAX_BLOCK_SCALE = 512.0
+
+
+def check_nvfp4_global_scale(amax, global_scale) -> None:
+    """ValueError naming global_scale when it is below amax / 3072, amax = max|x| (finite): x's largest block
+    would then saturate. Same float32 steps as the quantize rule (SPEC section 2), so the GPU kernel's flag
+    (_errors.py code 8) agrees with it."""
+    with np.errstate(over="ignore"):
+        s = np.float32(np.float32(amax) / np.float32(6.0)) / np.float32(global_scale)
+    if s > NVFP4_MAX_BLOCK_SCALE:
+        raise ValueError(f"global_scale: expected at least max|x| / 3072 = {float(amax) / 3072:.6g} (max|x| = "
+                         f"{float(amax):.6g}; None gives the default max|x| / 2688), got {float(global_scale):.6g}: "
+                         f"x's largest block would need an E4M3 scale of {float(s):.6g} > 448 and saturate")
 
 
 #: dtypes the reference accepts for q, k, v (the GPU kernels take float16 and bfloat16 only).
@@ -79,6 +96,36 @@ class PagedShape(_NamedTuple):
 
 
 # ---- argument checks (NumPy and CuPy alike) ---------------------------------------------------
+
+def check_array_like(name, x) -> None:
+    """TypeError naming the argument unless `x` is an array: NumPy, CuPy, or what CuPy takes (an object with
+    __dlpack__ or __cuda_array_interface__: torch, JAX, Numba). Lists, numbers and NumPy scalars are not."""
+    if isinstance(x, np.ndarray):
+        return
+    if isinstance(x, np.generic):
+        raise TypeError(f"{name}: expected a NumPy or GPU array, got a NumPy scalar ({type(x).__name__}); "
+                        f"pass numpy.asarray(...) of the values")
+    if not (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")
+            or all(hasattr(x, a) for a in ("shape", "dtype", "ndim"))):
+        raise TypeError(f"{name}: expected a NumPy or GPU array, got {type(x).__name__}")
+
+
+def split_host_device(**arrays) -> bool:
+    """True when every argument is a NumPy array (the reference path), False when none is (the GPU path).
+    TypeError naming the first argument that is no array (`check_array_like`), else, when NumPy and GPU
+    arrays are mixed, the first NumPy one."""
+    for name, x in arrays.items():
+        check_array_like(name, x)
+    host = {n: isinstance(a, np.ndarray) for n, a in arrays.items()}
+    if all(host.values()):
+        return True
+    if any(host.values()):
+        first_dev = next(n for n, h in host.items() if not h)
+        bad = next(n for n, h in host.items() if h)
+        raise TypeError(f"{bad}: expected a GPU array like {first_dev} (NumPy and GPU inputs cannot be mixed), "
+                        f"got numpy.ndarray")
+    return False
+
 
 def _check_array(name, x, ndim, layout):
     if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
@@ -138,13 +185,24 @@ def check_window(window):
     return left, right
 
 
+#: Largest |softmax_scale|: with float16 inputs |q.k| <= 256 * 65504^2 < 2^41, so scaled scores (times log2(e),
+#: as the kernels use them) stay far inside float32 and a finite input never gives NaN.
+MAX_SOFTMAX_SCALE = 2.0 ** 64
+#: softcap, when on, lies in this range: the kernels compute softmax_scale / softcap and softcap * log2(e) in
+#: float32, which then stay finite and normal (a denormal softcap is flushed to zero on the GPU).
+SOFTCAP_RANGE = (2.0 ** -32, 2.0 ** 64)
+
+
 def check_softcap(softcap):
-    """Validate `softcap`: a finite real >= 0 (0 turns it off). Returns it as a float."""
+    """Validate `softcap`: 0 (off) or a float in SOFTCAP_RANGE (2^-32 to 2^64). Returns it as a float."""
     if not _is_real(softcap):
         raise TypeError(f"softcap: expected a float >= 0, got {type(softcap).__name__} {softcap!r}")
     softcap = float(softcap)
     if not (_math.isfinite(softcap) and softcap >= 0.0):
         raise ValueError(f"softcap: expected a finite float >= 0 (0 is off), got {softcap}")
+    if softcap != 0.0 and not SOFTCAP_RANGE[0] <= softcap <= SOFTCAP_RANGE[1]:
+        raise ValueError(f"softcap: expected 0 (off) or a float from 2^-32 to 2^64 (float32 must hold "
+                         f"softmax_scale / softcap), got {softcap}")
     return softcap
 
 
@@ -156,15 +214,18 @@ def check_flag(name, value):
 
 
 def effective_scale(softmax_scale, D):
-    """`softmax_scale`, or 1/sqrt(D) when it is None; must be a finite real. Returns a float."""
+    """`softmax_scale`, or 1/sqrt(D) when it is None; must be a real with |softmax_scale| <= 2^64
+    (MAX_SOFTMAX_SCALE; zero and negative scales are allowed). Returns a float."""
     if softmax_scale is None:
         return 1.0 / _math.sqrt(D)
     if not _is_real(softmax_scale):
         raise TypeError(f"softmax_scale: expected None or a float, got {type(softmax_scale).__name__} "
                         f"{softmax_scale!r}")
-    if not _math.isfinite(float(softmax_scale)):
-        raise ValueError(f"softmax_scale: expected a finite float, got {float(softmax_scale)}")
-    return float(softmax_scale)
+    scale = float(softmax_scale)
+    if not abs(scale) <= MAX_SOFTMAX_SCALE:  # NaN fails too
+        raise ValueError(f"softmax_scale: expected a finite float with |softmax_scale| <= 2^64 (larger scales "
+                         f"overflow float32 scores), got {scale}")
+    return scale
 
 
 def effective_window(window, causal):

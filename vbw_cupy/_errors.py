@@ -28,6 +28,8 @@ CODES = {
     5: ("quantize", "x", "NaN or Inf in the input of an nvfp4 quantize with a given global_scale"),
     6: ("models.LlamaGPU", "tokens", "a token id outside [0, vocab_size)"),
     7: ("models.LlamaGPU", "positions", "a position past the model's seq_len or the cache's capacity, or a bad slot"),
+    8: ("quantize", "global_scale", "too small for x: a block needs an E4M3 scale max|block| / (6 * global_scale) "
+        "above 512 and its elements saturate; use global_scale >= max|x| / 3072, or None for the default"),
 }
 NVFP4_NONFINITE = 5
 _INDEXED = {1, 2, 3, 4, 6, 7}  # codes that record the smallest bad sequence

@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from . import _checks
+
 try:  # CuPy is optional: the package and its NumPy reference work without it.
     import cupy
 except Exception as _exc:  # pragma: no cover - depends on the machine
@@ -370,18 +372,19 @@ def cdiv(a: int, b: int) -> int:
 
 
 def as_gpu_array(x, name: str):
-    """Accept CuPy arrays and anything with __dlpack__ / __cuda_array_interface__ (torch, JAX, Numba)."""
-    cp = require_cupy()
-    if isinstance(x, cp.ndarray):
+    """Accept CuPy arrays and anything with __dlpack__ / __cuda_array_interface__ (torch, JAX, Numba). What is
+    no array (a list, a NumPy scalar) is a TypeError naming `name`, CuPy or not."""
+    if cupy is not None and isinstance(x, cupy.ndarray):
         return x
-    if hasattr(x, "__dlpack__"):
+    if hasattr(x, "__dlpack__") and not isinstance(x, np.generic):
         dev_type = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else None
         if dev_type == 1:  # kDLCPU: a host array of another library
             raise TypeError(f"{name}: a host (CPU) {type(x).__name__}; pass numpy.asarray(...) of it for the "
                             "float64 reference, or move it to the GPU")
-        return cp.from_dlpack(x)
+        return require_cupy().from_dlpack(x)
     if hasattr(x, "__cuda_array_interface__"):
-        return cp.asarray(x)
+        return require_cupy().asarray(x)
+    _checks.check_array_like(name, x)
     raise TypeError(f"{name}: expected a CuPy/NumPy array or a DLPack-capable GPU array, got {type(x).__name__}")
 
 

@@ -242,19 +242,6 @@ def _is_host(x) -> bool:
     return isinstance(x, np.ndarray)
 
 
-def _split_host_device(**arrays) -> bool:
-    """True when every array is NumPy (reference path), False when none is; TypeError when mixed."""
-    host = {n: _is_host(a) for n, a in arrays.items()}
-    if all(host.values()):
-        return True
-    if any(host.values()):
-        first_dev = next(n for n, h in host.items() if not h)
-        bad = next(n for n, h in host.items() if h)
-        raise TypeError(f"{bad}: expected a GPU array like {first_dev} (NumPy and GPU inputs cannot be mixed), "
-                        f"got numpy.ndarray")
-    return False
-
-
 def _check_gpu_common(q, k, v, *others):
     rt.check_same_device(q=q, k=k, v=v, **{f"cu_seqlens_{'qk'[i]}": a for i, a in enumerate(others)})
 
@@ -557,7 +544,10 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     Scores are softmax_scale * q.k (default 1/sqrt(D)), then softcap * tanh(s / softcap) when softcap > 0.
     Query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right, with (left, right) = window (-1 is
     unbounded); causal=True sets right = 0 (bottom-right aligned). Softmax and accumulation in float32. A
-    query that sees no key gets output 0 and lse -inf.
+    query that sees no key gets output 0 and lse -inf. |softmax_scale| <= 2^64 (zero and negative allowed) and
+    softcap 0 (off) or in [2^-32, 2^64], else ValueError: the kernels' float32 scores then cannot overflow for
+    float16 inputs. NaN / Inf inputs: the reference makes non-finite exactly the outputs that depend on them (a
+    NaN query row is NaN); the GPU kernels are only tested for finite inputs.
 
     Returns o [B, Sq, Hq, D] in q's dtype (a CuPy array for GPU inputs) and, with return_lse=True, also
     lse float32 [B, Hq, Sq] (natural log of each row's softmax denominator).
@@ -574,7 +564,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
         res = None if fast_key is None else _flash_fast(fast_key, q, k, v, return_lse)
         if res is not None:
             return res
-    if _split_host_device(q=q, k=k, v=v):
+    if _checks.split_host_device(q=q, k=k, v=v):
         _checks.check_attention_args(q, k, v, window, softcap, causal=causal, softmax_scale=softmax_scale)
         _checks.check_flag("return_lse", return_lse)
         return ref.flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
@@ -604,10 +594,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
 
     Returns o [total_q, Hq, D] and, with return_lse=True, lse float32 [Hq, total_q].
     """
-    if _split_host_device(q=q, k=k, v=v):
-        if not (_is_host(cu_seqlens_q) and _is_host(cu_seqlens_k)):
-            raise TypeError("cu_seqlens_q: expected NumPy offsets with NumPy q, k, v (NumPy and GPU inputs "
-                            f"cannot be mixed), got {type(cu_seqlens_q).__name__} / {type(cu_seqlens_k).__name__}")
+    if _checks.split_host_device(q=q, k=k, v=v):
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if not _is_host(cu):
+                raise TypeError(f"{name}: expected NumPy offsets with NumPy q, k, v (NumPy and GPU inputs "
+                                f"cannot be mixed), got {type(cu).__name__}")
         _checks.check_mode(check)
         _checks.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, window, softcap, max_seqlen_q=max_seqlen_q,
                                   max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale)

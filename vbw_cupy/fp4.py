@@ -122,11 +122,7 @@ class FP4Tensor:
 
 def _as_input(x, name: str):
     """NumPy arrays stay NumPy (reference path); everything else must become a CuPy array."""
-    if isinstance(x, np.ndarray):
-        return x
-    if isinstance(x, (list, tuple, int, float)):
-        raise TypeError(f"{name}: expected a NumPy or CuPy array, got {type(x).__name__}")
-    return rt.as_gpu_array(x, name)
+    return x if isinstance(x, np.ndarray) else rt.as_gpu_array(x, name)
 
 
 def _check_global_scale(global_scale, fmt):
@@ -150,9 +146,15 @@ def quantize(x, format: str = "nvfp4", global_scale=None) -> FP4Tensor:
     255 (decodes to NaN). NVFP4: blocks of 16, E4M3 scale, float32 `global_scale` (default
     amax / (448 * 6), or 1.0 where that is 0: all zeros, or amax under ~1.9e-42); NaN or Inf anywhere is a
     ValueError. Any K: the last block is zero-padded.
+    A given `global_scale` must be at least max|x| / 3072 (= max|x| / (6 * 512)): smaller, a block would need
+    an E4M3 scale above 512 (E4M3 stops at 448) and its elements would saturate past E2M1's rounding error at 6;
+    that is a ValueError naming global_scale. A large one is allowed: blocks whose scale max|block| /
+    (6 * global_scale) falls below E4M3's smallest, 2^-9, use 2^-9 and lose precision gracefully (absolute
+    error at most 2^-9 * global_scale per element, as the default scale gives tiny blocks of a large tensor).
     On the GPU, NVFP4 without a `global_scale` reads the tensor twice (amax first) and synchronizes once to read
     the amax (a NaN / Inf raises there). With a `global_scale` it makes one pass and no sync (it can then be
-    captured in a CUDA graph): NaN / Inf are flagged on the device and `vbw_cupy.check_errors()` raises them.
+    captured in a CUDA graph): NaN / Inf and a too small global_scale are flagged on the device and
+    `vbw_cupy.check_errors()` raises them (the output is then unusable).
     A CuPy call with the shape, dtype, format, global_scale and device of an
     earlier checked call reuses its launch plan (contiguity, alignment and device are checked every time).
 
@@ -199,6 +201,8 @@ def _quantize_reference(x, fmt, gs):
         raise ValueError(_NAN_MSG)
     if gs is None:
         gs = ref.nvfp4_global_scale(x)
+    else:
+        _checks.check_nvfp4_global_scale(np.max(np.abs(x.astype(np.float32))), gs)
     data, scales = ref.quantize_nvfp4(x, gs)
     return FP4Tensor(data, scales, gs, fmt, x.shape)
 
@@ -240,7 +244,8 @@ _q_plans = _plans.PlanCache()
 
 
 def _nan_flag(device_id):
-    """The error-word slot the nvfp4 kernel sets on NaN / Inf input (see vbw_cupy/_errors.py)."""
+    """The error-word slots the nvfp4 kernel sets on NaN / Inf input and on a too small global_scale (see
+    vbw_cupy/_errors.py)."""
     return _errors.slot(device_id, _errors.NVFP4_NONFINITE)
 
 
@@ -317,17 +322,18 @@ def _global_scale_gpu(x) -> np.float32:
 
 def dequantize(t: FP4Tensor, dtype=np.float32):
     """Decode `t` to an array of `t.shape`: (e2m1 * scale) * global_scale in float32, then cast to `dtype`
-    (float32, float16 or bfloat16, rounding to nearest even). MXFP4 decodes exactly; scale code 255 -> NaN."""
+    (float32, float16 or bfloat16, rounding to nearest even; float64 holds the float32 values exactly).
+    MXFP4 decodes exactly; scale code 255 (mxfp4), 0x7F or 0xFF (nvfp4, E4M3FN) -> NaN for its block."""
     if not isinstance(t, FP4Tensor):
         raise TypeError(f"t: expected an FP4Tensor, got {type(t).__name__}")
-    dtype = _checks.check_float_dtype("dtype", dtype)
+    dtype = _checks.check_float_dtype("dtype", dtype, _checks.FLOAT_DTYPES + ("float64",))
     if not t.is_gpu:
         return ref.dequantize(t, dtype)
     cp = rt.require_cupy()
     with t.data.device:
-        out = cp.empty(t.shape, dtype=dtype)
+        out = cp.empty(t.shape, dtype=np.float32 if dtype == np.float64 else dtype)
         _launch_dequantize(t, out)
-        return out
+        return out.astype(dtype, copy=False)
 
 
 def _launch_dequantize(t, out):

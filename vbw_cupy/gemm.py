@@ -270,7 +270,7 @@ def _scale_info(w):
             return info
         e = sc.astype(cp.int32) - 127
     else:
-        if bool((sc & 0x80).any()):  # negative E4M3 scales: only the fp32-partial mode handles them
+        if bool((sc >= 0x7F).any()):  # NaN (0x7F, 0xFF) or negative E4M3 scales: only the fp32-partial mode
             info = (0, False, False)
             w._cache[key] = info
             return info
@@ -518,7 +518,10 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
         fast = getattr(w, "_cache", None)
         fast = fast.get("gemm_v1_fast") if type(fast) is dict else None
         if fast and (bias is None or type(bias) is cp.ndarray) and (activation is None or type(activation) is str):
-            hit = fast.get(_fast_key(a, bias, activation, out_dtype))
+            try:
+                hit = fast.get(_fast_key(a, bias, activation, out_dtype))
+            except TypeError:  # an unhashable out_dtype: the full path says what is wrong
+                hit = None
             if hit is not None and a.flags.c_contiguous and a.data.ptr % 16 == 0 and \
                     a.data.device_id == hit[3]:
                 plan, out_shape, odt, _ = hit
@@ -540,9 +543,7 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
             raise ValueError("a and w: both must be on the host (NumPy) or both on the GPU")
         a_shape, a_dtype = tuple(a.shape), np.dtype(np.float32)
     else:
-        if isinstance(a, (list, tuple, int, float)) or not hasattr(a, "dtype"):
-            if not (hasattr(a, "__dlpack__") or hasattr(a, "__cuda_array_interface__")):
-                raise TypeError(f"a: expected a NumPy or CuPy array, got {type(a).__name__}")
+        _checks.check_array_like("a", a)
         if not isinstance(a, np.ndarray):
             a = rt.as_gpu_array(a, "a")
         a_dtype = np.dtype(a.dtype)

@@ -189,6 +189,8 @@ class _Launch:
             self.o_part = self.lse_part = _plans.scratch("paged_attention partials", 4).view(cp.float32)[:1]
             self.combine = None
         capacity = min(int(block_table.shape[1]) * bs, 2**31 - 1)
+        if left >= capacity:  # no sequence is that long: unbounded, and the kernel's int32 stays in range
+            left = -1
         err = _errors.buffer(q.data.device_id)
         min_tiles = 2 * W
         self.grid = (splits, Hkv * HT, B)
@@ -225,8 +227,9 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     b is k_cache[block_table[b, t // block_size], t % block_size]. The query is the sequence's last token and
     sees keys [max(0, seq_lens[b] - 1 - left), seq_lens[b]) with (left, right) = window (-1: unbounded;
     right cannot reach past the query). Scores are softmax_scale * q.k (default 1/sqrt(D)), then
-    softcap * tanh(s / softcap) when softcap > 0. Accumulation in float32. Returns [B, Hq, D] in q's dtype
-    (written into `out` when given: a C-contiguous GPU array of that shape and dtype).
+    softcap * tanh(s / softcap) when softcap > 0 (|softmax_scale| <= 2^64, softcap 0 or in [2^-32, 2^64], as in
+    flash_attention; a left window past every sequence is unbounded). Accumulation in float32. Returns
+    [B, Hq, D] in q's dtype (written into `out` when given: a C-contiguous GPU array of that shape and dtype).
 
     Checks: dtypes, ranks, shapes (q against the caches and tables), window, softcap and scale are checked from
     the shapes on the host at no cost. The VALUES of seq_lens (each in [1, max_blocks * block_size]) and of the
@@ -288,7 +291,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
                         return out
                 return plan.run(q, k_cache, v_cache, block_table, seq_lens, out)
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
-    if all(_is_numpy(a) for a in arrays.values()):
+    if _checks.split_host_device(**arrays):
         if out is not None:
             raise TypeError("out: only supported for GPU arrays (the reference path allocates its result)")
         _checks.check_mode(check)
@@ -297,10 +300,6 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
                                  softmax_scale=softmax_scale)
         return ref.paged_attention(q, k_cache, v_cache, block_table, seq_lens, softmax_scale=softmax_scale,
                                    softcap=softcap, window=window)
-    for name, a in arrays.items():
-        if _is_numpy(a):
-            raise TypeError(f"{name}: expected a GPU array like the other arguments, got numpy.ndarray "
-                            "(pass all NumPy arrays for the reference, or all GPU arrays)")
     cp = rt.require_cupy()
     given = (q, k_cache, v_cache, block_table, seq_lens)
     arrays = {n: rt.as_gpu_array(a, n) for n, a in arrays.items()}

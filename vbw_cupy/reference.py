@@ -6,7 +6,9 @@ in float64 one block of queries at a time, so 8k tokens never build an 8k x 8k x
 """
 from __future__ import annotations
 
+import ml_dtypes as _ml_dtypes
 import numpy as np
+
 
 def rel_error(got, want) -> float:
     """Relative Frobenius error ||got - want|| / ||want|| in float64 (||got|| when want is all zeros; NaN
@@ -57,17 +59,13 @@ def e4m3_encode(s: np.ndarray) -> np.ndarray:
 
 
 def e4m3_decode(code: np.ndarray) -> np.ndarray:
-    code = np.asarray(code).astype(np.int64)
-    e, m = (code >> 3) & 15, code & 7
-    v = np.where(e > 0, np.ldexp(1.0 + m / 8.0, e - 7), m * 2.0 ** -9)
-    return np.where(code & 0x80, -v, v).astype(np.float32)
+    """float32 values of E4M3 (fn) codes: 0x7F and 0xFF are NaN (ml_dtypes.float8_e4m3fn decodes them)."""
+    return np.asarray(code).astype(np.uint8).view(_ml_dtypes.float8_e4m3fn).astype(np.float32)
 
 
 def e8m0_decode(code: np.ndarray) -> np.ndarray:
-    code = np.asarray(code)
-    with np.errstate(over="ignore"):  # code 255 overflows before it becomes NaN below
-        v = np.ldexp(np.float32(1.0), code.astype(np.int32) - 127).astype(np.float32)
-    return np.where(code == 255, np.float32(np.nan), v).astype(np.float32)
+    """float32 values 2^(code - 127) of E8M0 codes, 255 NaN (ml_dtypes.float8_e8m0fnu decodes them)."""
+    return np.asarray(code).astype(np.uint8).view(_ml_dtypes.float8_e8m0fnu).astype(np.float32)
 
 
 def _blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, int]:
@@ -204,8 +202,6 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None):
 
 import math as _math
 
-import ml_dtypes as _ml_dtypes
-
 _BLOCK_ROWS = 256            # query rows per block, at most
 _BLOCK_ELEMS = 1 << 21       # score elements per block, at most (rows shrink when Sk * group is large)
 
@@ -260,9 +256,24 @@ def _query_blocks(Sq, Sk, group, left, right):
         yield i0, i1, j0, j1, mask
 
 
+def _masked_pv(p, v, mask):
+    """p @ v over the keys each row sees: p [group, rows, keys] (0 where masked), v [keys, D], mask [rows, keys].
+    A NaN / Inf in v reaches only the rows that see its key (a plain p @ v would spread 0 * NaN to every row)."""
+    bad = ~np.isfinite(v)
+    pv = p @ np.where(bad, 0.0, v)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for j in np.flatnonzero(bad.any(axis=1)):    # the few keys holding NaN / Inf: added where seen
+            pv += np.where(mask[:, j, None], p[..., j, None] * v[j], 0.0)
+    return pv
+
+
 def _attend(q, k, v, out, lse, scale, left, right, softcap):
     """One sequence in float64: q [Sq, Hq, D], k and v [Sk, Hkv, D] (any float dtype, Sk may be 0).
-    Writes out [Sq, Hq, D] (rounded to out's dtype) and, when lse is not None, lse [Hq, Sq]."""
+    Writes out [Sq, Hq, D] (rounded to out's dtype) and, when lse is not None, lse [Hq, Sq].
+
+    NaN / Inf in an input reach exactly the outputs that depend on them: masked keys are dropped before any
+    product, so a bad key or value only affects the rows that see it, and a NaN query row is NaN (lse NaN).
+    A row that sees no key is 0 with lse -inf."""
     Sq, Hq, _ = q.shape
     Sk, Hkv, _ = k.shape
     group = Hq // Hkv
@@ -272,19 +283,20 @@ def _attend(q, k, v, out, lse, scale, left, right, softcap):
         vh = v[:, h, :].astype(np.float64)
         for i0, i1, j0, j1, mask in _query_blocks(Sq, Sk, group, left, right):
             qb = q[i0:i1, heads, :].astype(np.float64).transpose(1, 0, 2)      # [group, rows, D]
-            s = (qb @ kh[j0:j1].T) * scale                                       # [group, rows, keys]
-            if softcap > 0:
-                s = softcap * np.tanh(s / softcap)
-            s = np.where(mask, s, -np.inf)
-            m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-            m = np.where(np.isfinite(m), m, 0.0)             # rows that see no key: all p are 0
-            p = np.exp(s - m)
-            l = p.sum(axis=-1, keepdims=True)                # >= 1 where a key is seen, else 0
-            seen = l > 0
-            o = np.divide(p @ vh[j0:j1], l, out=np.zeros(qb.shape), where=seen)
+            with np.errstate(invalid="ignore", over="ignore"):  # NaN / Inf inputs propagate, quietly
+                s = (qb @ kh[j0:j1].T) * scale                                   # [group, rows, keys]
+                if softcap > 0:
+                    s = softcap * np.tanh(s / softcap)
+                s = np.where(mask, s, -np.inf)
+                m = s.max(axis=-1, keepdims=True, initial=-np.inf)           # NaN if a seen score is NaN
+                p = np.exp(s - np.where(m == -np.inf, 0.0, m))               # 0 where masked
+                l = p.sum(axis=-1, keepdims=True)                # >= 1 where a key is seen (finite inputs)
+                seen = np.broadcast_to(mask.any(axis=-1)[:, None], l.shape)
+                o = np.divide(_masked_pv(p, vh[j0:j1], mask), l, out=np.zeros(qb.shape), where=seen)
             out[i0:i1, heads, :] = _round_from_f64(o.transpose(1, 0, 2), out.dtype)
             if lse is not None:
-                lse[heads, i0:i1] = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)[..., 0]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    lse[heads, i0:i1] = np.where(seen, m + np.log(l), -np.inf)[..., 0]
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0,
