@@ -1,7 +1,7 @@
 """paged_attention (flash-decoding over a paged KV cache) and PagedKVCache.
 
 CPU: dispatch to the reference, bad input, the cache's bookkeeping (NumPy backend), the split heuristic.
-GPU: the kernel against the float64 reference with SPEC section 7's bound, outputs poisoned with NaN first,
+GPU: the kernel against the float64 reference with the bound of docs/accuracy.md, outputs poisoned with NaN first,
 over shuffled block tables, ragged lengths, block sizes 1..256, head dims, GQA / MHA / MQA, window, softcap,
 contexts to 128k; every tuning candidate in a subprocess; the cache's decode loop on the GPU.
 """

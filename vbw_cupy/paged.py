@@ -664,7 +664,7 @@ def reference_bound(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
                     window=(-1, -1)):
     """(ref, base, bound) for host inputs: ref = the float64 reference (float64 array), base = relative
     Frobenius error of `reference.sdpa_lowp` (same-dtype computation with float32 softmax) against it, and
-    bound = min(2 * base, 2e-3 for float16 / 1e-2 for bfloat16) (SPEC section 7)."""
+    bound = min(2 * base, 2e-3 for float16 / 1e-2 for bfloat16) (docs/accuracy.md)."""
     dt = np.dtype(q.dtype)
     f32 = lambda a: np.asarray(a).astype(np.float32)
     r = ref.paged_attention(f32(q), f32(k_cache), f32(v_cache), block_table, seq_lens,
