@@ -60,7 +60,10 @@ The JSON file holds ``{"meta": {"tool": "vbw_cupy.autotune", "format": FORMAT_VE
 "entries": {key: {...}}}``. Writes go to a temporary file that replaces the old one (``os.replace``), while an
 ``fcntl.flock`` on ``autotune.json.lock`` is held and after re-reading the file, so two processes tuning at
 once both keep their keys. A corrupt, foreign or stale (other format version) file is ignored with one
-warning per process and rewritten by the next store. A read-only cache directory degrades to memory only.
+warning per process and rewritten by the next store. An entry is used only if its config names one this
+version declares, with the same keys, values and types (64.0 or true is not 64; ``_declared``), and ``pick``
+hands back the declared dict, never the file's; any other entry is ignored with one warning and its key
+re-tuned. A read-only cache directory degrades to memory only.
 
 Ahead of time: ``tune(names=None, shapes=None)`` (what ``vbw-cupy tune`` calls) tunes each Tunable's
 ``standard_shapes`` with its ``bench`` and returns table rows; ``format_rows(rows)`` / ``print_tune_table(rows)``
