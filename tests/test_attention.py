@@ -1,6 +1,6 @@
-"""flash_attention / flash_attention_varlen: the GPU kernel against the float64 reference (SPEC sections 3, 7).
+"""flash_attention / flash_attention_varlen: the GPU kernel against the float64 reference (SPEC section 3; bounds: docs/accuracy.md).
 
-GPU tests compare at real sizes with SPEC 7's bound: the relative Frobenius error against float64 must be at
+GPU tests compare at real sizes with the bound of docs/accuracy.md: the relative Frobenius error against float64 must be at
 most 2x that of `reference.sdpa_lowp` (the same computation in the input dtype with float32 softmax) and at most
 2e-3 (float16) / 1e-2 (bfloat16). Output and LSE buffers are NaN-poisoned before every launch, so an unwritten
 element fails. CPU tests check the argument errors (raised before any launch, also for NumPy inputs), the
@@ -30,7 +30,7 @@ def _rand(rng, shape, dtype):
 
 
 def _bound(base, dtype):
-    # SPEC 7: no worse than 2x the same-dtype/fp32-softmax error, and under the dtype's cap. The 1e-7 only
+    # docs/accuracy.md: no worse than 2x the same-dtype/fp32-softmax error, and under the dtype's cap. The 1e-7 only
     # keeps "both exact" (e.g. every row sees one key) from failing on a 0 <= 0 comparison of rounding noise.
     return min(2.0 * base, CAP[dtype]) + 1e-7
 

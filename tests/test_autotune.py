@@ -241,8 +241,12 @@ def test_cache_round_trip_across_reload(env, monkeypatch):
 @pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe garbage", b"[1, 2, 3]",
                                      json.dumps({"meta": {"tool": "someone.else"}, "entries": {}}).encode(),
                                      json.dumps({"meta": {"tool": "vbw_cupy.autotune", "format": 0},
-                                                 "entries": {}}).encode()],
-                         ids=["corrupt", "binary", "foreign-list", "foreign-tool", "stale-format"])
+                                                 "entries": {}}).encode(),
+                                     json.dumps({"meta": {"tool": "vbw_cupy.autotune", "format": 1},
+                                                 "entries": {"k": {"config": {"BM": 64}}}})[:-7].encode(),
+                                     b"", b"\0" * 100],
+                         ids=["corrupt", "binary", "foreign-list", "foreign-tool", "stale-format", "truncated",
+                              "empty", "zeros"])
 def test_bad_cache_file_one_warning_then_rewritten(env, content):
     at.cache_path().parent.mkdir(parents=True)
     at.cache_path().write_bytes(content)
@@ -465,3 +469,52 @@ def test_pick_shortcut_is_bounded(env, monkeypatch):
     assert 1 <= len(at._picked) <= 50
     assert at.pick("t_fake", {"M": 399, "K": 64}, "float16", noop) == at.pick("t_fake", {"M": 300, "K": 64},
                                                                                "float16", noop)
+
+
+@pytest.mark.parametrize("bad", [{"BM": 64.0, "W": 4}, {"BM": 64, "W": 4.0}, {"BM": True, "W": 4}, {"BM": "64", "W": 4},
+                                 {"BM": 64}, {"BM": 64, "W": 4, "X": 1}, {"BM": None, "W": 4}, [64, 4], "BM=64",
+                                 None, 64],
+                         ids=["float", "float2", "bool", "str", "missing", "extra", "null", "list", "string", "none",
+                              "int"])
+def test_cached_config_of_the_wrong_type_is_never_used(env, bad):
+    """64.0 == 64 in Python, so a config compared by value alone would reach a kernel name as "64.0": a cached
+    config must name a declared one with the same types; pick hands back the declared dict, never the file's."""
+    shape = {"M": 256, "K": 64}
+    good = at.pick("t_fake", shape, "float16", noop)
+    data = json.loads(at.cache_path().read_text())
+    (key, entry), = data["entries"].items()
+    entry["config"] = bad
+    data["entries"]["other|key"] = "garbage"           # a non-entry beside it is skipped, not fatal
+    at.cache_path().write_text(json.dumps(data))
+    at.reset()
+    env.calls.clear()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cfg = at.pick("t_fake", shape, "float16", noop)
+        again = at.pick("t_fake", {"M": 250, "K": 64}, "float16", noop)   # same bucket: no second warning
+    assert cfg == again == good and env.calls                              # re-tuned
+    assert all(type(v) is int for v in cfg.values())
+    assert sum("does not declare it" in str(x.message) for x in w) == 1, [str(x.message) for x in w]
+    assert at.cache_summary()["entries"] == 1
+
+
+def test_cached_config_is_the_declared_dict(env):
+    """Even a valid cached config is replaced by the Tunable's own dict (the file's is never passed on)."""
+    shape = {"M": 256, "K": 64}
+    at.pick("t_fake", shape, "float16", noop)
+    at.reset()
+    cfg = at.pick("t_fake", shape, "float16", noop)
+    assert cfg in CANDS and all(type(v) is int for v in cfg.values()) and at.stats()["disk_hits"] == 1
+
+
+def test_cache_dir_that_is_a_file(env, monkeypatch, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setenv("VBW_CUPY_CACHE_DIR", str(blocker))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cfg = at.pick("t_fake", {"M": 64, "K": 64}, "float16", noop)
+        at.pick("t_fake", {"M": 4096, "K": 64}, "float16", noop)
+    msgs = [str(x.message) for x in w]
+    assert cfg == {"BM": 64, "W": 4} and len(msgs) == 1 and "cannot write the tuning cache" in msgs[0], msgs
+    assert at.cache_summary()["status"] == "missing" and blocker.read_text() == "x"

@@ -1,4 +1,4 @@
-"""FP4 formats: the reference against ml_dtypes and the SPEC rules; the GPU kernels bit for bit against it."""
+"""FP4 formats: the reference against ml_dtypes and the rules of docs/formats.md; the GPU kernels bit for bit against it."""
 import ml_dtypes
 import numpy as np
 import pytest

@@ -1,6 +1,6 @@
 """fp4_matmul (vbw_cupy.gemm): argument checks on the CPU; on the GPU every kernel config, both formats, both
 16-bit dtypes, float32, every activation, bias, awkward shapes and the benchmark shapes against the float64
-reference with the SPEC 7 bound (2x the error of the float64 result rounded once to the output dtype, + 1e-6)."""
+reference with the bound of docs/accuracy.md (2x the error of the float64 result rounded once to the output dtype, + 1e-6)."""
 import re
 
 import ml_dtypes
@@ -128,7 +128,7 @@ def _gpu_case(M, N, K, fmt, dtype, seed=0, scale_rows=False):
 
 
 def _check(got, a, w, bias=None, act=None, out_dtype=None):
-    """Relative Frobenius error vs float64 (computed on the GPU in float64) and the SPEC 7 bound."""
+    """Relative Frobenius error vs float64 (computed on the GPU in float64) and the bound of docs/accuracy.md."""
     cp = rt.require_cupy()
     from vbw_cupy.fp4 import dequantize
     a64 = (dequantize(a) if isinstance(a, FP4Tensor) else a).astype(cp.float64)
@@ -283,7 +283,7 @@ def test_activations_bias(act, bias_dtype):
         a, w = _gpu_case(300, 520, 768, fmt, dtype, seed=6)
         got = gemm.fp4_matmul(a, w, bias[:520], act, out_dtype=np.float32)
         err, bound = _check(got, a, w, bias[:520], act, np.float32)
-        assert err <= bound, (act, dtype, err, bound)  # float32 output: the tight end of SPEC 7
+        assert err <= bound, (act, dtype, err, bound)  # float32 output: the tight end of docs/accuracy.md
 
 
 @pytest.mark.gpu

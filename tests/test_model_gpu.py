@@ -1,4 +1,4 @@
-"""The GPU Llama (vbw_cupy.models.gpu) against the float64 reference model, step by step (SPEC 7: logits within
+"""The GPU Llama (vbw_cupy.models.gpu) against the float64 reference model, step by step (docs/accuracy.md: logits within
 2e-2 relative error; with FP4 weights of the reference run on the dequantized weights)."""
 import numpy as np
 import pytest

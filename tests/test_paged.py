@@ -1,7 +1,7 @@
 """paged_attention (flash-decoding over a paged KV cache) and PagedKVCache.
 
 CPU: dispatch to the reference, bad input, the cache's bookkeeping (NumPy backend), the split heuristic.
-GPU: the kernel against the float64 reference with SPEC section 7's bound, outputs poisoned with NaN first,
+GPU: the kernel against the float64 reference with the bound of docs/accuracy.md, outputs poisoned with NaN first,
 over shuffled block tables, ragged lengths, block sizes 1..256, head dims, GQA / MHA / MQA, window, softcap,
 contexts to 128k; every tuning candidate in a subprocess; the cache's decode loop on the GPU.
 """
@@ -135,6 +135,27 @@ def _cache_reference(cache, q, slots):
         v = np.asarray(cache.v_cache)[blocks].reshape(-1, *cache.v_cache.shape[2:])[:n]
         out.append(ref.flash_attention(np.asarray(q[i])[None, None], k[None], v[None])[0, 0])
     return np.stack(out)
+
+
+def test_cache_picks_numpy_without_a_gpu(monkeypatch):
+    """No GPU visible: the default cache is a NumPy one and never touches CUDA; device= / xp= strings work."""
+    monkeypatch.setattr(paged.rt, "gpu_available", lambda: False)
+
+    def no_cuda():
+        raise AssertionError("tried CUDA")
+    monkeypatch.setattr(paged.rt, "require_cupy", no_cuda)
+    for kw in ({}, {"device": "cpu"}, {"xp": "numpy"}, {"xp": np}):
+        c = paged.PagedKVCache(4, 4, 1, 8, np.float16, max_batch=1, max_blocks_per_seq=4, **kw)
+        assert c.xp is np and isinstance(c.k_cache, np.ndarray), kw
+        k = np.ones((1, 3, 1, 8), np.float16)
+        c.append(k, k)
+        assert c.attention(np.ones((1, 2, 8), np.float16)).shape == (1, 2, 8)
+    for kw, msg in (({"device": "tpu"}, "device: expected 'cpu' or 'gpu'"), ({"xp": "jax"}, "xp: expected"),
+                    ({"xp": object()}, "xp: expected"), ({"device": "cpu", "xp": np}, "give one of the two")):
+        with pytest.raises(ValueError, match=msg):
+            paged.PagedKVCache(4, 4, 1, 8, max_batch=1, max_blocks_per_seq=4, **kw)
+    with pytest.raises(AssertionError, match="tried CUDA"):   # asking for the GPU goes to CuPy
+        paged.PagedKVCache(4, 4, 1, 8, max_batch=1, max_blocks_per_seq=4, device="gpu")
 
 
 def test_cache_bookkeeping_numpy():

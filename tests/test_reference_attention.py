@@ -302,7 +302,7 @@ def test_paged_matches_naive_with_window():
     np.testing.assert_allclose(o, o_n[:, 0], rtol=1e-6, atol=1e-7)
 
 
-# ---- the low-precision baseline (SPEC section 7) -------------------------------------------------
+# ---- the low-precision baseline (docs/accuracy.md) -------------------------------------------------
 
 def naive_lowp(q, k, v, causal=False, window=(-1, -1), softcap=0.0):
     """sdpa_lowp's steps written per query row (float32 scores and softmax, P rounded to the dtype)."""

@@ -7,15 +7,29 @@ import functools
 from . import _runtime as rt
 
 
+MIN_ARCH = 80  # cp.async, bf16 mma.sync and the FP4 decode paths need Ampere or newer
+
+
 def device_arch(device_id: int | None = None) -> int:
-    """Compute capability as an int, e.g. 90 for H100."""
+    """Compute capability as an int, e.g. 90 for H100. A RuntimeError for a GPU older than sm_80: every op asks
+    this before it compiles anything, so an old GPU gets one clear line instead of an NVRTC dump."""
     cp = rt.require_cupy()
     return _device_arch(cp.cuda.Device(device_id).id)
 
 
 @functools.lru_cache(maxsize=None)
 def _device_arch(device_id: int) -> int:
-    return int(rt.cupy.cuda.Device(device_id).compute_capability)
+    arch = int(rt.cupy.cuda.Device(device_id).compute_capability)
+    if arch < MIN_ARCH:
+        raise RuntimeError(f"vbw_cupy needs an sm_{MIN_ARCH} or newer GPU (Ampere+); this is sm_{arch} "
+                           f"{device_name(device_id)} (GPU {device_id}). NumPy inputs still run the reference.")
+    return arch
+
+
+def device_name(device_id: int) -> str:
+    """The device's marketing name, e.g. "NVIDIA H100 80GB HBM3"."""
+    name = rt.require_cupy().cuda.runtime.getDeviceProperties(device_id)["name"]
+    return (name.decode(errors="replace") if isinstance(name, bytes) else str(name)).strip()
 
 
 def device_attributes() -> dict:
@@ -48,14 +62,11 @@ def query_device() -> dict:
     dev = cp.cuda.Device()
     if dev.id in _device_cache:
         return _device_cache[dev.id]
+    arch = device_arch(dev.id)
     a = dev.attributes
-    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
-    if isinstance(name, bytes):
-        name = name.decode(errors="replace")
-    arch = int(dev.compute_capability)
     info = {
         "id": dev.id,
-        "name": str(name).strip(),
+        "name": device_name(dev.id),
         "arch": arch,
         "nvrtc": rt.nvrtc_version(),
         "limits": {

@@ -1,7 +1,8 @@
 """Run-time compilation of the CUDA sources in ``cuda_src/`` and kernel launch.
 
 Kernels are compiled with NVRTC (through CuPy's binding) straight to a cubin for the device's exact
-architecture (``sm_90a`` on Hopper, so wgmma is available), then loaded with ``cupy.RawModule``.
+architecture (``sm_90a`` on Hopper, so wgmma is available), then loaded from those bytes
+(``CubinKernel``, through ``cupy.cuda.function.Module``).
 We drive NVRTC ourselves rather than through ``RawModule(code=...)`` for three reasons:
 - the cache key must cover every ``.cuh`` header a ``.cu`` file includes (CuPy keys on the source
   string only, so an edited header would reuse a stale binary);
@@ -10,7 +11,12 @@ We drive NVRTC ourselves rather than through ``RawModule(code=...)`` for three r
 
 Compiled cubins are cached in memory per (device, file, instance, options) and on disk under
 ``$VBW_CUPY_CACHE_DIR/kernels`` (default ``~/.cache/vbw_cupy``), keyed by a hash of all sources,
-the options, the architecture and the NVRTC version.
+the options, the architecture and the NVRTC version. Each ``<key>.cubin`` has a ``<key>.name`` file written
+after it, holding the cubin's sha256 and the kernel's lowered name; a cubin is loaded only from the bytes
+whose checksum was just verified (never from a path the driver reads later), and an empty, truncated or
+corrupt entry is recompiled with one warning. The checksum guards against damage, not against someone
+who can write the directory: point ``VBW_CUPY_CACHE_DIR`` at a directory only you can write. A cache
+directory that cannot be used (a file in its place, read-only) means no disk cache, with one warning.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import pathlib
 import tempfile
 import threading
 import time
+import warnings
 
 import numpy as np
 
@@ -48,6 +55,20 @@ SOURCE_DIR = _find_source_dir()
 
 def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("VBW_CUPY_CACHE_DIR") or pathlib.Path.home() / ".cache" / "vbw_cupy")
+
+
+_warned: set[str] = set()
+
+
+def warn_once(tag: str, msg: str) -> None:
+    """A RuntimeWarning the first time `tag` is seen in this process (forget_warnings() starts over)."""
+    if tag not in _warned:
+        _warned.add(tag)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def forget_warnings() -> None:
+    _warned.clear()
 
 
 @functools.lru_cache(maxsize=None)
@@ -185,12 +206,59 @@ def compile_cubin(filename: str, name_expressions: list[str], arch: int,
 
 _lock = threading.Lock()
 _modules: dict = {}
+_CACHE_FORMAT = 2  # in the disk key: format-2 entries carry the cubin's sha256 in their .name file
 
 
 def _disk_key(filename, name, arch, extra_options) -> str:
-    h = hashlib.sha256(repr((sources_hash(), filename, name, arch, tuple(extra_options),
+    h = hashlib.sha256(repr((_CACHE_FORMAT, sources_hash(), filename, name, arch, tuple(extra_options),
                              nvrtc_version())).encode())
     return h.hexdigest()[:32]
+
+
+class CubinKernel:
+    """One kernel of a cubin held in memory, loaded into each device's context from those bytes on first use
+    there; called and queried like ``cupy.RawKernel`` (``kernel(grid, block, args, shared_mem=, stream=)``,
+    ``attributes``, a settable ``max_dynamic_shared_size_bytes``)."""
+
+    # CUfunction_attribute values (CUDA driver API, stable)
+    _ATTRS = {"max_threads_per_block": 0, "shared_size_bytes": 1, "const_size_bytes": 2, "local_size_bytes": 3,
+              "num_regs": 4, "ptx_version": 5, "binary_version": 6, "cache_mode_ca": 7,
+              "max_dynamic_shared_size_bytes": 8, "preferred_shared_memory_carveout": 9}
+
+    def __init__(self, cubin: bytes, name: str):
+        self.cubin, self.name = cubin, name
+        self._functions: dict = {}  # device id -> cupy.cuda.function.Function (which keeps its Module loaded)
+
+    @property
+    def kernel(self):
+        dev = cupy.cuda.runtime.getDevice()
+        fn = self._functions.get(dev)
+        if fn is None:
+            from cupy.cuda import function
+            mod = function.Module()
+            mod.load(self.cubin)
+            fn = self._functions[dev] = mod.get_function(self.name)
+        return fn
+
+    def __call__(self, grid, block, args, shared_mem: int = 0, stream=None) -> None:
+        self.kernel(grid, block, args, shared_mem=shared_mem, stream=stream)
+
+    def _attr(self, attr: str) -> int:
+        from cupy_backends.cuda.api import driver
+        return driver.funcGetAttribute(self._ATTRS[attr], self.kernel.ptr)
+
+    @property
+    def attributes(self) -> dict:
+        return {a: self._attr(a) for a in self._ATTRS}
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self._attr("max_dynamic_shared_size_bytes")
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, nbytes: int) -> None:
+        from cupy_backends.cuda.api import driver
+        driver.funcSetAttribute(self.kernel.ptr, self._ATTRS["max_dynamic_shared_size_bytes"], int(nbytes))
 
 
 def get_kernel(filename: str, name: str, extra_options: tuple[str, ...] = ()):
@@ -206,29 +274,79 @@ def get_kernel(filename: str, name: str, extra_options: tuple[str, ...] = ()):
         fn = _modules.get(key)
         if fn is not None:
             return fn
-        from ._device import device_arch  # _device imports this module
+        from ._device import device_arch  # _device imports this module; raises for GPUs below sm_80
         cubin, lowered = _cached_cubin(filename, name, device_arch(dev), tuple(extra_options))
-        mod = cp.RawModule(path=str(cubin)) if isinstance(cubin, pathlib.Path) else _module_from_bytes(cubin)
-        fn = mod.get_function(lowered)
+        fn = CubinKernel(cubin, lowered)
+        fn.kernel  # load now: a bad image fails here, not at some later launch
         _modules[key] = fn
         return fn
 
 
-def _cached_cubin(filename, name, arch, extra_options):
-    """(path of the cached cubin, or its bytes where the cache cannot be written; lowered name)."""
-    dkey = _disk_key(filename, name, arch, extra_options)
+def kernel_cache_dir() -> pathlib.Path | None:
+    """$VBW_CUPY_CACHE_DIR/kernels, created if needed; None (one warning) where it cannot be a directory."""
     d = cache_dir() / "kernels"
-    cubin_path, name_path = d / f"{dkey}.cubin", d / f"{dkey}.name"
-    if cubin_path.is_file() and name_path.is_file():
-        return cubin_path, name_path.read_text()
-    cubin, lowered_map = compile_cubin(filename, [name], arch, extra_options)
     try:
         d.mkdir(parents=True, exist_ok=True)
-        atomic_write(cubin_path, cubin)
-        atomic_write(name_path, lowered_map[name].encode())
-    except OSError:  # a read-only home still works, just without the disk cache
-        return cubin, lowered_map[name]
-    return cubin_path, lowered_map[name]
+    except OSError as e:
+        warn_once(f"kdir:{d}", f"vbw_cupy: cannot use {d} as the kernel cache ({e.strerror or e}; "
+                               f"VBW_CUPY_CACHE_DIR={os.environ.get('VBW_CUPY_CACHE_DIR', '')!r}): compiled "
+                               "kernels are kept in memory for this process only")
+        return None
+    return d
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def read_cached_cubin(cubin_path: pathlib.Path, name_path: pathlib.Path) -> tuple[bytes | None, str, str]:
+    """(cubin, lowered name, "") for an entry whose checksum holds; (None, "", why) otherwise, why "" when the
+    entry is simply absent (a writer may be between its two files: the .name file is written last)."""
+    try:
+        meta = name_path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return None, "", ""
+    except OSError as e:
+        return None, "", f"unreadable ({e})"
+    bad_meta = "its .name file does not hold '<sha256> <lowered name>'"
+    try:
+        digest, lowered = meta.decode("ascii").split()
+    except (UnicodeDecodeError, ValueError):
+        return None, "", bad_meta
+    if len(digest) != 64 or not set(digest) <= _HEX or not lowered.isprintable():
+        return None, "", bad_meta
+    try:
+        cubin = cubin_path.read_bytes()
+    except OSError as e:
+        return None, "", f"the cubin is unreadable ({e.strerror or e})"
+    if not cubin:
+        return None, "", "the cubin is empty"
+    if hashlib.sha256(cubin).hexdigest() != digest:
+        return None, "", f"the cubin's sha256 does not match ({len(cubin)} bytes: truncated or overwritten)"
+    return cubin, lowered, ""
+
+
+def _cached_cubin(filename, name, arch, extra_options) -> tuple[bytes, str]:
+    """(cubin, lowered name) from the disk cache, or compiled and stored there."""
+    d = kernel_cache_dir()
+    if d is not None:
+        dkey = _disk_key(filename, name, arch, extra_options)
+        cubin_path, name_path = d / f"{dkey}.cubin", d / f"{dkey}.name"
+        cubin, lowered, why = read_cached_cubin(cubin_path, name_path)
+        if cubin is not None:
+            return cubin, lowered
+        if why:
+            warn_once(f"bad:{cubin_path}", f"vbw_cupy: the cached kernel {cubin_path} ({name}, sm_{arch}) is "
+                                           f"unusable: {why}; recompiling it")
+    cubin, lowered_map = compile_cubin(filename, [name], arch, extra_options)
+    lowered = lowered_map[name]
+    if d is not None:
+        try:
+            atomic_write(cubin_path, cubin)
+            atomic_write(name_path, f"{hashlib.sha256(cubin).hexdigest()} {lowered}\n".encode("ascii"))
+        except OSError as e:  # a read-only cache still works, just without the disk copy
+            warn_once(f"ro:{d}", f"vbw_cupy: cannot write the kernel cache {d} ({e.strerror or e}): compiled "
+                                 "kernels are kept in memory for this process only")
+    return cubin, lowered
 
 
 def _precompile_one(job):
@@ -260,15 +378,6 @@ def precompile(instances, arch: int | None = None, extra_options: tuple[str, ...
               f"{time.perf_counter() - t0:.1f} s ({workers} processes)" +
               "".join(f"\n  FAILED {n}: {e}" for n, e in bad), flush=True)
     return bad
-
-
-def _module_from_bytes(cubin: bytes):
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        return cupy.RawModule(path=f.name)
-    finally:
-        os.unlink(f.name)
 
 
 def atomic_write(path: pathlib.Path, data: bytes, fsync: bool = False) -> None:

@@ -60,7 +60,10 @@ The JSON file holds ``{"meta": {"tool": "vbw_cupy.autotune", "format": FORMAT_VE
 "entries": {key: {...}}}``. Writes go to a temporary file that replaces the old one (``os.replace``), while an
 ``fcntl.flock`` on ``autotune.json.lock`` is held and after re-reading the file, so two processes tuning at
 once both keep their keys. A corrupt, foreign or stale (other format version) file is ignored with one
-warning per process and rewritten by the next store. A read-only cache directory degrades to memory only.
+warning per process and rewritten by the next store. An entry is used only if its config names one this
+version declares, with the same keys, values and types (64.0 or true is not 64; ``_declared``), and ``pick``
+hands back the declared dict, never the file's; any other entry is ignored with one warning and its key
+re-tuned. A read-only cache directory degrades to memory only.
 
 Ahead of time: ``tune(names=None, shapes=None)`` (what ``vbw-cupy tune`` calls) tunes each Tunable's
 ``standard_shapes`` with its ``bench`` and returns table rows; ``format_rows(rows)`` / ``print_tune_table(rows)``
@@ -85,7 +88,6 @@ import statistics
 import sys
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -155,7 +157,7 @@ def register(t: Tunable) -> Tunable:
     global _generation
     with _lock:
         _registry[t.name] = t
-        _picked.clear()  # a replaced Tunable may no longer declare a remembered config (see _known)
+        _picked.clear()  # a replaced Tunable may no longer declare a remembered config (see _declared)
         _generation += 1
     return t
 
@@ -273,7 +275,6 @@ _picked: dict[tuple, dict] = {}
 _MAX_PICKED = 4096
 # Bumped whenever a stored config may change: launch-plan caches in the op modules include it in their keys.
 _generation = 0
-_warned: set[str] = set()
 _stats = {"timer_calls": 0, "tuned": 0, "memory_hits": 0, "disk_hits": 0, "defaults": 0, "failed": 0}
 
 
@@ -294,15 +295,10 @@ def reset() -> None:
         _generation += 1
         _memory.clear()
         _picked.clear()
-        _warned.clear()
+        rt.forget_warnings()
         for k in _stats:
             _stats[k] = 0
 
-
-def _warn_once(tag: str, msg: str) -> None:
-    if tag not in _warned:
-        _warned.add(tag)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 def _meta() -> dict:
@@ -329,15 +325,14 @@ def _read_file(path: pathlib.Path) -> tuple[dict, str]:
     entries = data.get("entries")
     if not isinstance(entries, dict):
         return {}, "corrupt (no entries table)"
-    good = {k: v for k, v in entries.items()
-            if isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("config"), dict)}
-    return good, "ok"
+    # entries are checked one by one where they are used (_declared), so one bad entry costs only its own key
+    return {k: v for k, v in entries.items() if isinstance(k, str) and isinstance(v, dict)}, "ok"
 
 
 def _load(path: pathlib.Path) -> dict:
     entries, status = _read_file(path)
     if status not in ("ok", "missing"):
-        _warn_once(f"bad:{path}", f"vbw_cupy.autotune: ignoring the tuning cache {path}: {status}; "
+        rt.warn_once(f"bad:{path}", f"vbw_cupy.autotune: ignoring the tuning cache {path}: {status}; "
                                   "it will be rewritten with the next tuned kernel")
     return entries
 
@@ -371,14 +366,21 @@ def _store(key: str, entry: dict) -> None:
                 data = json.dumps({"meta": _meta(), "entries": entries}, indent=1, sort_keys=True)
                 rt.atomic_write(path, data.encode(), fsync=True)
         except OSError as e:
-            _warn_once(f"ro:{path}", f"vbw_cupy.autotune: cannot write the tuning cache {path} ({e}); "
+            rt.warn_once(f"ro:{path}", f"vbw_cupy.autotune: cannot write the tuning cache {path} ({e}); "
                                      "tuned configs are kept in memory for this process only")
 
 
-def _known(t: Tunable, cfg: dict) -> bool:
-    """A cached config is only trusted if this version still declares it: the key hashes the CUDA sources,
-    not the Python candidate tables, so an edited table could otherwise hand a kernel a config it lacks."""
-    return set(cfg) == set(t.params) and (cfg in t.candidates or cfg in t.defaults.values())
+def _declared(t: Tunable, cfg) -> dict | None:
+    """The candidate or default of `t` that a cached config names, or None. Values must match in type as well
+    (64.0 or True is not 64: a JSON float would otherwise reach a template argument list as "8.0"), and what is
+    returned is the declared dict itself, never the file's. The key hashes the CUDA sources, not the Python
+    candidate tables, so an edited table could otherwise hand a kernel a config it lacks."""
+    if not isinstance(cfg, dict) or set(cfg) != set(t.params):
+        return None
+    for c in (*t.candidates, *t.defaults.values()):
+        if all(type(cfg[k]) is type(v) and cfg[k] == v for k, v in c.items()):
+            return c
+    return None
 
 
 def _lookup(key: str, t: Tunable) -> dict | None:
@@ -391,13 +393,18 @@ def _lookup(key: str, t: Tunable) -> dict | None:
         hit = "disk_hits"
     else:
         hit = "memory_hits"
-    if e is not None and not _known(t, e["config"]):
-        _warn_once(f"stale:{key}", f"vbw_cupy.autotune: ignoring the cached config {e['config']} for {t.name}: "
-                                   "this version does not declare it; re-tuning")
+    if e is None:
+        return None
+    cfg = _declared(t, e.get("config"))
+    if cfg is None:
+        rt.warn_once(f"stale:{key}", f"vbw_cupy.autotune: ignoring the cached config {e.get('config')!r} for "
+                                     f"{t.name}: this version does not declare it (the same keys and values, ints "
+                                     "as ints); re-tuning")
         _memory.pop(key, None)
         return None
-    if e is not None:
-        _stats[hit] += 1
+    if cfg is not e["config"]:
+        e = _memory[key] = {**e, "config": dict(cfg)}
+    _stats[hit] += 1
     return e
 
 
@@ -577,14 +584,14 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
             _remember(fast, e["config"])
             return dict(e["config"])
         if _capturing():
-            _warn_once(f"capture:{key}", f"vbw_cupy.autotune: {name} {_bucket_str(t, shape)} is not tuned and the "
+            rt.warn_once(f"capture:{key}", f"vbw_cupy.autotune: {name} {_bucket_str(t, shape)} is not tuned and the "
                                          "stream is capturing a CUDA graph: using the default config")
             return default_config(name, dev["arch"])
         e = _tune_key(t, run, dev)
         e.update(device=dev["name"], arch=dev["arch"], dtype=_dtype_name(dtype), bucket=_bucket_str(t, shape),
                  shape={k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in shape.items()})
         if e["config"] is None:  # nothing ran: do not remember, fall back to the default
-            _warn_once(f"allfail:{key}", f"vbw_cupy.autotune: every candidate of {name} failed for {key}; "
+            rt.warn_once(f"allfail:{key}", f"vbw_cupy.autotune: every candidate of {name} failed for {key}; "
                                          "using the default config")
             _memory[key] = {**e, "config": e["default"]}
             return dict(e["default"])
@@ -605,7 +612,7 @@ def _import_kernel_modules() -> None:
         try:
             importlib.import_module(f"{__package__}.{m.name}")
         except Exception as e:
-            _warn_once(f"import:{m.name}", f"vbw_cupy.autotune: cannot import vbw_cupy.{m.name} ({e})")
+            rt.warn_once(f"import:{m.name}", f"vbw_cupy.autotune: cannot import vbw_cupy.{m.name} ({e})")
 
 
 def _fmt_cfg(c: dict | None) -> str:
@@ -679,15 +686,21 @@ def print_tune_table(rows: list[dict], out=None) -> None:
     print(format_rows(rows) if rows else "no kernel with standard shapes to tune", file=out or sys.stdout)
 
 
+def _ms_or_none(x) -> float | None:
+    """A timing read back from the file (hand-edited files may hold anything there)."""
+    return float(x) if type(x) in (int, float) and math.isfinite(x) else None
+
+
 def cache_summary() -> dict:
     """What the tuning cache file holds, for ``vbw-cupy info``: path, status ("ok", "missing", or why it is
     ignored), format, the number of entries, and per entry kernel, device, arch, dtype, bucket, config, ms,
     default_ms. Needs no GPU."""
     path = cache_path()
     entries, status = _read_file(path)
+    ms = _ms_or_none
     rows = [{"kernel": v.get("kernel", k.split("|")[0]), "device": v.get("device"), "arch": v.get("arch"),
-             "dtype": v.get("dtype"), "bucket": v.get("bucket"), "config": v.get("config"), "ms": v.get("ms"),
-             "default_ms": v.get("default_ms")} for k, v in sorted(entries.items())]
+             "dtype": v.get("dtype"), "bucket": v.get("bucket"), "config": v.get("config"), "ms": ms(v.get("ms")),
+             "default_ms": ms(v.get("default_ms"))} for k, v in sorted(entries.items())]
     return {"path": str(path), "status": status, "format": FORMAT_VERSION, "entries": len(rows), "rows": rows}
 
 

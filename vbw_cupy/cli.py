@@ -108,16 +108,38 @@ def _no_gpu_reason() -> str:
     return "CuPy is not installed" if not rt.have_cupy() else "no CUDA device is visible"
 
 
-def cmd_selftest(args) -> int:
+# selftest's exit status: 0 every GPU kernel within bounds; 1 a row out of bounds or an op failed;
+# 3 no GPU kernel ran (no CuPy, no visible GPU, or one older than sm_80): only the NumPy reference was checked.
+EXIT_REFERENCE_ONLY = 3
+SELFTEST_EXIT_CODES = (f"exit status: 0 every kernel within its bound; 1 a check failed; {EXIT_REFERENCE_ONLY} no GPU "
+                       "kernel ran (no CuPy, no GPU, or one older than sm_80), only the NumPy reference was checked")
+
+
+def _gpu_unusable() -> str | None:
+    """Why the GPU kernels cannot run here, or None when they can."""
     if not rt.gpu_available():
-        print(f"vbw-cupy selftest: {_no_gpu_reason()}; GPU kernels not run. Checking the NumPy reference path only.")
+        return _no_gpu_reason()
+    try:
+        _device.device_arch()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def cmd_selftest(args) -> int:
+    why = _gpu_unusable()
+    if why:
+        print(f"vbw-cupy selftest: {why.rstrip('.')}; GPU kernels not run. Checking the NumPy reference path only.")
         rows = _cpu_selftest()
         print_table(rows)
-        return 0 if all(r["ok"] for r in rows) else 1
+        ok = all(r["ok"] for r in rows)
+        print(f"reference path {'within bounds' if ok else 'FAILED'}; no GPU kernel was checked "
+              f"(exit status {EXIT_REFERENCE_ONLY if ok else 1})")
+        return EXIT_REFERENCE_ONLY if ok else 1
     cp = rt.require_cupy()
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    print(f"vbw-cupy selftest on {props['name'].decode()} (sm_{_device.device_arch()}), NVRTC {rt.nvrtc_version()}",
-          flush=True)
+    dev = cp.cuda.Device().id
+    print(f"vbw-cupy selftest on {_device.device_name(dev)} (sm_{_device.device_arch()}), "
+          f"NVRTC {rt.nvrtc_version()}", flush=True)
     cases = [c for m in op_modules() for c in m.selftest_cases()]
     rows, failed = [], 0
     for i, case in enumerate(cases, 1):
@@ -147,12 +169,16 @@ def cmd_info(args) -> int:
     else:
         cp = rt.require_cupy()
         print(f"CuPy {cp.__version__}, NVRTC {rt.nvrtc_version()}, CUDA headers: {rt.cuda_include_dir()}")
+        why = _gpu_unusable()
         if not rt.gpu_available():
             print("device: none visible")
+        elif why:
+            print(f"device: {why}")
         else:
-            props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-            print(f"device: {props['name'].decode()}, sm_{_device.device_arch()}, {_device.num_sms()} SMs, "
-                  f"{props['totalGlobalMem'] / 2**30:.1f} GiB")
+            dev = cp.cuda.Device().id
+            mem = cp.cuda.runtime.getDeviceProperties(dev)["totalGlobalMem"]
+            print(f"device: {_device.device_name(dev)}, sm_{_device.device_arch()}, {_device.num_sms()} SMs, "
+                  f"{mem / 2**30:.1f} GiB")
     s = autotune.cache_summary()
     print(f"autotune cache: {s['path']} ({s['status']}, {s['entries']} entries; "
           f"VBW_CUPY_AUTOTUNE={'1' if autotune.enabled() else '0'})")
@@ -169,6 +195,7 @@ def cmd_bench(args) -> int:
         print(f"vbw-cupy bench: the benchmarks live in the source checkout (bench/), not found next to {rt.SOURCE_DIR}")
         return 1
     cmd = [sys.executable, "-m", "pytest", str(bench_dir), "--benchmark-only", "-q", *args.pytest_args]
+    print("running: " + " ".join(cmd), file=sys.stderr, flush=True)
     return subprocess.call(cmd, cwd=str(bench_dir.parent))
 
 
@@ -178,16 +205,18 @@ def cmd_bench_model(args) -> int:
         print(f"vbw-cupy bench-model: the benchmark lives in the source checkout (bench/bench_model.py), not found "
               f"next to {rt.SOURCE_DIR}")
         return 1
-    if not rt.gpu_available():
-        print(f"vbw-cupy bench-model: {_no_gpu_reason()}; the model benchmark needs a GPU.")
+    why = _gpu_unusable()
+    if why:
+        print(f"vbw-cupy bench-model: {why.rstrip('.')}; the model benchmark needs a GPU.")
         return 1
     return subprocess.call([sys.executable, str(script), *(["--quick"] if args.quick else [])])
 
 
 def cmd_tune(args) -> int:
     from . import autotune
-    if not rt.gpu_available():
-        print(f"vbw-cupy tune: {_no_gpu_reason()}; tuning times kernels on a GPU, nothing to do.")
+    why = _gpu_unusable()
+    if why:
+        print(f"vbw-cupy tune: {why.rstrip('.')}; tuning times kernels on a GPU, nothing to do.")
         return 1
     mods = op_modules()  # importing the op modules registers their tunables
     # every candidate of every kernel, compiled in parallel first, so tuning times kernels, not NVRTC
@@ -234,19 +263,37 @@ def _generate(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vbw-cupy", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("selftest", help="every kernel against the float64 reference, with timings against its peer")
-    sub.add_parser("info", help="device, architecture, NVRTC version, tuning cache")
-    b = sub.add_parser("bench", help="run the pytest-benchmark suite in bench/ (source checkout)")
-    b.add_argument("pytest_args", nargs="*")
-    t = sub.add_parser("tune", help="autotune the standard shapes of every kernel and cache the choices")
-    t.add_argument("kernels", nargs="*")
-    bm = sub.add_parser("bench-model", help="Llama decode and prefill against torch and the memory roofline "
-                                            "(bench/bench_model.py)")
+    p.add_argument("--version", action="version", version=f"vbw_cupy {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def add(name, help, description, **kw):
+        return sub.add_parser(name, help=help, description=description, **kw)
+
+    add("selftest", "every kernel against the float64 reference, with timings against its peer",
+        "Run every operation at real sizes on the GPU against the float64 reference and print a table of "
+        "error, bound, time and the time of a peer measured in the same run. Without a usable GPU it checks "
+        "the NumPy reference path instead and says so.", epilog=SELFTEST_EXIT_CODES)
+    add("info", "device, architecture, NVRTC version, tuning cache",
+        "Print the version, the CUDA sources and their hash, the cache directory, CuPy / NVRTC / CUDA headers, "
+        "the device (name, sm_XX, SMs, memory) and what the autotune cache holds.")
+    add("bench", "run the pytest-benchmark suite in bench/ (source checkout); other options go to pytest",
+        "Run `python -m pytest bench/ --benchmark-only -q` in the source checkout. Every other argument is "
+        "passed to pytest as given, e.g. `vbw-cupy bench -k attention`; after `--` even options this command "
+        "knows (`vbw-cupy bench -- -h` is pytest's help).")
+    t = add("tune", "autotune the standard shapes of every kernel and cache the choices",
+            "Compile every tuning candidate in parallel, time the candidates of each kernel's standard shapes on "
+            "this GPU and store the winners in $VBW_CUPY_CACHE_DIR/autotune.json; prints a table of the choices.")
+    t.add_argument("kernels", nargs="*", help="Tunable names (default: all)")
+    bm = add("bench-model", "Llama decode and prefill against torch and the memory roofline",
+             "Run bench/bench_model.py (source checkout, GPU): decode tokens/s of the GPU Llama with nvfp4 and fp16 "
+             "weights against a torch fp16 Llama in a CUDA graph and against the memory roofline, and prefill time.")
     bm.add_argument("--quick", action="store_true", help="skip the 7B batch-16 and 2048-token prefill runs")
-    g = sub.add_parser("generate", help="generate text with a Llama checkpoint (llama2.c .bin or Hugging Face folder)")
+    g = add("generate", "generate text with a Llama checkpoint (llama2.c .bin or Hugging Face folder)",
+            "Load a Llama-architecture checkpoint (llama2.c .bin with tokenizer.bin, or a Hugging Face folder with "
+            "config.json, *.safetensors and tokenizer.json) and generate text from a prompt, on the GPU or with "
+            "the float64 reference ops on the CPU.")
     g.add_argument("checkpoint", help="a llama2.c .bin file or a Hugging Face Llama folder")
     g.add_argument("--tokenizer", help="tokenizer.bin or tokenizer.json (default: beside / inside the checkpoint)")
     g.add_argument("--prompt", default="", help="the prompt text (default: empty, BOS only)")
@@ -259,7 +306,18 @@ def main(argv=None) -> int:
                    help="linear weights as stored in memory (default fp32 on cpu, fp16 on gpu)")
     g.add_argument("--device", choices=("gpu", "cpu"), help="default: gpu when one is visible, else cpu")
     g.add_argument("--print-ids", action="store_true", help="print the prompt and generated token ids")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args, rest = p.parse_known_args(argv)
+    if args.cmd == "bench":  # everything argparse did not take goes to pytest, in order (the first "--" dropped)
+        if "--" in rest:
+            rest.remove("--")
+        args.pytest_args = rest
+    elif rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     return {"selftest": cmd_selftest, "info": cmd_info, "bench": cmd_bench, "tune": cmd_tune,
             "generate": cmd_generate, "bench-model": cmd_bench_model}[args.cmd](args)
 

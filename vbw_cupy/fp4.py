@@ -1,4 +1,4 @@
-"""FP4 block-scaled formats (SPEC section 2): FP4Tensor, quantize, dequantize.
+"""FP4 block-scaled formats (docs/formats.md): FP4Tensor, quantize, dequantize.
 
 NumPy inputs run `vbw_cupy.reference`; CuPy inputs (or DLPack / CUDA-array-interface objects) run the
 kernels of ``cuda_src/fp4_codec.cu``, bit-identical to the reference.

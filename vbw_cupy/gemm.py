@@ -1,4 +1,4 @@
-"""fp4_matmul: W4A16 GEMM with FP4 (NVFP4 / MXFP4) weights on tensor cores (SPEC 2, issue 3).
+"""fp4_matmul: W4A16 GEMM with FP4 (NVFP4 / MXFP4) weights on tensor cores (formats: docs/formats.md).
 
 ``fp4_matmul(a, w, bias=None, activation=None, out_dtype=None)`` computes
 ``activation(a @ dequantize(w).T + bias)`` with float32 accumulation, the FP4 weights decoded in registers
@@ -6,11 +6,11 @@
 
 - ``a``: ``[..., K]`` float16 / bfloat16 (tensor-core operands of that type) or float32. float32 runs an
   exact split path (each value = three bfloat16 pieces, per-block partials summed in float64) so a float32
-  output meets SPEC 7; it is several times slower than the 16-bit paths. ``a`` may also be an FP4Tensor
+  output meets the bound of docs/accuracy.md; it is several times slower than the 16-bit paths. ``a`` may also be an FP4Tensor
   (W4A4): it is dequantized to float32 (exact) and takes the float32 path; the output defaults to float16.
 - ``w``: an FP4Tensor of logical shape ``[N, K]``. On first use the weight is re-laid out once for the kernel
   and kept in ``w._cache`` (as much memory again as ``w``); ``dequantize`` and the reference still see the
-  SPEC layout.
+  layout of docs/formats.md.
 - Block scales are applied exactly: by default inside the 16-bit operands (a per-tensor power-of-two shift
   keeps every ``e2m1 * scale`` a normal float16 / bfloat16, which is exact); tensors whose scale range does not
   fit (over ~2^15 between the smallest and largest live block scale for float16, 2^30 for bfloat16, or MXFP4
@@ -665,7 +665,7 @@ def _cupy_epilogue(z, bias, act):
 
 
 def error_vs_reference(got, a, w, bias=None, act=None, out_dtype=None):
-    """(relative Frobenius error of `got` vs the float64 reference, SPEC 7 bound for it)."""
+    """(relative Frobenius error of `got` vs the float64 reference, bound of docs/accuracy.md for it)."""
     from .fp4 import dequantize
     a64 = (dequantize(a.to_cpu()) if _is_fp4(a) else rt.require_cupy().asnumpy(a).astype(np.float64)).astype(np.float64)
     w64 = dequantize(w.to_cpu()).astype(np.float64)

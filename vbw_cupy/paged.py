@@ -469,10 +469,37 @@ def _launch_for(q, k_cache, v_cache, block_table, seq_lens, out, cfg=None, *, so
 
 
 # ------------------------------------------------------------------------------------------ the KV cache
+_DEVICES = {"cpu": "numpy", "gpu": "cupy"}
+
+
+def _array_module(device, xp):
+    """PagedKVCache's array module from `device` ("cpu" / "gpu") or `xp` (a module or its name); neither given:
+    CuPy when a GPU is visible, else NumPy (so a CPU-only machine never touches CUDA)."""
+    if device is not None and xp is not None:
+        raise ValueError(f"device={device!r}, xp={xp!r}: give one of the two")
+    if device is not None:
+        if device not in _DEVICES:
+            raise ValueError(f"device: expected 'cpu' or 'gpu', got {device!r}")
+        xp = _DEVICES[device]
+    elif xp is None:
+        xp = "cupy" if rt.gpu_available() else "numpy"
+    if isinstance(xp, str):
+        if xp not in ("numpy", "cupy"):
+            raise ValueError(f"xp: expected numpy, cupy, 'numpy' or 'cupy', got {xp!r}")
+        return np if xp == "numpy" else rt.require_cupy()
+    if xp is np or (rt.have_cupy() and xp is rt.cupy):
+        return xp
+    raise ValueError(f"xp: expected numpy, cupy, 'numpy' or 'cupy', got {xp!r}")
+
+
 class PagedKVCache:
     """A paged KV cache for decoding: plain arrays inside, block allocation and index arithmetic done for you.
 
-    Arrays (NumPy or CuPy, per `xp`; read them freely, write them only through the methods):
+    Where it lives: ``device="gpu"`` (CuPy arrays, the CUDA kernels) or ``"cpu"`` (NumPy arrays, the float64
+    reference); the default is "gpu" when CuPy sees a GPU, else "cpu". ``xp`` (the module ``numpy`` / ``cupy``
+    or the string "numpy" / "cupy") says the same thing the older way; give one of the two.
+
+    Arrays (NumPy or CuPy; read them freely, write them only through the methods):
       k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim] of `dtype`
       block_table       int32 [max_batch, max_blocks_per_seq]: block ids of each sequence slot, in order
       seq_lens          int32 [max_batch]: tokens stored per sequence slot (0 = free slot)
@@ -503,9 +530,8 @@ class PagedKVCache:
     """
 
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, dtype=np.float16, *, max_batch,
-                 max_blocks_per_seq, xp=None):
-        if xp is None:
-            xp = rt.require_cupy()
+                 max_blocks_per_seq, device=None, xp=None):
+        xp = _array_module(device, xp)
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq)):
             if not _checks._is_int(v) or int(v) < 1:
@@ -710,7 +736,7 @@ def reference_bound(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
                     window=(-1, -1)):
     """(ref, base, bound) for host inputs: ref = the float64 reference (float64 array), base = relative
     Frobenius error of `reference.sdpa_lowp` (same-dtype computation with float32 softmax) against it, and
-    bound = min(2 * base, 2e-3 for float16 / 1e-2 for bfloat16) (SPEC section 7)."""
+    bound = min(2 * base, 2e-3 for float16 / 1e-2 for bfloat16) (docs/accuracy.md)."""
     dt = np.dtype(q.dtype)
     f32 = lambda a: np.asarray(a).astype(np.float32)
     r = ref.paged_attention(f32(q), f32(k_cache), f32(v_cache), block_table, seq_lens,

@@ -18,7 +18,7 @@ from ..fp4 import FP4Tensor, dequantize, quantize
 from ..gemm import fp4_matmul
 from ..paged import PagedKVCache
 
-#: weight storage choices for the linear layers (SPEC section 2 formats, or dense).
+#: weight storage choices for the linear layers (the FP4 formats of docs/formats.md, or dense).
 WEIGHT_FORMATS = ("fp32", "fp16", "nvfp4", "mxfp4")
 ROPE_STYLES = ("adjacent", "halves")
 

@@ -1,0 +1,100 @@
+"""The command line on the CPU: --version, a description per subcommand, `bench` passing pytest's options through,
+selftest's exit status without a GPU, and the one-line refusal of GPUs older than sm_80."""
+import types
+
+import pytest
+
+import vbw_cupy
+from vbw_cupy import _device
+from vbw_cupy import _runtime as rt
+from vbw_cupy import cli
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"vbw_cupy {vbw_cupy.__version__}"
+
+
+def test_every_subcommand_has_help_and_a_description():
+    p = cli.build_parser()
+    sub = next(a for a in p._actions if a.dest == "cmd")
+    helps = {c.dest: c.help for c in sub._choices_actions}
+    assert set(sub.choices) == {"selftest", "info", "bench", "tune", "generate"} == set(helps)
+    for name, sp in sub.choices.items():
+        assert helps[name] and sp.description and len(sp.description) > 40, name
+    assert "3" in sub.choices["selftest"].epilog and "reference" in sub.choices["selftest"].epilog
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["bench"], []),
+    (["bench", "-k", "attention"], ["-k", "attention"]),
+    (["bench", "bench/bench_attention.py", "-x", "-k", "a and b"], ["bench/bench_attention.py", "-x", "-k", "a and b"]),
+    (["bench", "--", "-h"], ["-h"]),
+    (["bench", "-q", "--", "--benchmark-json", "out.json"], ["-q", "--benchmark-json", "out.json"]),
+])
+def test_bench_passes_pytest_options_through(monkeypatch, argv, want):
+    seen = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, cwd=None: seen.append(cmd) or 0)
+    assert cli.main(argv) == 0
+    (cmd,), = [seen]
+    assert cmd[cmd.index("--benchmark-only") + 2:] == want and cmd[2] == "pytest"
+
+
+def test_unknown_options_of_other_commands_are_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["info", "--bogus"])
+    assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_selftest_without_a_gpu_exits_3(monkeypatch, capsys):
+    monkeypatch.setattr(rt, "gpu_available", lambda: False)
+    assert cli.main(["selftest"]) == cli.EXIT_REFERENCE_ONLY == 3
+    out = capsys.readouterr().out
+    assert "GPU kernels not run" in out and "no GPU kernel was checked (exit status 3)" in out
+
+
+def test_selftest_fails_with_1_when_the_reference_is_wrong(monkeypatch, capsys):
+    monkeypatch.setattr(rt, "gpu_available", lambda: False)
+    monkeypatch.setattr(cli, "_cpu_selftest", lambda: [{"op": "x", "shape": "-", "ok": False}])
+    assert cli.main(["selftest"]) == 1
+
+
+def _old_gpu(monkeypatch, arch="75", name=b"Tesla T4"):
+    """CuPy that sees one GPU of compute capability `arch`."""
+    dev = types.SimpleNamespace(id=0, compute_capability=arch)
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {"name": name},
+                                    getDevice=lambda: 0)
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda i=None: dev, runtime=runtime),
+                                 ndarray=type("ndarray", (), {}))
+    monkeypatch.setattr(rt, "cupy", fake)
+    monkeypatch.setattr(_device, "_device_cache", {})
+    _device._device_arch.cache_clear()
+    return fake
+
+
+def test_old_gpu_refused_with_one_line_before_any_compile(monkeypatch, capsys):
+    _old_gpu(monkeypatch)
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled for an unsupported GPU")
+    monkeypatch.setattr(rt, "compile_cubin", no_compile)
+    monkeypatch.setattr(rt, "_modules", {})
+    with pytest.raises(RuntimeError) as e:
+        rt.get_kernel("fp4_codec.cu", "quantize_mx<__half>")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("vbw_cupy needs an sm_80 or newer GPU (Ampere+); this is sm_75 Tesla T4")
+    with pytest.raises(RuntimeError, match="needs an sm_80"):
+        _device.query_device()
+    # selftest and tune say why and check only the reference
+    assert cli.main(["selftest"]) == 3
+    assert "this is sm_75 Tesla T4" in capsys.readouterr().out
+    assert cli.main(["tune"]) == 1
+    _device._device_arch.cache_clear()
+
+
+def test_sm80_and_newer_accepted(monkeypatch):
+    for arch in ("80", "86", "90", "120"):
+        _old_gpu(monkeypatch, arch, "NVIDIA X")
+        assert _device.device_arch() == int(arch)
+    _device._device_arch.cache_clear()

@@ -1,0 +1,198 @@
+"""The on-disk kernel cache on the CPU (NVRTC and the driver faked): checksummed entries, damaged entries recompiled
+with one warning, a cache directory that cannot be used, and cubins loaded from the verified bytes."""
+import hashlib
+import sys
+import types
+import warnings
+
+import pytest
+
+from vbw_cupy import _device
+from vbw_cupy import _runtime as rt
+
+FILE, NAME, ARCH = "fp4_codec.cu", "quantize_mx<__half>", 90
+
+
+@pytest.fixture
+def compiles(tmp_path, monkeypatch):
+    """A fake NVRTC: each compile returns a fresh cubin; the list holds the calls."""
+    calls = []
+
+    def compile_cubin(filename, names, arch, extra_options=()):
+        calls.append((filename, tuple(names), arch))
+        return b"\x7fELF cubin %d for %s" % (len(calls), names[0].encode()), {n: "_Z11quantize_mxI6__halfEvv"
+                                                                             for n in names}
+    monkeypatch.setenv("VBW_CUPY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(rt, "compile_cubin", compile_cubin)
+    monkeypatch.setattr(rt, "nvrtc_version", lambda: "12.8")
+    rt.forget_warnings()
+    yield calls
+    rt.forget_warnings()
+
+
+def entry_paths():
+    d = rt.cache_dir() / "kernels"
+    key = rt._disk_key(FILE, NAME, ARCH, ())
+    return d / f"{key}.cubin", d / f"{key}.name"
+
+
+def test_entry_carries_a_checksum_and_is_reused(compiles):
+    cubin, lowered = rt._cached_cubin(FILE, NAME, ARCH, ())
+    cpath, npath = entry_paths()
+    assert cpath.read_bytes() == cubin and lowered == "_Z11quantize_mxI6__halfEvv"
+    assert npath.read_text() == f"{hashlib.sha256(cubin).hexdigest()} {lowered}\n"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rt._cached_cubin(FILE, NAME, ARCH, ()) == (cubin, lowered)
+    assert len(compiles) == 1
+    assert not [p for p in cpath.parent.iterdir() if p not in (cpath, npath)]   # no temp files left
+
+
+def _damage(kind, cpath, npath):
+    data = cpath.read_bytes()
+    if kind == "empty":
+        cpath.write_bytes(b"")
+    elif kind == "truncated":
+        cpath.write_bytes(data[:len(data) // 2])
+    elif kind == "flipped":
+        cpath.write_bytes(data[:3] + bytes([data[3] ^ 1]) + data[4:])
+    elif kind == "replaced":
+        cpath.write_bytes(b"someone else's cubin")
+    elif kind == "cubin-missing":
+        cpath.unlink()
+    elif kind == "name-garbage":
+        npath.write_bytes(b"\xff\xfe\x00 garbage")
+    elif kind == "name-short-hash":
+        npath.write_text("abc123 _Z1fv\n")
+    elif kind == "name-no-lowered":
+        npath.write_text(hashlib.sha256(data).hexdigest() + "\n")
+    elif kind == "name-empty":
+        npath.write_bytes(b"")
+
+
+@pytest.mark.parametrize("kind", ["empty", "truncated", "flipped", "replaced", "cubin-missing",
+                                  "name-garbage", "name-short-hash", "name-no-lowered", "name-empty"])
+def test_damaged_entry_is_recompiled_with_one_warning(compiles, kind):
+    rt._cached_cubin(FILE, NAME, ARCH, ())
+    cpath, npath = entry_paths()
+    _damage(kind, cpath, npath)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cubin, lowered = rt._cached_cubin(FILE, NAME, ARCH, ())
+        _damage(kind, cpath, npath)
+        rt._cached_cubin(FILE, NAME, ARCH, ())      # damaged again: recompiled again, not warned again
+    msgs = [str(x.message) for x in w]
+    assert len(msgs) == 1 and "unusable" in msgs[0] and "recompiling" in msgs[0], msgs
+    assert len(compiles) == 3 and cubin == b"\x7fELF cubin 2 for " + NAME.encode()
+    assert rt.read_cached_cubin(cpath, npath)[0] is not None   # rewritten: the next read is a clean hit
+
+
+def test_missing_name_file_is_a_plain_miss(compiles):
+    """The .name file is written after the cubin: without it the entry is absent (or a writer is between its two
+    files), a miss without a warning."""
+    rt._cached_cubin(FILE, NAME, ARCH, ())
+    cpath, npath = entry_paths()
+    npath.unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rt._cached_cubin(FILE, NAME, ARCH, ())
+    assert len(compiles) == 2
+
+
+def test_cache_dir_that_is_a_file(compiles, tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setenv("VBW_CUPY_CACHE_DIR", str(blocker))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a = rt._cached_cubin(FILE, NAME, ARCH, ())
+        b = rt._cached_cubin(FILE, NAME, ARCH, ())
+    msgs = [str(x.message) for x in w]
+    assert len(msgs) == 1 and "cannot use" in msgs[0] and "in memory for this process only" in msgs[0], msgs
+    assert a[0] and b[0] and len(compiles) == 2 and blocker.read_text() == "x"
+
+
+class _FakeFunction:
+    def __init__(self, module, name):
+        self.module, self.name, self.ptr, self.calls = module, name, 0x1234, []
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        self.calls.append((grid, block, args, shared_mem, stream))
+
+
+class _FakeModule:
+    loaded = []
+
+    def load(self, cubin):
+        if not cubin.startswith(b"\x7fELF"):
+            raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
+        self.loaded.append((FakeCuda.device, cubin))
+
+    def get_function(self, name):
+        return _FakeFunction(self, name)
+
+
+class FakeCuda:
+    device = 0
+
+
+def _fake_cupy(monkeypatch):
+    function = types.ModuleType("cupy.cuda.function")
+    function.Module = _FakeModule
+    runtime = types.SimpleNamespace(getDevice=lambda: FakeCuda.device, getDeviceCount=lambda: 2)
+    cuda = types.SimpleNamespace(Device=lambda i=None: types.SimpleNamespace(id=FakeCuda.device if i is None else i,
+                                                                           compute_capability="90"),
+                                 runtime=runtime, function=function)
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.function", function)
+    monkeypatch.setattr(rt, "cupy", cupy)
+    monkeypatch.setattr(rt, "_modules", {})
+    _device._device_arch.cache_clear()
+    _FakeModule.loaded = []
+
+
+def test_get_kernel_loads_the_verified_bytes_per_device(compiles, monkeypatch):
+    _fake_cupy(monkeypatch)
+    try:
+        k = rt.get_kernel(FILE, NAME)
+        cubin, _ = rt._cached_cubin(FILE, NAME, ARCH, ())
+        assert _FakeModule.loaded == [(0, cubin)] and len(compiles) == 1   # loaded at once, from the bytes
+        assert rt.get_kernel(FILE, NAME) is k
+        k((1,), (32,), (1, 2), shared_mem=16)
+        assert k.kernel.name == "_Z11quantize_mxI6__halfEvv" and k.kernel.calls == [((1,), (32,), (1, 2), 16, None)]
+        FakeCuda.device = 1                        # another device: the same object loads into its context
+        k((2,), (64,), ())
+        assert [d for d, _ in _FakeModule.loaded] == [0, 1]
+    finally:
+        FakeCuda.device = 0
+        _device._device_arch.cache_clear()
+
+
+def test_kernel_attributes_through_the_driver(compiles, monkeypatch):
+    """attributes / max_dynamic_shared_size_bytes as on cupy.RawKernel, read from the loaded function."""
+    _fake_cupy(monkeypatch)
+    attrs = {}
+    driver = types.ModuleType("cupy_backends.cuda.api.driver")
+    driver.funcGetAttribute = lambda attr, ptr: attrs.get((attr, ptr), 7)
+    driver.funcSetAttribute = lambda ptr, attr, value: attrs.__setitem__((attr, ptr), value)
+    api = types.ModuleType("cupy_backends.cuda.api")
+    api.driver = driver
+    for name, mod in (("cupy_backends", types.ModuleType("cupy_backends")),
+                      ("cupy_backends.cuda", types.ModuleType("cupy_backends.cuda")),
+                      ("cupy_backends.cuda.api", api), ("cupy_backends.cuda.api.driver", driver)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    sys.modules["cupy_backends"].cuda = sys.modules["cupy_backends.cuda"]
+    sys.modules["cupy_backends.cuda"].api = api
+    try:
+        k = rt.get_kernel(FILE, NAME)
+        assert k.max_dynamic_shared_size_bytes == 7
+        k.max_dynamic_shared_size_bytes = 100_000
+        assert attrs == {(8, 0x1234): 100_000} and k.max_dynamic_shared_size_bytes == 100_000
+        a = k.attributes
+        assert set(a) >= {"num_regs", "shared_size_bytes", "local_size_bytes", "max_threads_per_block"}
+        assert a["num_regs"] == 7 and a["max_dynamic_shared_size_bytes"] == 100_000
+    finally:
+        _device._device_arch.cache_clear()
