@@ -3,6 +3,7 @@ equal the unsplit model and the unsplit reference attention. tests/test_dist_gpu
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -44,6 +45,15 @@ def test_a_failing_rank_does_not_hang_the_others():
         comm.all_reduce(np.zeros(2))
     with pytest.raises(KeyError, match="rank 1 broke"):
         SimGroup(3, timeout=30).run(body)
+
+    def ring(comm):   # rank 0 waits for a message rank 2 never sends
+        if comm.rank == 2:
+            raise KeyError("rank 2 broke")
+        comm.sendrecv(np.zeros(1), comm.next, np.empty(1), comm.prev).wait()
+    t0 = time.perf_counter()
+    with pytest.raises(KeyError, match="rank 2 broke"):
+        SimGroup(3, timeout=30).run(ring)
+    assert time.perf_counter() - t0 < 5
     assert threading.active_count() < 10
 
 
