@@ -53,14 +53,14 @@ def ring_attention(q, k, v, comm: Comm, *, seq_len: int | None = None, causal: b
     see the module docstring); every rank calls it with its own part.
 
     q [B, L, Hq, D], k and v [B, L, Hkv, D]: this rank's positions `zigzag_positions(seq_len, rank, size)`
-    (L = seq_len / size when it divides; seq_len defaults to L * size). NumPy arrays run the float64 reference
+    (L = seq_len / size when 2 size divides seq_len; seq_len defaults to L * size). NumPy arrays run the reference
     per block; CuPy arrays the GPU kernel (float16 / bfloat16) with NCCL. The merge is in float64 on NumPy,
     float32 on the GPU. causal=True is the usual mask over the whole sequence (Sq == Sk). Returns o [B, L, Hq, D]
     in q's dtype and, with return_lse=True, lse float32 [B, Hq, L], this rank's rows of the unsplit result.
 
-    >>> parts = SimGroup(2).run(lambda c: ring_attention(qs[c.rank], ks[c.rank], vs[c.rank], c, causal=True))
-    ...                                                                                     # doctest: +SKIP
-    >>> o = zigzag_merge(parts)                          # == flash_attention(q, k, v, causal=True)  # doctest: +SKIP
+    >>> qs, ks, vs = (zigzag_split(a, 2) for a in (q, k, v))                           # doctest: +SKIP
+    >>> run = lambda c: ring_attention(qs[c.rank], ks[c.rank], vs[c.rank], c, causal=True)  # doctest: +SKIP
+    >>> o = zigzag_merge(SimGroup(2).run(run))      # == flash_attention(q, k, v, causal=True)  # doctest: +SKIP
     """
     xp = _xp(q)
     N, r = comm.size, comm.rank
