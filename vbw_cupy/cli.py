@@ -243,8 +243,12 @@ def cmd_generate(args) -> int:
 def _generate(args) -> int:
     from .models import Sampler, generate_ids, load_model, load_tokenizer
     args.device = args.device or ("gpu" if rt.gpu_available() else "cpu")
-    model = load_model(args.checkpoint, weights=args.weights or ("fp32" if args.device == "cpu" else "fp16"),
-                       device=args.device)
+    if args.tp != 1:  # tensor-parallel ranks: simulated on cpu, one GPU each over NCCL on gpu (vbw_cupy.dist)
+        from .dist import load_tp_model
+        model = load_tp_model(args.checkpoint, args.tp, weights=args.weights, device=args.device)
+    else:
+        model = load_model(args.checkpoint, weights=args.weights or ("fp32" if args.device == "cpu" else "fp16"),
+                           device=args.device)
     cfg = model.config
     tok = load_tokenizer(args.tokenizer or _default_tokenizer(args.checkpoint), cfg.bos_id, cfg.eos_ids[0],
                          vocab_size=cfg.vocab_size)
@@ -259,7 +263,7 @@ def _generate(args) -> int:
         print("ids: " + " ".join(str(t) for t in ids + out.sequences[0].ids))
     print(f"prefill: {out.prefill_tokens} tokens, {out.prefill_tokens_per_s:.1f} tokens/s; "
           f"decode: {out.decode_tokens} tokens, {out.decode_tokens_per_s:.1f} tokens/s "
-          f"({args.device}, {model.weight_format} weights)", file=sys.stderr)
+          f"({getattr(model, 'where', args.device)}, {model.weight_format} weights)", file=sys.stderr)
     return 0
 
 
@@ -306,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="linear weights as stored in memory (default fp32 on cpu, fp16 on gpu)")
     g.add_argument("--device", choices=("gpu", "cpu"), help="default: gpu when one is visible, else cpu")
     g.add_argument("--print-ids", action="store_true", help="print the prompt and generated token ids")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: N GPUs over NCCL, or with --device cpu "
+                   "N simulated ranks (default 1)")
     return p
 
 

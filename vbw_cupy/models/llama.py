@@ -112,9 +112,12 @@ class LlamaKVCache:
 
     Sequence slots 0..max_batch-1 each hold up to max_tokens tokens."""
 
-    def __init__(self, ops: ArrayOps, config: LlamaConfig, max_batch: int, max_tokens: int, block_size: int = 16):
+    def __init__(self, ops: ArrayOps, config: LlamaConfig, max_batch: int, max_tokens: int, block_size: int = 16,
+                 n_kv_heads: int | None = None):
+        # n_kv_heads: the KV heads held here, fewer than the config's on a tensor-parallel rank (vbw_cupy.dist.tp)
         per_seq = -(-max_tokens // block_size)
-        self.layers = [ops.new_kv_cache(max_batch * per_seq, block_size, config.n_kv_heads, config.head_dim,
+        n_kv_heads = n_kv_heads or config.n_kv_heads
+        self.layers = [ops.new_kv_cache(max_batch * per_seq, block_size, n_kv_heads, config.head_dim,
                                         max_batch, per_seq) for _ in range(config.n_layers)]
 
     def lengths(self, slots) -> np.ndarray:
@@ -196,15 +199,21 @@ class Llama:
         T, hd, adt = x.shape[0], c.head_dim, ops.attn_dtype
         for i, lw in enumerate(self.weights.layers):
             h = ops.rmsnorm(x, lw.rms_att, c.norm_eps)
-            q = ops.matmul(h, lw.wq).reshape(T, c.n_heads, hd)
-            k = ops.matmul(h, lw.wk).reshape(T, c.n_kv_heads, hd)
-            v = ops.matmul(h, lw.wv).reshape(T, c.n_kv_heads, hd)
+            # heads from the weights' rows: all of them here, a rank's share in vbw_cupy.dist.tp
+            q = ops.matmul(h, lw.wq).reshape(T, -1, hd)
+            k = ops.matmul(h, lw.wk).reshape(T, -1, hd)
+            v = ops.matmul(h, lw.wv).reshape(T, -1, hd)
             q, k = ops.rope(q, k, positions, c.rope_style, c.rope_theta)
             o = attend(i, q.astype(adt), k.astype(adt), v.astype(adt))
-            x = x + ops.matmul(o.reshape(T, c.dim), lw.wo)
+            x = x + self._reduce(ops.matmul(o.reshape(T, -1), lw.wo))
             h = ops.rmsnorm(x, lw.rms_ffn, c.norm_eps)
-            x = x + ops.matmul(ops.silu_mul(ops.matmul(h, lw.w1), ops.matmul(h, lw.w3)), lw.w2)
+            x = x + self._reduce(ops.matmul(ops.silu_mul(ops.matmul(h, lw.w1), ops.matmul(h, lw.w3)), lw.w2))
         return x
+
+    def _reduce(self, partial):
+        """The output of a row-parallel linear (wo, w2) summed over the ranks that share it: nothing to do on
+        one device; an all-reduce in vbw_cupy.dist.tp."""
+        return partial
 
     def _logits(self, x):
         return self.ops.matmul(self.ops.rmsnorm(x, self.weights.rms_final, self.config.norm_eps),

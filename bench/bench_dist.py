@@ -1,0 +1,187 @@
+"""Issue 19's bars on 2 GPUs of one host, each against the same code on 1 GPU (random weights and inputs):
+
+- tensor-parallel Llama, 7B shape, nvfp4 weights: decode tokens/s at batch 16 (>= 1.6x), prefill of one
+  8192-token prompt (>= 1.7x); `TPGroup.on_gpus(size=2)` against `TPGroup.on_gpus(size=1)`, both through
+  `models.generate_ids` (greedy, the tokens back on the host every step);
+- ring attention, causal, S = 256k total, D = 128 (32 query heads, 8 KV heads), float16: >= 1.8x the one-GPU
+  `flash_attention` at the same S, or, where one GPU cannot hold S, >= 0.85 x 2 x the one-GPU TFLOP/s at the
+  largest S it holds.
+
+Ranks are threads of this process, one GPU each, joined by NCCL (`NcclComm.init_all`). Every timed call starts
+after an all-reduce and a synchronize of every rank and ends with a synchronize of every rank; compile and
+autotune runs are warm-ups outside the timings.
+
+    python bench/bench_dist.py [--quick] [--json PATH] [--only model|ring]
+
+A script, not a pytest-benchmark file: its timings span several GPUs and threads, which pytest-benchmark's
+host timer over one callable does not describe.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vbw_cupy.dist import NcclComm, TPGroup, ring_attention, run_ranks, zigzag_bounds  # noqa: E402
+from vbw_cupy.models import LlamaConfig, generate_ids  # noqa: E402
+from vbw_cupy.models.llama import random_weights  # noqa: E402
+
+SHAPE_7B = LlamaConfig(dim=4096, hidden_dim=11008, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
+                       seq_len=8192 + 256)
+BARS = {"decode": 1.6, "prefill": 1.7, "ring": 1.8, "ring_tflops_share": 0.85}
+
+
+# ------------------------------------------------------------------------------------------------ model
+def bench_model(cfg: LlamaConfig, fmt: str, batch: int, prompt: int, new: int, prefill_len: int, sizes) -> dict:
+    """Decode tokens/s (batch sequences of `prompt` tokens, `new` generated) and prefill tokens/s (one prompt of
+    `prefill_len` tokens) for each tensor-parallel size."""
+    print(f"random weights for dim {cfg.dim}, {cfg.n_layers} layers ...", file=sys.stderr)
+    weights = random_weights(cfg, seed=0, dtype=np.float16)
+    rng = np.random.default_rng(0)
+    decode_prompts = [[1] + rng.integers(3, cfg.vocab_size, prompt - 1).tolist() for _ in range(batch)]
+    long_prompt = [[1] + rng.integers(3, cfg.vocab_size, prefill_len - 1).tolist()]
+    out = {}
+    for size in sizes:
+        group = TPGroup.on_gpus(cfg, weights, size, fmt)
+        never = frozenset()   # random weights: no stop id ends a sequence early
+        generate_ids(group, decode_prompts[:2], max_new_tokens=4, stop_ids=never)          # warm-up: compile
+        dec = generate_ids(group, decode_prompts, max_new_tokens=new, stop_ids=never)
+        generate_ids(group, [long_prompt[0][:1024]], max_new_tokens=1, stop_ids=never)     # warm-up
+        pre = generate_ids(group, long_prompt, max_new_tokens=1, stop_ids=never)
+        out[size] = {"decode_tokens_per_s": dec.decode_tokens_per_s, "prefill_tokens_per_s": pre.prefill_tokens_per_s}
+        print(f"tp {size}: decode {dec.decode_tokens_per_s:.1f} tokens/s (batch {batch}), prefill "
+              f"{pre.prefill_tokens_per_s:.0f} tokens/s ({prefill_len} tokens)", file=sys.stderr)
+        del group
+        _free_all(size)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ ring
+def _free_all(size):
+    import cupy as cp
+    for d in range(size):
+        with cp.cuda.Device(d):
+            cp.cuda.Device().synchronize()
+            cp.get_default_memory_pool().free_all_blocks()
+
+
+def _timed_on_ranks(comms, make, call, reps: int) -> float:
+    """Median over reps of the wall time of call(state) on every rank at once; make(comm) builds each rank's
+    state (outside the timing); one untimed call first."""
+    import cupy as cp
+
+    def body(comm):
+        state = make(comm)
+        call(comm, state)
+        cp.cuda.Device().synchronize()
+        times = []
+        for _ in range(reps):
+            comm.all_reduce(cp.zeros(1, cp.float32))    # start together
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            call(comm, state)
+            cp.cuda.Device().synchronize()
+            times.append(time.perf_counter() - t0)
+        return times
+    per_rank = run_ranks(body, comms)
+    return statistics.median(max(ts) for ts in zip(*per_rank))
+
+
+def ring_seconds(S: int, size: int, Hq: int, Hkv: int, D: int, reps: int) -> float:
+    """Seconds of causal ring attention over `size` GPUs (size 1: one `flash_attention` call, the baseline)."""
+    import cupy as cp
+    from vbw_cupy import flash_attention
+    b = zigzag_bounds(S, size)
+
+    def make(comm):
+        L = int(sum(b[c + 1] - b[c] for c in (comm.rank, 2 * size - 1 - comm.rank)))
+        rnd = cp.random.default_rng(comm.rank)
+        return [rnd.standard_normal((1, L, h, D), dtype=cp.float32).astype(cp.float16) for h in (Hq, Hkv, Hkv)]
+
+    if size == 1:
+        comms = NcclComm.init_all([0])
+        return _timed_on_ranks(comms, make, lambda c, s: flash_attention(*s, causal=True), reps)
+    comms = NcclComm.init_all(range(size))
+    return _timed_on_ranks(comms, make, lambda c, s: ring_attention(*s, c, seq_len=S, causal=True), reps)
+
+
+def causal_tflops(S: int, Hq: int, D: int, seconds: float) -> float:
+    return 4.0 * S * S / 2 * Hq * D / seconds / 1e12
+
+
+def bench_ring(S: int, Hq: int, Hkv: int, D: int, size: int, reps: int) -> dict:
+    import cupy as cp
+    t_ring = ring_seconds(S, size, Hq, Hkv, D, reps)
+    _free_all(size)
+    out = {"S": S, "ring_s": t_ring, "ring_tflops": causal_tflops(S, Hq, D, t_ring)}
+    try:
+        t_one = ring_seconds(S, 1, Hq, Hkv, D, reps)
+        out.update(one_s=t_one, one_tflops=causal_tflops(S, Hq, D, t_one), speedup=t_one / t_ring,
+                   bar=f">= {BARS['ring']}x", passed=t_one / t_ring >= BARS["ring"])
+    except cp.cuda.memory.OutOfMemoryError:
+        _free_all(size)
+        s1 = S // 2
+        while True:   # the largest power-of-two fraction of S one GPU holds
+            try:
+                t_one = ring_seconds(s1, 1, Hq, Hkv, D, reps)
+                break
+            except cp.cuda.memory.OutOfMemoryError:
+                _free_all(size)
+                s1 //= 2
+        one_tflops = causal_tflops(s1, Hq, D, t_one)
+        share = out["ring_tflops"] / (size * one_tflops)
+        out.update(one_S=s1, one_s=t_one, one_tflops=one_tflops, tflops_share=share,
+                   bar=f">= {BARS['ring_tflops_share']} of {size}x one-GPU TFLOP/s",
+                   passed=share >= BARS["ring_tflops_share"])
+    _free_all(size)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small shapes: checks the script, not the bars")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--only", choices=("model", "ring"))
+    p.add_argument("--size", type=int, default=2, help="GPUs (default 2)")
+    p.add_argument("--fmt", default="nvfp4", choices=("fp16", "nvfp4", "mxfp4"))
+    args = p.parse_args(argv)
+    import cupy as cp
+    have = cp.cuda.runtime.getDeviceCount()
+    if have < args.size:
+        print(f"bench_dist: needs {args.size} GPUs, {have} visible", file=sys.stderr)
+        return 2
+    os.environ.setdefault("VBW_CUPY_AUTOTUNE", "0")
+    res = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "gpus": args.size}
+    if args.only in (None, "model"):
+        if args.quick:
+            cfg = LlamaConfig(dim=1024, hidden_dim=2816, n_layers=4, n_heads=8, n_kv_heads=8, vocab_size=32000,
+                              seq_len=2048 + 64)
+            m = bench_model(cfg, args.fmt, 16, 64, 16, 2048, (1, args.size))
+        else:
+            m = bench_model(SHAPE_7B, args.fmt, 16, 128, 128, 8192, (1, args.size))
+        dec = m[args.size]["decode_tokens_per_s"] / m[1]["decode_tokens_per_s"]
+        pre = m[args.size]["prefill_tokens_per_s"] / m[1]["prefill_tokens_per_s"]
+        res["model"] = {"per_size": m, "decode_speedup": dec, "prefill_speedup": pre,
+                        "decode_passed": dec >= BARS["decode"], "prefill_passed": pre >= BARS["prefill"]}
+        print(f"model: decode {dec:.2f}x (bar {BARS['decode']}x), prefill {pre:.2f}x (bar {BARS['prefill']}x)")
+    if args.only in (None, "ring"):
+        S = 32768 if args.quick else 262144
+        r = bench_ring(S, 32, 8, 128, args.size, 2 if args.quick else 3)
+        res["ring"] = r
+        print("ring: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

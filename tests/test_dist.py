@@ -1,0 +1,224 @@
+"""vbw_cupy.dist on NumPy: simulated ranks (SimComm) run the tensor-parallel Llama and ring attention, which must
+equal the unsplit model and the unsplit reference attention. tests/test_dist_gpu.py runs the same on NCCL."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from test_model import EXTRA, TOK_VOCAB, write_llama2c, write_tokenizer_bin
+from test_model import random_weights as checkpoint_weights
+from vbw_cupy import reference
+from vbw_cupy.cli import main as cli_main
+from vbw_cupy.dist import (SimGroup, TPGroup, TPLlama, ring_attention, shard_weights, zigzag_merge, zigzag_positions,
+                           zigzag_split)
+from vbw_cupy.models import Llama, LlamaConfig, generate_ids
+from vbw_cupy.models.llama import random_weights
+
+
+# ---------------------------------------------------------------------------------------------- SimComm
+
+def test_all_reduce_is_the_rank_order_sum_in_place():
+    xs = [np.random.default_rng(r).standard_normal(7).astype(np.float32) for r in range(4)]
+    want = ((xs[0] + xs[1]) + xs[2]) + xs[3]
+    arrays = [x.copy() for x in xs]
+    got = SimGroup(4).run(lambda comm: comm.all_reduce(arrays[comm.rank]))
+    for r in range(4):
+        assert got[r] is arrays[r]
+        np.testing.assert_array_equal(got[r], want)
+
+
+def test_sendrecv_ring():
+    def step(comm):
+        p = comm.sendrecv(np.full(3, comm.rank), comm.next, np.empty(3, np.int64), comm.prev)
+        return p.wait()
+    got = SimGroup(3).run(step)
+    assert [int(g[0]) for g in got] == [2, 0, 1]
+
+
+def test_a_failing_rank_does_not_hang_the_others():
+    def body(comm):
+        if comm.rank == 1:
+            raise KeyError("rank 1 broke")
+        comm.all_reduce(np.zeros(2))
+    with pytest.raises(KeyError, match="rank 1 broke"):
+        SimGroup(3, timeout=30).run(body)
+
+    def ring(comm):   # rank 0 waits for a message rank 2 never sends
+        if comm.rank == 2:
+            raise KeyError("rank 2 broke")
+        comm.sendrecv(np.zeros(1), comm.next, np.empty(1), comm.prev).wait()
+    t0 = time.perf_counter()
+    with pytest.raises(KeyError, match="rank 2 broke"):
+        SimGroup(3, timeout=30).run(ring)
+    assert time.perf_counter() - t0 < 5
+    assert threading.active_count() < 10
+
+
+# ---------------------------------------------------------------------------------------------- tensor parallel
+
+CONFIGS = {
+    "gqa": LlamaConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=61, seq_len=48),
+    "mha-uneven-ffn": LlamaConfig(dim=48, hidden_dim=70, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=53,
+                                  seq_len=48, rope_style="halves", shared_classifier=False),
+}
+
+
+def rel(got, want):
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def test_shard_weights_shapes_and_cover():
+    cfg = CONFIGS["gqa"]
+    w = random_weights(cfg)
+    shards = [shard_weights(cfg, w, r, 4) for r in range(4)]
+    lw = [s.layers[0] for s in shards]
+    assert [x.wq.shape for x in lw] == [(16, 64)] * 4 and [x.wk.shape for x in lw] == [(8, 64)] * 4
+    assert [x.wo.shape for x in lw] == [(64, 16)] * 4 and [x.w2.shape for x in lw] == [(64, 24)] * 4
+    np.testing.assert_array_equal(np.concatenate([x.wv for x in lw]), w.layers[0].wv)
+    np.testing.assert_array_equal(np.concatenate([x.wo for x in lw], axis=1), w.layers[0].wo)
+    np.testing.assert_array_equal(np.concatenate([x.w3 for x in lw]), w.layers[0].w3)
+    assert shards[1].classifier is w.classifier and shards[1].rms_final is w.rms_final
+    with pytest.raises(ValueError, match="tp: expected a divisor of n_kv_heads = 4"):
+        shard_weights(cfg, w, 0, 3)
+    with pytest.raises(ValueError, match="rank: expected 0 <= rank < 2"):
+        shard_weights(cfg, w, 2, 2)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_tp_prefill_and_decode_equal_the_unsplit_model(name, size):
+    cfg = CONFIGS[name]
+    if cfg.n_kv_heads % size:
+        pytest.skip("n_kv_heads does not split")
+    w = random_weights(cfg, seed=3)
+    prompts = [[1, 5, 9, 11, 20, 7, 3], [1, 30], [1, 4, 4, 4, 40]]
+    one = Llama(cfg, w)
+    group = TPGroup.simulated(cfg, w, size)
+    c1, cn = one.new_cache(3, 12), group.new_cache(3, 12)
+    assert cn.ranks[0].layers[0].k_cache.shape[2] == cfg.n_kv_heads // size
+    assert rel(group.prefill(prompts, cn, [0, 1, 2], all_logits=True),
+               one.prefill(prompts, c1, [0, 1, 2], all_logits=True)) < 1e-5
+    for tokens in ([6, 7, 8], [9, 10, 11]):
+        want, got = one.decode(tokens, c1, [0, 1, 2]), group.decode(tokens, cn, [0, 1, 2])
+        assert rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_tp_greedy_generation_equals_the_unsplit_model(size):
+    cfg = CONFIGS["gqa"]
+    w = random_weights(cfg, seed=4)
+    prompts = [[1, 9, 8, 7], [1, 2], [1, 33, 34, 35, 36, 37, 38, 39, 40]]
+    want = generate_ids(Llama(cfg, w), prompts, max_new_tokens=12)
+    got = generate_ids(TPGroup.simulated(cfg, w, size), prompts, max_new_tokens=12)
+    assert [s.ids for s in got.sequences] == [s.ids for s in want.sequences]
+
+
+def test_tp_ranks_agree_bit_for_bit():
+    cfg = CONFIGS["gqa"]
+    w = random_weights(cfg, seed=5)
+
+    def rank(comm):
+        model = TPLlama(cfg, w, comm)
+        return model.prefill([[1, 2, 3, 4]], model.new_cache(1, 8), [0])
+    logits = SimGroup(4).run(rank)
+    for other in logits[1:]:
+        np.testing.assert_array_equal(other, logits[0])
+
+
+def test_tp_nvfp4_stays_close_to_the_unsplit_model():
+    """FP4 shards quantize their own slices (w2 and wo along the split `in` axis, NVFP4's global scale per shard):
+    not bit-equal to the unsplit quantization, but within the formats' error."""
+    cfg = LlamaConfig(dim=64, hidden_dim=128, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=40, seq_len=16)
+    w = random_weights(cfg, seed=6)
+    prompts = [[1, 5, 6, 7, 8]]
+    one, group = Llama(cfg, w, weight_format="nvfp4"), TPGroup.simulated(cfg, w, 2, "nvfp4")
+    exact = Llama(cfg, w).prefill(prompts, Llama(cfg, w).new_cache(1, 8), [0])
+    got = group.prefill(prompts, group.new_cache(1, 8), [0])
+    want = one.prefill(prompts, one.new_cache(1, 8), [0])
+    assert rel(got, want) < 2 * rel(want, exact) + 1e-3
+
+
+def test_cli_generate_tp_on_simulated_ranks(tmp_path, capsys):
+    tok = write_tokenizer_bin(tmp_path / "tokenizer.bin", EXTRA)
+    w = checkpoint_weights(np.random.default_rng(11), 32, 48, 2, 4, 2, TOK_VOCAB, True)
+    ckpt = write_llama2c(tmp_path / "m.bin", w, 24, True)
+
+    def ids(*extra):
+        argv = ["generate", str(ckpt), "--tokenizer", str(tok), "--prompt", "hi", "--device", "cpu", "--print-ids",
+                "--max-new-tokens", "8", *extra]
+        assert cli_main(argv) == 0
+        out = capsys.readouterr()
+        return [ln for ln in out.out.splitlines() if ln.startswith("ids: ")], out.err
+    single, _ = ids()
+    split, err = ids("--tp", "2")
+    assert split == single
+    assert "tp 2 on simulated ranks" in err and "needs 2 visible GPUs and NCCL" in err
+    assert cli_main(["generate", str(ckpt), "--tokenizer", str(tok), "--device", "cpu", "--tp", "3"]) == 2
+    assert "tp: expected a divisor of n_kv_heads = 2" in capsys.readouterr().err
+
+
+def test_cli_generate_tp_on_gpu_explains_what_it_needs(tmp_path, capsys):
+    from vbw_cupy import _runtime as rt
+    if rt.gpu_available():
+        pytest.skip("a GPU is visible: the message is for machines with fewer GPUs than --tp")
+    tok = write_tokenizer_bin(tmp_path / "tokenizer.bin", EXTRA)
+    ckpt = write_llama2c(tmp_path / "m.bin", checkpoint_weights(np.random.default_rng(1), 32, 48, 1, 4, 2, TOK_VOCAB,
+                                                                True), 24, True)
+    assert cli_main(["generate", str(ckpt), "--tokenizer", str(tok), "--device", "gpu", "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 2 on the GPU needs 2 visible GPUs (one rank each) and NCCL" in err and "--device cpu" in err
+
+
+# ---------------------------------------------------------------------------------------------- ring attention
+
+def test_zigzag_layout():
+    assert list(zigzag_positions(8, 0, 2)) == [0, 1, 6, 7]
+    assert list(zigzag_positions(8, 1, 2)) == [2, 3, 4, 5]
+    assert list(zigzag_positions(7, 0, 2)) == [0, 1, 6]        # chunks of 2, 2, 2, 1
+    x = np.arange(2 * 13 * 3).reshape(2, 13, 3)
+    for size in (1, 2, 3, 4):
+        np.testing.assert_array_equal(zigzag_merge(zigzag_split(x, size)), x)
+
+
+def run_ring(size, q, k, v, causal, dtype=np.float32, **kw):
+    S = q.shape[1]
+    qs, ks, vs = (zigzag_split(a.astype(dtype), size) for a in (q, k, v))
+    res = SimGroup(size).run(lambda c: ring_attention(qs[c.rank], ks[c.rank], vs[c.rank], c, seq_len=S,
+                                                      causal=causal, return_lse=True, **kw))
+    return zigzag_merge([o for o, _ in res]), zigzag_merge([lse for _, lse in res], axis=2)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("S, Hq, Hkv, D", [(64, 4, 4, 16), (113, 6, 2, 24), (7, 4, 1, 8)])
+def test_ring_attention_equals_the_unsplit_reference(size, causal, S, Hq, Hkv, D):
+    rng = np.random.default_rng(S + size)
+    q = rng.standard_normal((2, S, Hq, D)).astype(np.float32)
+    k = rng.standard_normal((2, S, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((2, S, Hkv, D)).astype(np.float32)
+    want, want_lse = reference.flash_attention(q, k, v, causal=causal, return_lse=True)
+    got, got_lse = run_ring(size, q, k, v, causal)
+    assert got.dtype == np.float32 and got.shape == want.shape and got_lse.shape == want_lse.shape
+    assert rel(got, want) < 1e-6
+    np.testing.assert_allclose(got_lse, want_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_ring_attention_bfloat16_and_softmax_scale():
+    import ml_dtypes
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((1, 50, 4, 32)).astype(np.float32) for _ in range(3))
+    bf16 = ml_dtypes.bfloat16
+    want = reference.flash_attention(q.astype(bf16), k.astype(bf16), v.astype(bf16), causal=True, softmax_scale=0.3)
+    got, _ = run_ring(3, q, k, v, True, dtype=bf16, softmax_scale=0.3)
+    assert got.dtype == bf16
+    # each rank rounds its partial outputs to bfloat16 before the merge: a few bfloat16 ulps
+    assert rel(got.astype(np.float32), want.astype(np.float32)) < 3 * 2.0 ** -8
+
+
+def test_ring_attention_names_a_wrong_part():
+    q = np.zeros((1, 5, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"q: expected \[B, 4, H, D\] \(rank 0's 4 of 8 positions over 2 ranks\)"):
+        SimGroup(2).run(lambda c: ring_attention(q, q, q, c, seq_len=8))

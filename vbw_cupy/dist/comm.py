@@ -1,0 +1,248 @@
+"""Communicators: what a rank of a tensor-parallel model or of ring attention needs from the others.
+
+`Comm` is the interface: `rank`, `size`, `all_reduce` (a sum, in place), and `sendrecv` (send one array to a
+peer while receiving one from another, the step of a ring). Two implementations:
+
+- `SimComm`: N ranks simulated in one process on NumPy arrays, one thread a rank (`SimGroup.run`). Collectives
+  meet at a barrier, so the ranks run in lockstep like real ones; the sum is taken in rank order, so every rank
+  gets the same bits. This is what the CPU tests and `vbw-cupy generate --tp N --device cpu` run on.
+- `NcclComm`: NCCL through `cupy.cuda.nccl` (imported on first use): all-reduce on the current stream, the
+  ring exchange on a side stream so it overlaps the compute on the block in hand. Ranks are one process each
+  (`NcclComm.from_unique_id`, or `from_mpi` under mpiexec) or one thread a GPU in one process (`NcclComm.init_all`
+  then `run_ranks`).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+
+
+class Comm:
+    """One rank's view of a group of `size` ranks.
+
+    all_reduce(x): x summed over the ranks, written into x (every rank passes an array of the same shape and
+    dtype); returns x. sendrecv(x, dst, out, src): sends x to rank dst and receives rank src's array into `out`
+    (same dtype, its shape agreed by the two ranks) without waiting; returns a `Pending` whose wait() gives
+    `out` once it may be used. x must not be written before that wait.
+    """
+    rank: int
+    size: int
+
+    def all_reduce(self, x):
+        raise NotImplementedError
+
+    def sendrecv(self, x, dst: int, out, src: int) -> "Pending":
+        raise NotImplementedError
+
+    def activate(self) -> None:
+        """Make this rank's device current in the calling thread (nothing to do on the host)."""
+
+    @property
+    def next(self) -> int:
+        return (self.rank + 1) % self.size
+
+    @property
+    def prev(self) -> int:
+        return (self.rank - 1) % self.size
+
+
+class Pending:
+    """An exchange in flight: wait() returns the received array once it may be used."""
+
+    def __init__(self, wait):
+        self._wait = wait
+
+    def wait(self):
+        return self._wait()
+
+
+# ---------------------------------------------------------------------------------------------- simulated
+class SimGroup:
+    """N simulated ranks in one process. `comms[r]` is rank r's `SimComm`; `run(fn, ...)` calls fn(comm, ...)
+    on every rank, one thread each, and returns the results in rank order.
+
+    >>> SimGroup(2).run(lambda comm: comm.all_reduce(np.full(3, comm.rank + 1.0)))   # doctest: +SKIP
+    [array([3., 3., 3.]), array([3., 3., 3.])]
+    """
+
+    def __init__(self, size: int, timeout: float = 120.0):
+        if not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"size: expected a positive int, got {size!r}")
+        self.size, self.timeout = int(size), timeout
+        self._barrier = threading.Barrier(self.size, timeout=timeout)
+        self._slots = [None] * self.size
+        self._mail = {(s, d): queue.SimpleQueue() for s in range(self.size) for d in range(self.size)}
+        self._broken = threading.Event()
+        self.comms = [SimComm(self, r) for r in range(self.size)]
+
+    def run(self, fn, *args, **kwargs) -> list:
+        return run_ranks(fn, self.comms, *args, on_error=self._abort, **kwargs)
+
+    def _abort(self):
+        """A rank failed: wake the others (waiting at the barrier or for a message) with BrokenBarrierError."""
+        self._broken.set()
+        self._barrier.abort()
+
+
+class SimComm(Comm):
+    """Rank `rank` of a `SimGroup` (NumPy arrays)."""
+
+    def __init__(self, group: SimGroup, rank: int):
+        self.group, self.rank, self.size = group, rank, group.size
+
+    def all_reduce(self, x):
+        g = self.group
+        g._slots[self.rank] = x
+        g._barrier.wait()
+        total = g._slots[0].copy()
+        for other in g._slots[1:]:   # rank order on every rank: the same bits everywhere
+            total += other
+        g._barrier.wait()            # everyone has read the slots before anyone writes into its x
+        x[...] = total
+        return x
+
+    def sendrecv(self, x, dst: int, out, src: int) -> Pending:
+        g = self.group
+        g._mail[(self.rank, dst)].put(np.array(x, copy=True))
+
+        def wait():
+            box, waited = g._mail[(src, self.rank)], 0.0
+            while True:
+                try:
+                    got = box.get(timeout=0.05)
+                    break
+                except queue.Empty:
+                    waited += 0.05
+                if g._broken.is_set():
+                    raise threading.BrokenBarrierError(f"rank {self.rank}: another rank failed")
+                if waited >= g.timeout:
+                    raise TimeoutError(f"rank {self.rank}: nothing from rank {src} in {g.timeout} s")
+            if got.shape != out.shape or got.dtype != out.dtype:
+                raise ValueError(f"rank {self.rank}: expected {out.shape} {out.dtype} from rank {src}, "
+                                 f"got {got.shape} {got.dtype}")
+            out[...] = got
+            return out
+        return Pending(wait)
+
+
+def run_ranks(fn, comms, *args, on_error=None, **kwargs) -> list:
+    """fn(comm, *args, **kwargs) for every comm of `comms`, one thread each (the comm's device made current);
+    the results in rank order. The first exception is raised again here after on_error() (which should unblock
+    the other ranks, as aborting a barrier does) and every thread has ended."""
+    results, errors = [None] * len(comms), []
+
+    def body(i, comm):
+        try:
+            comm.activate()
+            results[i] = fn(comm, *args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            errors.append((i, e))
+            if on_error is not None:
+                on_error()
+
+    threads = [threading.Thread(target=body, args=(i, c), name=f"rank{i}", daemon=True) for i, c in enumerate(comms)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        # a rank that failed first explains more than the ranks whose barrier it broke
+        errors.sort(key=lambda ie: isinstance(ie[1], threading.BrokenBarrierError))
+        raise errors[0][1]
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- NCCL
+def _nccl():
+    try:
+        from cupy.cuda import nccl
+    except ImportError as e:
+        raise RuntimeError("NCCL: cupy.cuda.nccl is not available (install CuPy for your CUDA and NCCL: "
+                           "pip install vbw_cupy[cuda12] nvidia-nccl-cu12)") from e
+    if not getattr(nccl, "available", True):
+        raise RuntimeError("NCCL: CuPy was built without NCCL (pip install nvidia-nccl-cu12)")
+    return nccl
+
+
+def _nccl_dtype(nccl, dtype) -> int:
+    dtype = np.dtype(dtype)
+    table = {"float16": nccl.NCCL_FLOAT16, "float32": nccl.NCCL_FLOAT32, "float64": nccl.NCCL_FLOAT64,
+             "bfloat16": getattr(nccl, "NCCL_BFLOAT16", 9), "int32": nccl.NCCL_INT32, "int64": nccl.NCCL_INT64}
+    if dtype.name not in table:
+        raise TypeError(f"x: NCCL has no sum for dtype {dtype}")
+    return table[dtype.name]
+
+
+class NcclComm(Comm):
+    """Rank `rank` of `size` over NCCL, on CUDA device `device` (CuPy arrays on that device).
+
+    all_reduce runs on the current stream (so a CUDA graph captures it); sendrecv runs on this rank's side
+    stream after the work already queued on the current stream, and its Pending.wait() makes the current
+    stream wait for it, so the compute queued in between overlaps the transfer.
+    """
+
+    def __init__(self, communicator, rank: int, size: int, device: int):
+        import cupy
+        self._nccl, self._comm = _nccl(), communicator
+        self.rank, self.size, self.device = rank, size, device
+        with cupy.cuda.Device(device):
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+
+    @classmethod
+    def from_unique_id(cls, uid, rank: int, size: int, device: int | None = None) -> "NcclComm":
+        """One rank of a group of processes; `uid` is rank 0's `nccl.get_unique_id()`, handed to every process.
+        device defaults to rank % (visible GPUs)."""
+        import cupy
+        nccl = _nccl()
+        device = rank % cupy.cuda.runtime.getDeviceCount() if device is None else device
+        with cupy.cuda.Device(device):
+            return cls(nccl.NcclCommunicator(size, tuple(uid), rank), rank, size, device)
+
+    @classmethod
+    def from_mpi(cls, mpi_comm=None) -> "NcclComm":
+        """Under mpiexec: rank and size from MPI (mpi4py), the unique id broadcast from rank 0."""
+        from mpi4py import MPI
+        mpi_comm = mpi_comm or MPI.COMM_WORLD
+        rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        uid = mpi_comm.bcast(_nccl().get_unique_id() if rank == 0 else None, root=0)
+        return cls.from_unique_id(uid, rank, size)
+
+    @classmethod
+    def init_all(cls, devices) -> list:
+        """One communicator per device of `devices` (ints) in this process; drive them with `run_ranks`."""
+        nccl = _nccl()
+        devices = list(devices)
+        return [cls(c, r, len(devices), d) for r, (c, d) in enumerate(zip(nccl.NcclCommunicator.initAll(devices),
+                                                                          devices))]
+
+    def activate(self) -> None:
+        import cupy
+        cupy.cuda.Device(self.device).use()
+
+    def all_reduce(self, x):
+        import cupy
+        if not x.flags.c_contiguous:
+            raise ValueError("x: expected a C-contiguous array")
+        self._comm.allReduce(x.data.ptr, x.data.ptr, x.size, _nccl_dtype(self._nccl, x.dtype), self._nccl.NCCL_SUM,
+                             cupy.cuda.get_current_stream().ptr)
+        return x
+
+    def sendrecv(self, x, dst: int, out, src: int) -> Pending:
+        import cupy
+        for name, a in (("x", x), ("out", out)):
+            if not a.flags.c_contiguous:
+                raise ValueError(f"{name}: expected a C-contiguous array")
+        nccl, side = self._nccl, self._stream
+        side.wait_event(cupy.cuda.get_current_stream().record())   # x is written, out free to overwrite
+        nccl.groupStart()   # both in one group: a ring of blocking sends would deadlock
+        self._comm.send(x.data.ptr, x.nbytes, nccl.NCCL_UINT8, dst, side.ptr)
+        self._comm.recv(out.data.ptr, out.nbytes, nccl.NCCL_UINT8, src, side.ptr)
+        nccl.groupEnd()
+        done = side.record()
+
+        def wait():
+            cupy.cuda.get_current_stream().wait_event(done)
+            return out
+        return Pending(wait)

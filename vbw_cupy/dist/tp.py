@@ -1,0 +1,178 @@
+"""Tensor-parallel Llama (Megatron-style): each rank holds a slice of every layer and one all-reduce joins the
+slices after the attention output projection and after the FFN down projection.
+
+Rank r of N holds query heads [r Hq/N, (r+1) Hq/N) and KV heads [r Hkv/N, (r+1) Hkv/N) (so its query heads
+read only its KV heads, and its KV cache holds only those), and a slice of the FFN width:
+
+- column-parallel (rows of the [out, in] weight): wq, wk, wv by heads, w1 and w3 by FFN units;
+- row-parallel (columns): wo by heads, w2 by FFN units; their partial outputs are summed by `Comm.all_reduce`;
+- replicated: the embedding, the norms, the classifier (every rank computes the same logits).
+
+`TPLlama` is `models.Llama` on a shard: the same forward pass (`Llama._blocks`, whose head counts come from the
+weights' shapes) with `_reduce` an all-reduce. `TPGroup` drives the N ranks from one host thread, so
+`models.generate_ids` runs a group as it runs one model.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..models.llama import LayerWeights, Llama, LlamaConfig, LlamaKVCache, LlamaWeights
+from ..models.ops import ArrayOps, numpy_ops
+from .comm import Comm, NcclComm, SimGroup, run_ranks
+
+
+def check_tp(config: LlamaConfig, size: int) -> None:
+    """ValueError when `config` cannot be split over `size` ranks."""
+    if not isinstance(size, (int, np.integer)) or size < 1:
+        raise ValueError(f"tp: expected a positive int, got {size!r}")
+    if config.n_kv_heads % size:
+        raise ValueError(f"tp: expected a divisor of n_kv_heads = {config.n_kv_heads} (each rank holds whole KV "
+                         f"heads and the query heads that read them), got {size}")
+    if config.hidden_dim < size:
+        raise ValueError(f"tp: expected at most hidden_dim = {config.hidden_dim} ranks, got {size}")
+
+
+def _part(n: int, rank: int, size: int) -> slice:
+    """Rank's share of n units, as even as can be (the first n % size ranks hold one more)."""
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
+
+def shard_weights(config: LlamaConfig, weights: LlamaWeights, rank: int, size: int) -> LlamaWeights:
+    """Rank `rank`'s slice of host weights `weights` (see the module docstring). Slices are views where NumPy
+    allows (a memory-mapped checkpoint reads only its rows), so a rank converts only what it holds.
+
+    >>> shard = shard_weights(cfg, weights, rank=1, size=2)      # doctest: +SKIP
+    >>> shard.layers[0].wq.shape                                  # doctest: +SKIP
+    (cfg.dim // 2, cfg.dim)
+    """
+    check_tp(config, size)
+    if not 0 <= rank < size:
+        raise ValueError(f"rank: expected 0 <= rank < {size}, got {rank}")
+    hd = config.head_dim
+    q_rows = _part(config.n_heads, rank, size)
+    kv_rows = _part(config.n_kv_heads, rank, size)
+    q_rows, kv_rows = slice(q_rows.start * hd, q_rows.stop * hd), slice(kv_rows.start * hd, kv_rows.stop * hd)
+    ffn = _part(config.hidden_dim, rank, size)
+    layers = [dataclasses.replace(lw, wq=lw.wq[q_rows], wk=lw.wk[kv_rows], wv=lw.wv[kv_rows], wo=lw.wo[:, q_rows],
+                                  w1=lw.w1[ffn], w3=lw.w3[ffn], w2=lw.w2[:, ffn]) for lw in weights.layers]
+    return dataclasses.replace(weights, layers=layers)
+
+
+class TPLlama(Llama):
+    """Rank `comm.rank` of a tensor-parallel Llama: `Llama` on its shard of the full host `weights`, with an
+    all-reduce over `comm` after wo and after w2. prefill / decode give every rank the same logits; the KV
+    cache of a rank holds its n_kv_heads / N heads.
+
+    >>> group = SimGroup(2)                                                           # doctest: +SKIP
+    >>> logits = group.run(lambda comm: TPLlama(cfg, w, comm).prefill(...))          # doctest: +SKIP
+    """
+
+    def __init__(self, config: LlamaConfig, weights: LlamaWeights, comm: Comm, ops: ArrayOps | None = None,
+                 weight_format: str = "fp32"):
+        super().__init__(config, shard_weights(config, weights, comm.rank, comm.size), ops, weight_format)
+        self.comm = comm
+
+    def new_cache(self, max_batch: int, max_tokens: int) -> LlamaKVCache:
+        kv = _part(self.config.n_kv_heads, self.comm.rank, self.comm.size)
+        return LlamaKVCache(self.ops, self.config, max_batch, max_tokens, n_kv_heads=kv.stop - kv.start)
+
+    def _reduce(self, partial):
+        return self.comm.all_reduce(partial)
+
+
+class _GroupCache:
+    """The KV caches of a group's ranks, one each, freed together."""
+
+    def __init__(self, caches):
+        self.ranks = caches
+
+    def lengths(self, slots) -> np.ndarray:
+        return self.ranks[0].lengths(slots)
+
+    def free(self, slot: int) -> None:
+        for cache in self.ranks:
+            cache.free(slot)
+
+
+class TPGroup:
+    """The N ranks of a tensor-parallel model driven from one host thread: prefill / decode / new_cache run on
+    every rank (one thread each, through `run(fn)`, which calls fn(comm) per rank) and return rank 0's result,
+    so `models.generate_ids(group, ...)` generates with it. Build one with `simulated` (NumPy, SimComm) or
+    `on_gpus` (CuPy, NCCL)."""
+
+    def __init__(self, models, run, where: str = ""):
+        self.models, self._run = models, run
+        self.where = where or f"tp {len(models)}"   # for status lines
+        self.config, self.ops, self.weight_format = models[0].config, models[0].ops, models[0].weight_format
+
+    @property
+    def size(self) -> int:
+        return len(self.models)
+
+    @classmethod
+    def simulated(cls, config: LlamaConfig, weights: LlamaWeights, size: int, weight_format: str = "fp32"):
+        """`size` ranks on NumPy in this process (`SimGroup`): the CPU test bed and demo."""
+        check_tp(config, size)
+        group = SimGroup(size)
+        models = group.run(lambda comm: TPLlama(config, weights, comm, numpy_ops(), weight_format))
+        return cls(models, group.run, f"cpu, tp {size} on simulated ranks (a {size}-GPU run needs {size} visible "
+                                      "GPUs and NCCL: --device gpu)")
+
+    @classmethod
+    def on_gpus(cls, config: LlamaConfig, weights: LlamaWeights, size: int, weight_format: str = "fp16"):
+        """`size` ranks on GPUs 0..size-1 of this host, one thread each, NCCL between them; each rank runs the
+        `ArrayOps` forward pass on CuPy (the library's kernels one op at a time, not LlamaGPU's fused graph)."""
+        check_tp(config, size)
+        require_gpus(size)
+        import cupy
+        comms = NcclComm.init_all(range(size))
+        run = lambda fn: run_ranks(fn, comms)  # noqa: E731
+        models = run(lambda comm: TPLlama(config, weights, comm, ArrayOps(cupy, np.float16), weight_format))
+        return cls(models, run, f"gpu, tp {size} over NCCL")
+
+    def new_cache(self, max_batch: int, max_tokens: int) -> _GroupCache:
+        return _GroupCache(self._run(lambda comm: self.models[comm.rank].new_cache(max_batch, max_tokens)))
+
+    def prefill(self, prompts, cache: _GroupCache, slots, all_logits: bool = False):
+        return self._run(lambda comm: self.models[comm.rank].prefill(prompts, cache.ranks[comm.rank], slots,
+                                                                     all_logits))[0]
+
+    def decode(self, tokens, cache: _GroupCache, slots):
+        return self._run(lambda comm: self.models[comm.rank].decode(tokens, cache.ranks[comm.rank], slots))[0]
+
+
+def require_gpus(size: int) -> None:
+    """RuntimeError saying what a `size`-GPU tensor-parallel run needs when this machine lacks it."""
+    from .. import _runtime as rt
+    have = 0
+    if rt.have_cupy():
+        try:
+            import cupy
+            have = cupy.cuda.runtime.getDeviceCount()
+        except Exception:  # noqa: BLE001 - no driver reads as no GPU
+            have = 0
+    if have < size:
+        raise RuntimeError(f"--tp {size} on the GPU needs {size} visible GPUs (one rank each) and NCCL "
+                           f"(cupy.cuda.nccl); {have} visible. Set CUDA_VISIBLE_DEVICES to {size} GPUs, or run "
+                           f"the same sharding on {size} simulated ranks with --device cpu.")
+    from .comm import _nccl
+    _nccl()
+
+
+def load_tp_model(path, size: int, weights: str | None = None, device: str = "cpu") -> TPGroup:
+    """A checkpoint (as `models.load_model` reads it) split over `size` tensor-parallel ranks: simulated ranks on
+    NumPy for device "cpu", GPUs 0..size-1 over NCCL for "gpu"."""
+    from ..models.loaders import load_checkpoint
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device: expected 'cpu' or 'gpu', got {device!r}")
+    if device == "gpu":
+        require_gpus(size)
+    config, host = load_checkpoint(path)
+    check_tp(config, size)
+    if device == "gpu":
+        return TPGroup.on_gpus(config, host, size, weights or "fp16")
+    return TPGroup.simulated(config, host, size, weights or "fp32")
