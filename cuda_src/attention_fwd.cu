@@ -99,6 +99,12 @@
 
 namespace vbw_attn {
 
+// `x` when it is NaN, else `otherwise`: a row whose softmax sum is NaN (a NaN query or score) gets NaN output
+// and lse, not the 0 / -inf of a row that sees no key (docs/nan.md). A bit test, safe under any math flags.
+__device__ __forceinline__ float nan_or(float x, float otherwise) {
+  return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u ? x : otherwise;
+}
+
 constexpr int PAD = 8;  // elements of padding per shared-memory row (16 bytes)
 
 // Load a [ROWS][HEAD_DIM] tile (global rows `row_stride` elements apart, `rows_valid` real rows, `d` real
@@ -562,7 +568,7 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       float sum = row_sum[mt][hf];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float inv = sum > 0.f ? 1.f / sum : vbw_attn::nan_or(sum, 0.f);  // NaN scores: NaN row
       const int r = warp_row + mt * 16 + (lane >> 2) + hf * 8;
 #pragma unroll
       for (int j = 0; j < ND; ++j) {
@@ -572,7 +578,7 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
       }
       if (lse != nullptr && (lane & 3) == 0 && r < rows_e) {
         const float val = sum > 0.f ? (row_max[mt][hf] * scale_log2 + __log2f(sum)) * 0.69314718055994531f
-                                    : NEG_INF;
+                                    : vbw_attn::nan_or(sum, NEG_INF);
         lse[lse_base + m0 + r] = val;
       }
     }
@@ -966,7 +972,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     float sum = row_sum[hf];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float inv = sum > 0.f ? 1.f / sum : vbw_attn::nan_or(sum, 0.f);  // NaN scores: NaN row
     const int r = wg * 64 + warp * 16 + (lane >> 2) + hf * 8;
 #pragma unroll
     for (int j = 0; j < ND; ++j) {
@@ -975,7 +981,8 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
           pack2<T>(acc_o[4 * j + 2 * hf] * inv, acc_o[4 * j + 2 * hf + 1] * inv);
     }
     if (lse != nullptr && (lane & 3) == 0 && r < rows_e) {
-      const float val = sum > 0.f ? (row_max[hf] * scale_log2 + __log2f(sum)) * 0.69314718055994531f : NEG_INF;
+      const float val = sum > 0.f ? (row_max[hf] * scale_log2 + __log2f(sum)) * 0.69314718055994531f
+                                  : vbw_attn::nan_or(sum, NEG_INF);
       lse[lse_base + m0 + r] = val;
     }
   }

@@ -502,7 +502,7 @@ def ensure_contiguous(x):
 
 
 
-_CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+_CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
 
 
 _ctype_memo: dict = {}  # dtype (or type, or name) as passed -> C++ name: dtype.name costs ~1.6 us a call
