@@ -17,6 +17,7 @@ enum : int {
   NVFP4_NONFINITE = 5,    // quantize nvfp4 with a given global_scale met NaN or Inf (index not recorded)
   MODEL_TOKEN_IDS = 6,    // a token id outside [0, vocab) (models: embedding)
   MODEL_POSITIONS = 7,    // a position outside the RoPE table or the slot's block table, or a bad slot
+  SPARSE_INDICES = 8,     // block_sparse_attention: indptr out of order / past indices, or a block id outside [0, n_k_blocks)
 };
 
 __device__ __forceinline__ void flag(int* err, int code, int index) {
