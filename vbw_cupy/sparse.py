@@ -249,7 +249,7 @@ def random_mask(rng, n_q_blocks, n_k_blocks, density, *, causal=False, lead=()):
     i = np.arange(n_q_blocks)[:, None]
     j = np.arange(n_k_blocks)[None, :]
     if causal:
-        m &= j * n_q_blocks <= i * n_k_blocks + n_q_blocks  # roughly at or below the diagonal
+        m &= j * n_q_blocks < (i + 1) * n_k_blocks  # blocks that start before the query block ends
     m |= (j == np.minimum(i * n_k_blocks // max(n_q_blocks, 1), n_k_blocks - 1))
     return m
 
