@@ -33,6 +33,9 @@
 //
 // History.
 //   v1: the mma.sync pipeline above (attention_fwd.cu v3's loop, gathered K/V tiles); not yet timed on a GPU.
+//       One m16 row tile a warp (WARPS = block_q / 16): with two, D = 128 needs 255 registers and spills on
+//       sm_90; with one, D <= 128 uses 106-175 registers and no instance spills except D = 256 at block_q = 16
+//       (8-28 bytes). KV tile BLOCK_N = 64 keys, or 32 / 16 where shared memory is short (sm_86 / sm_89, D 256).
 #include "mma.cuh"
 #include "errors.cuh"
 #include "attention_tile.cuh"
