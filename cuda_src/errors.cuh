@@ -18,6 +18,7 @@ enum : int {
   MODEL_TOKEN_IDS = 6,    // a token id outside [0, vocab) (models: embedding)
   MODEL_POSITIONS = 7,    // a position outside the RoPE table or the slot's block table, or a bad slot
   NVFP4_SATURATED = 8,    // quantize nvfp4: global_scale so small that a block scale exceeds 512 (index not recorded)
+  SPARSE_INDICES = 9,     // block_sparse_attention: indptr out of order / past indices, or a block id outside [0, n_k_blocks)
 };
 
 __device__ __forceinline__ void flag(int* err, int code, int index) {

@@ -6,7 +6,9 @@ from .attention import flash_attention, flash_attention_varlen
 from .fp4 import FP4Tensor, dequantize, quantize
 from .gemm import fp4_matmul
 from .paged import PagedKVCache, paged_attention
+from .sparse import block_sparse_attention, bsr_from_mask
 
 __version__ = "0.1.0"
 __all__ = ["FP4Tensor", "quantize", "dequantize", "fp4_matmul", "flash_attention", "flash_attention_varlen",
-           "paged_attention", "PagedKVCache", "check_errors", "reference", "__version__"]
+           "paged_attention", "PagedKVCache", "block_sparse_attention", "bsr_from_mask", "check_errors", "reference",
+           "__version__"]

@@ -437,3 +437,136 @@ def check_mode(check) -> str:
         return "device"
     err = ValueError if isinstance(check, str) else TypeError
     raise err(f"check: expected \"device\", \"host\", True or False, got {check!r}")
+
+
+# ---- block-sparse attention -------------------------------------------------------------------
+
+#: block sizes block_sparse_attention takes (query blocks, key blocks)
+SPARSE_BLOCK_Q = (16, 64, 128)
+SPARSE_BLOCK_K = (16, 64, 128)
+_INT31 = 2**31 - 1
+
+
+class SparseShape(_NamedTuple):
+    """Sizes of a `block_sparse_attention` call (returned by `check_sparse_args`).
+
+    `patterns` is 1 (one pattern shared by every (batch, head)) or B * Hkv (one per (batch, KV head));
+    `nnz` the length of each pattern's indices; `indptr` / `indices` host int64 copies [patterns, ...] when
+    values were checked, else None."""
+    B: int
+    Sq: int
+    Sk: int
+    Hq: int
+    Hkv: int
+    D: int
+    block_q: int
+    block_k: int
+    n_q_blocks: int
+    n_k_blocks: int
+    patterns: int
+    nnz: int
+    indptr: np.ndarray | None
+    indices: np.ndarray | None
+
+
+def _check_block(name, value, allowed):
+    if not _is_int(value):
+        raise TypeError(f"{name}: expected an int from {allowed}, got {type(value).__name__} {value!r}")
+    if int(value) not in allowed:
+        raise ValueError(f"{name}: expected one of {allowed}, got {int(value)}")
+    return int(value)
+
+
+def check_sparse_args(q, k, v, indptr, indices, *, block_q, block_k, causal=False, softmax_scale=None,
+                      softcap=0.0, dtypes=ATTENTION_DTYPES, check_values=True):
+    """Check the arguments of `block_sparse_attention` and return their sizes.
+
+    q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] as `check_attention_args`; block_q and block_k from
+    SPARSE_BLOCK_Q / SPARSE_BLOCK_K. The pattern (int32) is either shared, indptr [n_q_blocks + 1] and indices
+    [nnz], or one per (batch, KV head), indptr [B, Hkv, n_q_blocks + 1] and indices [B, Hkv, nnz] (each
+    pattern's indptr indexes its own row of indices; entries past its last indptr are padding), with
+    n_q_blocks = ceil(Sq / block_q). With `check_values=True` every pattern's indptr must start at 0, never
+    decrease and end at most at nnz, and the block ids a row lists must lie in [0, ceil(Sk / block_k)) with no
+    duplicate in a row; reading them is a device-to-host copy (a sync) for GPU arrays. Returns `SparseShape`.
+    """
+    _check_qkv(q, k, v, "[B, Sq, Hq, D]", "[B, Sk, Hkv, D]", dtypes)
+    B, Sq, Hq, D = (int(n) for n in q.shape)
+    Bk, Sk, Hkv, Dk = (int(n) for n in k.shape)
+    if Bk != B or Dk != D:
+        raise ValueError(f"k: expected shape [B, Sk, Hkv, D] with B == q's {B} and D == q's {D}, "
+                         f"got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    _check_heads(Hq, Hkv, "q", "k")
+    block_q = _check_block("block_q", block_q, SPARSE_BLOCK_Q)
+    block_k = _check_block("block_k", block_k, SPARSE_BLOCK_K)
+    nqb, nkb = -(-Sq // block_q), -(-Sk // block_k)
+    if not (hasattr(indptr, "ndim") and indptr.ndim in (1, 3)):
+        _check_array("indptr", indptr, 1, "[n_q_blocks + 1] or [B, Hkv, n_q_blocks + 1]")
+    if indptr.ndim == 1:
+        _check_int32("indptr", indptr, 1, "[n_q_blocks + 1]")
+        _check_int32("indices", indices, 1, "[nnz] (indptr is 1-d: one shared pattern)")
+        if int(indptr.shape[0]) != nqb + 1:
+            raise ValueError(f"indptr: expected shape [n_q_blocks + 1] = [{nqb + 1}] (Sq = {Sq}, block_q = "
+                             f"{block_q}), got {tuple(indptr.shape)}")
+        patterns = 1
+    else:
+        _check_int32("indptr", indptr, 3, "[B, Hkv, n_q_blocks + 1]")
+        _check_int32("indices", indices, 3, "[B, Hkv, nnz] (indptr is 3-d: one pattern per (batch, KV head))")
+        if tuple(int(n) for n in indptr.shape) != (B, Hkv, nqb + 1):
+            raise ValueError(f"indptr: expected shape [B, Hkv, n_q_blocks + 1] = {(B, Hkv, nqb + 1)}, "
+                             f"got {tuple(indptr.shape)}")
+        if tuple(int(n) for n in indices.shape[:2]) != (B, Hkv):
+            raise ValueError(f"indices: expected shape [B, Hkv, nnz] with (B, Hkv) == {(B, Hkv)}, "
+                             f"got {tuple(indices.shape)}")
+        patterns = B * Hkv
+    nnz = int(indices.shape[-1])
+    if nnz * block_k > _INT31 or Sq > (1 << 30) - 1 or Sk > (1 << 30) - 1:
+        raise ValueError(f"indices: expected nnz * block_k < 2^31 and sequences under 2^30 tokens, got nnz = {nnz}, "
+                         f"Sq = {Sq}, Sk = {Sk}")
+    if nqb * B * Hq > _INT31:
+        raise ValueError(f"q: {B} x {Hq} heads x {nqb} query blocks need more than {_INT31} thread blocks")
+    check_flag("causal", causal)
+    check_softcap(softcap)
+    effective_scale(softmax_scale, D)
+    ptr = idx = None
+    if check_values:
+        ptr, idx = check_sparse_values(indptr, indices, nkb)
+    return SparseShape(B, Sq, Sk, Hq, Hkv, D, block_q, block_k, nqb, nkb, patterns, nnz, ptr, idx)
+
+
+def check_sparse_values(indptr, indices, n_k_blocks):
+    """The value half of `check_sparse_args`; returns host int64 copies (indptr [P, n_q_blocks + 1], indices
+    [P, nnz]). For GPU arrays the copy synchronizes the stream."""
+    ptr = _to_host(indptr).astype(np.int64)
+    idx = _to_host(indices).astype(np.int64)
+    ptr = ptr.reshape(-1, ptr.shape[-1])
+    idx = idx.reshape(ptr.shape[0], -1)
+    nnz = idx.shape[1]
+    where = (lambda p: "" if ptr.shape[0] == 1 else f" of pattern {np.unravel_index(p, indptr.shape[:-1])}")
+    for p in range(ptr.shape[0]):
+        row = ptr[p]
+        if row[0] != 0:
+            raise ValueError(f"indptr: expected offsets starting at 0, got {int(row[0])}{where(p)}")
+        steps = np.diff(row)
+        if (steps < 0).any():
+            at = int(np.argmax(steps < 0))
+            raise ValueError(f"indptr: expected non-decreasing offsets, got {int(row[at])} then {int(row[at + 1])} "
+                             f"at query block {at}{where(p)}")
+        if row[-1] > nnz:
+            raise ValueError(f"indptr: expected offsets up to the length of indices ({nnz}), got {int(row[-1])}"
+                             f"{where(p)}")
+        used = idx[p, :row[-1]]
+        bad = (used < 0) | (used >= n_k_blocks)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(f"indices: expected key block ids in [0, {n_k_blocks}) (n_k_blocks = ceil(Sk / "
+                             f"block_k)), got {int(used[j])} at position {j}{where(p)}")
+        rows = np.repeat(np.arange(len(row) - 1), np.diff(row))
+        key = np.sort(rows * n_k_blocks + used)
+        dup = key[1:] == key[:-1]
+        if dup.any():
+            qb, blk = divmod(int(key[1:][dup][0]), n_k_blocks)
+            raise ValueError(f"indices: expected distinct key blocks in a row, query block {qb} lists block {blk} "
+                             f"more than once{where(p)}")
+    return ptr, idx

@@ -1,8 +1,8 @@
 """The device error word: bad index values found by a kernel, reported without a host sync.
 
 Kernels that read through index arrays (paged_attention's block_table and seq_lens, flash_attention_varlen's
-cu_seqlens) check every index on the device. A sequence with a bad one gets NaN output rows and a flag in this
-device's error word (cuda_src/errors.cuh); nothing is read or written out of bounds and the call does not
+cu_seqlens, block_sparse_attention's indptr and indices) check every index on the device. A sequence (a query
+block) with a bad one gets NaN output rows and a flag in this device's error word (cuda_src/errors.cuh); nothing is read or written out of bounds and the call does not
 synchronize. `check_errors()` copies the word to the host (a sync), clears it and raises ValueError naming the
 operation, the argument and the first bad sequence. A call made with ``check="host"`` checks the word too.
 
@@ -30,9 +30,11 @@ CODES = {
     7: ("models.LlamaGPU", "positions", "a position past the model's seq_len or the cache's capacity, or a bad slot"),
     8: ("quantize", "global_scale", "too small for x: a block needs an E4M3 scale max|block| / (6 * global_scale) "
         "above 512 and its elements saturate; use global_scale >= max|x| / 3072, or None for the default"),
+    9: ("block_sparse_attention", "indptr / indices",
+        "indptr not starting at 0, decreasing or past the indices, or a block id outside [0, n_k_blocks)"),
 }
 NVFP4_NONFINITE = 5
-_INDEXED = {1, 2, 3, 4, 6, 7}  # codes that record the smallest bad sequence
+_INDEXED = {1, 2, 3, 4, 6, 7, 9}  # codes that record the smallest bad sequence
 _WORDS = 16
 
 _lock = threading.Lock()
@@ -90,7 +92,7 @@ def pending(device_id: int | None = None, op: str | None = None) -> list[str]:
                 buf[np.flatnonzero(words)] = 0
         for code in np.flatnonzero(words):
             op, arg, what = CODES.get(int(code), ("a vbw_cupy kernel", "?", f"unknown error code {int(code)}"))
-            noun = "sequence" if code <= 4 else "row"
+            noun = "sequence" if code <= 4 else "query block" if code == 9 else "row"
             where = (f" (first in {noun} {0x7fffffff - int(words[code])}); the rows of those {noun}s are NaN"
                      if code in _INDEXED else "")
             msgs.append(f"{op}: {arg}: {what}{where} (device {dev})")

@@ -380,6 +380,58 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     return out
 
 
+def block_sparse_attention(q, k, v, indptr, indices, *, block_q, block_k, causal=False, softmax_scale=None,
+                           softcap=0.0, return_lse=False, lowp=False):
+    """Block-sparse attention in float64: query block qb (rows qb * block_q ..) sees the keys of the key blocks
+    its pattern lists, indices[indptr[qb]:indptr[qb + 1]] (key block j holds keys j * block_k ..), limited to
+    keys j <= i when `causal` (positions aligned at 0) and to j < Sk.
+
+    q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]; indptr [n_q_blocks + 1] and indices [nnz] (one pattern for all
+    (batch, head)), or indptr [B, Hkv, n_q_blocks + 1] and indices [B, Hkv, nnz] (query head h of batch b uses
+    pattern (b, h // (Hq // Hkv))). Scores, softcap and the empty-row rule are `flash_attention`'s (a row that
+    sees no key gets 0 and lse -inf). `lowp=True` computes SPEC section 7's same-dtype baseline instead
+    (`sdpa_lowp`'s steps). Returns o [B, Sq, Hq, D] in q's dtype (and lse float32 [B, Hq, Sq]).
+    """
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    ft = np.float32 if lowp else np.float64
+    scale = ft(_scale(softmax_scale, D))
+    cap = ft(float(softcap))
+    ptr = np.asarray(indptr, np.int64).reshape(-1, np.shape(indptr)[-1])
+    idx = np.asarray(indices, np.int64).reshape(ptr.shape[0], -1)
+    out = np.zeros(q.shape, dtype=q.dtype)
+    lse = np.full((B, Hq, Sq), -np.inf, dtype=np.float32) if return_lse else None
+    for b in range(B):
+        for h in range(Hkv):
+            p = 0 if ptr.shape[0] == 1 else b * Hkv + h
+            heads = slice(h * group, (h + 1) * group)
+            kh, vh = k[b, :, h, :].astype(ft), v[b, :, h, :].astype(ft)
+            for qb in range(ptr.shape[1] - 1):
+                i0, i1 = qb * block_q, min(Sq, (qb + 1) * block_q)
+                blocks = idx[p, ptr[p, qb]:ptr[p, qb + 1]]
+                keys = (blocks[:, None] * block_k + np.arange(block_k)[None, :]).reshape(-1)
+                keys = keys[keys < Sk]
+                qq = q[b, i0:i1, heads, :].astype(ft).transpose(1, 0, 2)          # [group, rows, D]
+                s = (qq @ kh[keys].T) * scale                                    # [group, rows, keys]
+                if cap > 0:
+                    s = cap * np.tanh(s / cap)
+                if causal:
+                    s = np.where(keys[None, :] <= np.arange(i0, i1)[:, None], s, ft(-np.inf))
+                m = s.max(axis=-1, keepdims=True, initial=ft(-np.inf))
+                m = np.where(np.isfinite(m), m, ft(0))
+                e = np.exp(s - m)
+                l = e.sum(axis=-1, keepdims=True, dtype=ft)
+                if lowp:
+                    e = e.astype(q.dtype).astype(ft)
+                o = np.divide(e @ vh[keys], l, out=np.zeros(qq.shape, dtype=ft), where=l > 0)
+                out[b, i0:i1, heads, :] = (o.astype(q.dtype) if lowp else _round_from_f64(o, q.dtype)).transpose(1, 0, 2)
+                if lse is not None:
+                    seen = l > 0
+                    lse[b, heads, i0:i1] = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)[..., 0]
+    return (out, lse) if return_lse else out
+
+
 def sdpa_lowp(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0):
     """The same attention computed the way flash-attn does in the input precision: SPEC section 7's
     baseline ("the error of a same-dtype computation with float32 softmax").
