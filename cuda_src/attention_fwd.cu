@@ -569,13 +569,21 @@ __device__ __forceinline__ vbw::u32 sw_offset(int r, int c) {
 
 }  // namespace vbw_attn
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP, bool TMA, int STAGES>
+// SPARSE (block_sparse_attention, dense layout): the CTA runs only the key tiles listed for its query block in a
+// BSR pattern (block_q = BLOCK_M, block_k = BLOCK_N): sp_indptr / sp_indices of pattern (b, h / group) start
+// sp_ptr_stride / sp_idx_stride elements apart (0: one shared pattern), sp_nnz entries each, block ids below
+// sp_nkb. Tiles are taken in list order; masks (causal, past Sk) apply by position as for dense tiles. A bad
+// list (indptr not from 0, decreasing or past sp_nnz, an id outside [0, sp_nkb)) gives NaN rows and
+// SPARSE_INDICES. Dense launches pass null pointers; the dense instances compile without any of it.
+template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP, bool TMA, int STAGES, bool SPARSE>
 __global__ void __launch_bounds__(WGS * 128, 1)
 attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
             float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
             int batch, int seqlen_q, int seqlen_k, int heads, int group, int d, int num_m, int sect_heads,
             float scale_log2, int score_mode, float cap_prescale, int win_left, int win_right,
             long long q_rs, long long kv_rs, long long lse_stride_h, int* __restrict__ err,
+            const int* __restrict__ sp_indptr, const int* __restrict__ sp_indices, long long sp_ptr_stride,
+            long long sp_idx_stride, int sp_nnz, int sp_nkb,
             const __grid_constant__ vbw::TmaDesc tm_q, const __grid_constant__ vbw::TmaDesc tm_k,
             const __grid_constant__ vbw::TmaDesc tm_v) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -616,22 +624,51 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 
   int n_lo, n_hi, nm_lo, nm_hi;
   vbw_attn::tile_range<BLOCK_N>(cta, rows_q, n_lo, n_hi, nm_lo, nm_hi);
+  // The CTA's key tiles by ordinal i = 0 .. cnt - 1: dense, n_hi - 1 down to n_lo; sparse, the listed blocks.
+  int cnt = n_hi - n_lo;
+  const int* sp_list = nullptr;
+  if constexpr (SPARSE) {
+    const long long pat = (long long)cta.b * (heads / group) + cta.h / group;
+    const int* ip = sp_indptr + pat * sp_ptr_stride;
+    const int qb = cta.m0 / BLOCK_M;
+    const int s0 = ip[qb], s1 = ip[qb + 1];
+    int bad = ip[0] != 0 || s0 < 0 || s1 < s0 || s1 > sp_nnz;
+    sp_list = sp_indices + pat * sp_idx_stride + (bad ? 0 : s0);
+    if (!bad)
+      for (int i = tid; i < s1 - s0; i += NT) bad |= (unsigned)sp_list[i] >= (unsigned)sp_nkb;
+    if (__syncthreads_or(bad)) {
+      if (tid == 0) vbw_err::flag(err, vbw_err::SPARSE_INDICES, qb);
+      const unsigned short nan = (unsigned short)vbw::pack2<T>(__int_as_float(0x7fc00000), 0.f);  // T's NaN bits
+      unsigned short* o16 = reinterpret_cast<unsigned short*>(o + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d);
+      for (int i = tid; i < rows_q * d; i += NT) o16[(long long)(i / d) * q_rs + i % d] = nan;
+      if (lse != nullptr)
+        for (int r = tid; r < rows_q; r += NT)
+          lse[(long long)cta.h * lse_stride_h + (long long)cta.b * heads * seqlen_q + cta.m0 + r] =
+              __int_as_float(0x7fc00000);
+      return;
+    }
+    cnt = s1 - s0;
+  }
+  auto tile = [&](int i) -> int {
+    if constexpr (SPARSE) return __ldg(sp_list + i);
+    return n_hi - 1 - i;
+  };
 
   float acc_o[NO];
 #pragma unroll
   for (int i = 0; i < NO; ++i) acc_o[i] = 0.f;
   float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};
 
-  if (n_lo < n_hi) {
-    // Tiles run from n_hi - 1 down; tile m is the i-th (i = n_hi - 1 - m) and lives in slot i % STAGES (K at
-    // kslot(m), its V KV_BYTES after), as that slot's fill number i / STAGES.
-    auto kslot = [&](int m) -> u32 { return sK + ((u32)(n_hi - 1 - m) % STAGES) * (2 * KV_BYTES); };
+  if (cnt > 0) {
+    // Tile ordinal i lives in slot i % STAGES (K at kslot(i), its V KV_BYTES after), as that slot's fill number
+    // i / STAGES. The lambdas below take ordinals; tile(i) is the key tile's index.
+    auto kslot = [&](int i) -> u32 { return sK + ((u32)i % STAGES) * (2 * KV_BYTES); };
     // TMA: mbarriers after the K/V slots: [0] Q, [1 + s] K of slot s, [1 + STAGES + s] V of slot s; a fill
     // completes its barrier's phase of parity (fill number) & 1.
     const u32 bar = sK + 2 * STAGES * KV_BYTES;
-    auto kbar = [&](int m) -> u32 { return bar + 8 + 8 * ((u32)(n_hi - 1 - m) % STAGES); };
-    auto vbar = [&](int m) -> u32 { return kbar(m) + 8 * STAGES; };
-    auto phase = [&](int m) -> u32 { return ((u32)(n_hi - 1 - m) / STAGES) & 1u; };
+    auto kbar = [&](int i) -> u32 { return bar + 8 + 8 * ((u32)i % STAGES); };
+    auto vbar = [&](int i) -> u32 { return kbar(i) + 8 * STAGES; };
+    auto phase = [&](int i) -> u32 { return ((u32)i / STAGES) & 1u; };
     // One thread issues a tile's TMA boxes (one per 64-column panel) at row row0 of the CTA's sequence. Dense
     // maps are [d, heads, seqlen, batch]: their bounds zero-fill columns past d and rows past the sequence.
     // Packed (varlen) maps are [d, heads, total tokens, 1]: rows past a sequence hold the next one's tokens,
@@ -647,39 +684,41 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     };
     // The TMA row of K / V row 0 of this sequence (packed inputs: its first token).
     const int kv_row = cu_q != nullptr ? (int)cta.k_start : 0;
-    auto load_k = [&](int m) {
+    auto load_k = [&](int i) {
+      const int m = tile(i);
       if constexpr (TMA) {
-        tma_tile(kslot(m), &tm_k, kbar(m), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N);
+        tma_tile(kslot(i), &tm_k, kbar(i), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N);
       } else {
-        vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(m), kg + (long long)m * BLOCK_N * kv_rs, kv_rs,
+        vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(i), kg + (long long)m * BLOCK_N * kv_rs, kv_rs,
                                                       sk - m * BLOCK_N, d);
       }
     };
-    auto load_v = [&](int m) {
+    auto load_v = [&](int i) {
+      const int m = tile(i);
       if constexpr (TMA) {
-        tma_tile(kslot(m) + KV_BYTES, &tm_v, vbar(m), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N);
+        tma_tile(kslot(i) + KV_BYTES, &tm_v, vbar(i), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N);
       } else {
-        vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(m) + KV_BYTES,
+        vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(i) + KV_BYTES,
                                                       kg + vk + (long long)m * BLOCK_N * kv_rs, kv_rs,
                                                       sk - m * BLOCK_N, d);
       }
     };
     // TMA: wait until tile m's K (V) has landed (its mbarrier phase completed). cp.async: nothing, the group
     // waits and the barrier before them did that.
-    auto wait_k = [&](int m) { if constexpr (TMA) mbar_wait(kbar(m), phase(m)); };
-    auto wait_v = [&](int m) { if constexpr (TMA) mbar_wait(vbar(m), phase(m)); };
+    auto wait_k = [&](int i) { if constexpr (TMA) mbar_wait(kbar(i), phase(i)); };
+    auto wait_v = [&](int i) { if constexpr (TMA) mbar_wait(vbar(i), phase(i)); };
     // Packed TMA loads: V rows of tile m past the sequence's end hold the next sequence's values, and
     // P (0 there) times an Inf or NaN would still be NaN: wait for V(m) and zero them. Only the tile holding
     // key sk - 1 has any, and it is the first tile a CTA runs (n_hi - 1) or none it runs (causal / window
     // bounds below sk), so this is called once, before the loop. Generic stores, then a proxy fence and a
     // barrier before wgmma reads the tile.
-    auto clear_v_tail = [&](int m) {
+    auto clear_v_tail = [&](int it) {
       if constexpr (TMA) {
-        const int r0 = sk - m * BLOCK_N;
+        const int r0 = sk - tile(it) * BLOCK_N;
         if (cu_q == nullptr || r0 >= BLOCK_N) return;
-        wait_v(m);
+        wait_v(it);
         constexpr int CPR = HEAD_DIM / 8;
-        const u32 vs = kslot(m) + KV_BYTES;
+        const u32 vs = kslot(it) + KV_BYTES;
 #pragma unroll  // (a fixed trip count: a loop bounded by r0 here cost the main loop 14-30 registers)
         for (int i = 0; i < (BLOCK_N * CPR + NT - 1) / NT; ++i) {
           const int c = tid + i * NT;
@@ -694,20 +733,21 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     };
     const u32 q_wg = sQ + wg * 64 * 128;  // this warpgroup's rows of every Q panel
     // S = Q K(m)^T, issued and committed (not waited for).
-    auto issue_s = [&](float (&s)[NS], int m) {
+    auto issue_s = [&](float (&s)[NS], int i) {
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         const u32 col = (kk & 3) << 5;
         WgmmaSS<T, BLOCK_N, 0>::run(s, desc_sw128_k(q_wg + (kk >> 2) * (BLOCK_M * 128) + col),
-                                    desc_sw128_k(kslot(m) + (kk >> 2) * (BLOCK_N * 128) + col), kk > 0);
+                                    desc_sw128_k(kslot(i) + (kk >> 2) * (BLOCK_N * 128) + col), kk > 0);
       }
       wg_commit();
     };
     // Online softmax of S(m) in registers: updates the row max and sums, writes P(m) (as wgmma A fragments,
     // k step t = keys 16t..16t+15) to pa, and returns the factor O must be scaled by before P(m) V(m) is added
     // (corr.x / .y for the thread's two rows; 1 when no row max of the warp moved).
-    auto softmax_p = [&](float (&s)[NS], int m, u32 (&pa)[BLOCK_N / 16][4]) -> float2 {
+    auto softmax_p = [&](float (&s)[NS], int it, u32 (&pa)[BLOCK_N / 16][4]) -> float2 {
+      const int m = tile(it);
       if (score_mode == 1) {
 #pragma unroll
         for (int i = 0; i < NS; ++i) s[i] = tanhf(s[i] * cap_prescale);
@@ -754,18 +794,18 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       }
     };
     // O += P(m) V(m), issued and committed.
-    auto issue_pv = [&](const u32 (&pa)[BLOCK_N / 16][4], int m) {
+    auto issue_pv = [&](const u32 (&pa)[BLOCK_N / 16][4], int i) {
       // O += P V: V is the B operand read MN-major (rows are keys = k, columns d = n); 64-wide d panels
       // BLOCK_N * 128 bytes apart (LBO), 8-key groups 1024 bytes apart.
       wg_fence();
 #pragma unroll
       for (int t = 0; t < BLOCK_N / 16; ++t)
         WgmmaRS<T, HEAD_DIM, 1>::run(acc_o, pa[t][0], pa[t][1], pa[t][2], pa[t][3],
-                                     desc_sw128_mn(kslot(m) + KV_BYTES + t * 16 * 128, BLOCK_N * 128));
+                                     desc_sw128_mn(kslot(i) + KV_BYTES + t * 16 * 128, BLOCK_N * 128));
       wg_commit();
     };
 
-    int n = n_hi - 1;
+    int n = 0;  // the ordinal of the tile in hand
     if constexpr (TMA) {
       if (threadIdx.x == 0)
         for (int i = 0; i < 1 + 2 * STAGES; ++i) mbar_init(bar + 8 * i, 1);
@@ -775,33 +815,33 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       vbw_attn::load_tile_sw<BLOCK_M, HEAD_DIM, NT>(sQ, q + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d,
                                                     q_rs, rows_q, d);
     }
-    load_k(n);
+    load_k(0);
     float s[NS];
     if constexpr (!OVERLAP) {
       // Tiles n .. n - STAGES + 2 in flight before the loop; each iteration refills the slot of the tile just
       // finished with the tile STAGES - 1 ahead. cp.async commits a group every time (empty past the last
       // tile) so that "all but the newest STAGES - 2 groups" is always tile n.
-      load_v(n);
+      load_v(0);
       cp_async_commit();
 #pragma unroll
       for (int i = 1; i < STAGES - 1; ++i) {
-        if (n - i >= n_lo) {
-          load_k(n - i);
-          load_v(n - i);
+        if (i < cnt) {
+          load_k(i);
+          load_v(i);
         }
         cp_async_commit();
       }
       if constexpr (TMA) mbar_wait(bar, 0);  // Q
-      clear_v_tail(n);
-      for (; n >= n_lo; --n) {
+      clear_v_tail(0);
+      for (; n < cnt; ++n) {
         if constexpr (!TMA) {
           cp_async_wait<STAGES - 2>();
           fence_async_smem();  // this thread's cp.async writes -> the async proxy that wgmma reads through
         }
         __syncthreads();  // (cp.async: everyone's K(n), V(n) landed;) everyone is done with tile n+1, refilled now
-        if (n - (STAGES - 1) >= n_lo) {
-          load_k(n - (STAGES - 1));
-          load_v(n - (STAGES - 1));
+        if (n + STAGES - 1 < cnt) {
+          load_k(n + STAGES - 1);
+          load_v(n + STAGES - 1);
         }
         cp_async_commit();
         wait_k(n);
@@ -819,39 +859,39 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       // is done, and P alternates between two register sets, so no register of an in-flight wgmma is touched.
       // Iteration m needs K(m-1) and V(m); it refills the slots of K(m) (S(m) finished) and V(m+1).
       cp_async_commit();
-      load_v(n);
-      if (n > n_lo) load_k(n - 1);
+      load_v(0);
+      if (cnt > 1) load_k(1);
       cp_async_commit();
       if constexpr (TMA) {
         mbar_wait(bar, 0);  // Q
-        wait_k(n);
-        clear_v_tail(n);
+        wait_k(0);
+        clear_v_tail(0);
       } else {
         cp_async_wait<1>();
         fence_async_smem();
         __syncthreads();  // Q, K(n) landed
       }
-      issue_s(s, n);
+      issue_s(s, 0);
       wg_wait<0>();
       u32 pa0[BLOCK_N / 16][4], pa1[BLOCK_N / 16][4];
-      softmax_p(s, n, pa0);  // O is still 0: nothing to rescale
-      // Iterations m > n_lo; the last one (no S(m-1)) is peeled off so every wgmma group here is unconditional
+      softmax_p(s, 0, pa0);  // O is still 0: nothing to rescale
+      // Ordinals i < cnt - 1; the last one (no S(i+1)) is peeled off so every wgmma group here is unconditional
       // (with a conditional one, ptxas cannot tell which group wait_group 1 retires and serializes them all).
-      auto step = [&](const u32 (&pa_cur)[BLOCK_N / 16][4], u32 (&pa_next)[BLOCK_N / 16][4], int m) {
+      auto step = [&](const u32 (&pa_cur)[BLOCK_N / 16][4], u32 (&pa_next)[BLOCK_N / 16][4], int i) {
         if constexpr (!TMA) {
           cp_async_wait<0>();
           fence_async_smem();
         }
-        __syncthreads();  // (cp.async: K(m-1), V(m) landed;) everyone is done with K(m) and V(m+1)
-        if (m - 1 > n_lo) load_k(m - 2);
-        load_v(m - 1);
+        __syncthreads();  // (cp.async: K(i+1), V(i) landed;) everyone is done with K(i) and V(i-1)
+        if (i + 2 < cnt) load_k(i + 2);
+        load_v(i + 1);
         cp_async_commit();
-        wait_k(m - 1);
-        wait_v(m);
-        issue_s(s, m - 1);
-        issue_pv(pa_cur, m);
+        wait_k(i + 1);
+        wait_v(i);
+        issue_s(s, i + 1);
+        issue_pv(pa_cur, i);
         wg_wait<1>();
-        const float2 corr = softmax_p(s, m - 1, pa_next);
+        const float2 corr = softmax_p(s, i + 1, pa_next);
         wg_wait<0>();
         rescale_o(corr);
       };
@@ -859,17 +899,17 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
         if constexpr (!TMA) {
           cp_async_wait<0>();
           fence_async_smem();
-          __syncthreads();  // V(n_lo) landed
+          __syncthreads();  // V(cnt - 1) landed
         }
-        wait_v(n_lo);
-        issue_pv(pa_cur, n_lo);
+        wait_v(cnt - 1);
+        issue_pv(pa_cur, cnt - 1);
         wg_wait<0>();
       };
       for (;;) {
-        if (n == n_lo) { last(pa0); break; }
-        step(pa0, pa1, n--);
-        if (n == n_lo) { last(pa1); break; }
-        step(pa1, pa0, n--);
+        if (n == cnt - 1) { last(pa0); break; }
+        step(pa0, pa1, n++);
+        if (n == cnt - 1) { last(pa1); break; }
+        step(pa1, pa0, n++);
       }
     }
   }

@@ -223,8 +223,12 @@ def test_empty_pattern_gives_zeros_and_minus_inf():
 
 
 def test_instances_and_tiles():
-    names = [n for _, n in SP.kernel_instances()]
-    assert len(names) == len(set(names)) and all(n.startswith("attn_sparse_fwd<") for n in names)
+    inst = SP.kernel_instances()
+    names = [n for _, n in inst]
+    assert len(names) == len(set(names))
+    assert all(n.startswith("attn_sparse_fwd<") for f, n in inst if f == SP.SOURCE)
+    wg = [n for f, n in inst if f != SP.SOURCE]   # the SPARSE instances of the wgmma kernel (sm_90a)
+    assert wg and all(n.startswith("attn_fwd_wg<") and n.endswith(", true>") for n in wg)
     assert SP.block_n(128, 128, 232448) == 64 and SP.block_n(128, 128, 101376) == 32
     assert SP.block_n(256, 128, 101376) == 16
     for hd in SP.HEAD_DIMS:

@@ -131,15 +131,15 @@ def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize
 
 
-def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True, tma: bool = False) -> str:
+def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True, tma: bool = False, sparse: bool = False) -> str:
     """The kernel template instance of cfg. tma (wgmma configs): Q, K and V arrive by TMA (with tensor maps)
-    instead of cp.async."""
+    instead of cp.async; sparse (wgmma configs): the block-sparse variant (vbw_cupy.sparse)."""
     b = lambda x: "true" if x else "false"
     if cfg["KIND"] != "mma":
         if not vec:
             raise ValueError(f"attention config {cfg}: the wgmma kernel needs 16-byte aligned rows (d % 8 == 0)")
         return (f"attn_fwd_wg<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_N']}, {cfg['BLOCK_M'] // 64}, "
-                f"{b(cfg['KIND'] == 'wgp')}, {b(tma)}, {cfg['STAGES']}>")
+                f"{b(cfg['KIND'] == 'wgp')}, {b(tma)}, {cfg['STAGES']}, {b(sparse)}>")
     return (f"attn_fwd<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['WARPS']}, "
             f"{b(cfg['Q_REGS'])}, {cfg['STAGES']}, {b(vec)}>")
 
@@ -270,7 +270,7 @@ class _Launch:
     """Everything one kernel launch needs except the tile config (so the tuner can re-run it)."""
 
     def __init__(self, q, k, v, o, lse, cu_q, cu_k, B, seqlen_q, seqlen_k, max_q, max_k, Hq, Hkv, D,
-                 scale, left, right, softcap, lse_stride_h):
+                 scale, left, right, softcap, lse_stride_h, sparse=()):
         self.q, self.k, self.v, self.o = q, k, v, o
         self.B, self.max_q, self.max_k, self.Hq, self.Hkv, self.D = B, max_q, max_k, Hq, Hkv, D
         self.head_dim = head_dim_bucket(D)
@@ -295,6 +295,10 @@ class _Launch:
         self.tail_args = (np.float32(scale_log2), np.int32(mode), np.float32(pre), np.int32(left),
                           np.int32(right), np.int64(Hq * D), np.int64(Hkv * D), np.int64(lse_stride_h),
                           _errors.buffer(q.data.device_id))
+        # the wgmma kernel's block-sparse arguments (indptr, indices, their pattern strides, nnz, key blocks):
+        # `sparse` from vbw_cupy.sparse, or none for a dense launch
+        self.sparse = bool(sparse)
+        self.sparse_args = tuple(sparse) or (null, null, np.int64(0), np.int64(0), np.int32(0), np.int32(0))
         # CTA order: sections of (b, h) pairs whose K and V (max_k keys each) fit in half of L2.
         kv_bytes = 2 * max_k * D * q.dtype.itemsize
         per_sec = max(1, _l2_bytes() // 2 // max(1, kv_bytes)) * (Hq // Hkv)
@@ -319,10 +323,11 @@ class _Launch:
         if boxes is not None and _map_args(self.q, self.k, self.v, boxes) is None:
             boxes = None  # the driver cannot encode the maps: cp.async
         opts = _EXTRA_OPTIONS.get(self.head_dim, ()) if isinstance(_EXTRA_OPTIONS, dict) else _EXTRA_OPTIONS
-        kern = rt.get_kernel(SOURCE, instance_name(self.q.dtype, self.head_dim, cfg, self.vec, boxes is not None),
-                             tuple(opts))
+        kern = rt.get_kernel(SOURCE, instance_name(self.q.dtype, self.head_dim, cfg, self.vec, boxes is not None,
+                                                   self.sparse), tuple(opts))
         num_m = rt.cdiv(self.max_q, cfg["BLOCK_M"])
-        scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + self.tail_args
+        scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + self.tail_args + \
+            (self.sparse_args if wg else ())
         return (kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), smem_bytes(self.head_dim, cfg), scalars,
                 wg, boxes)
 

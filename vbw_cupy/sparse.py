@@ -12,8 +12,10 @@ pattern layouts:
 
 NumPy inputs run `vbw_cupy.reference` (float64); GPU inputs run ``attn_sparse_fwd`` of
 ``cuda_src/attention_sparse.cu`` (mma.sync m16n8k16, sm_80+: one CTA per (query block, head, batch) that
-streams only its listed key blocks through double-buffered cp.async tiles, online softmax in fp32). Work is
-proportional to the kept blocks.
+streams only its listed key blocks through double-buffered cp.async tiles, online softmax in fp32). On sm_90
+with 16-byte aligned inputs, head dims 64 / 128 / 256 and a block shape that is one of flash_attention's wgmma
+tiles (`_WG_TILES`), the SPARSE instance of flash_attention's wgmma + TMA kernel runs instead (the same kernel
+as the dense op, iterating the listed key tiles). Work is proportional to the kept blocks.
 
 Index safety without a sync (``check="device"``, the default for GPU patterns): every CTA checks the offsets and
 block ids it reads; a query block with a bad one gets NaN rows (and NaN lse) and a flag that
@@ -34,6 +36,7 @@ from . import _device
 from . import _errors
 from . import _runtime as rt
 from . import _timing
+from . import attention as _attn
 from . import reference as ref
 
 __all__ = ["block_sparse_attention", "bsr_from_mask", "kernel_instances", "selftest_cases"]
@@ -45,6 +48,9 @@ BLOCK_K = _checks.SPARSE_BLOCK_K
 _BLOCK_N = (64, 32, 16)        # KV tile: the largest whose shared memory fits the device
 _SMEM_LIMITS = (232448, 166912, 101376)  # opt-in shared memory per block: sm_90, sm_80, sm_86 / sm_89
 _LOG2E = 1.4426950408889634
+# sm_90a: the (block_q, block_k) shapes the wgmma kernel runs, per head dim, as flash_attention configs
+_WG_TILES = {64: (_attn._wg(128, 1), _attn._wg(64, 1), _attn._wg(64)), 128: (_attn._wg(128), _attn._wg(64)),
+             256: (_attn._wg(64),)}
 
 
 def head_dim_bucket(D: int) -> int:
@@ -87,7 +93,23 @@ def kernel_instances() -> list[tuple[str, str]]:
                 for bn in sorted({block_n(hd, bq, lim) for lim in _SMEM_LIMITS}, reverse=True):
                     for vec in (True, False):
                         out.append((SOURCE, instance_name(dt, hd, bq, bn, vec)))
+        out += [(_attn.SOURCE, _attn.instance_name(dt, hd, c, True, True, True)) for hd, cs in _WG_TILES.items()
+                for c in cs]
     return out
+
+
+def _wg_config(q, k, v, o, hd, block_q, block_k, causal, Sq, Sk):
+    """The wgmma config for this call, or None when the mma.sync kernel runs (not sm_90a, unaligned, another
+    head dim or block shape, TMA maps unavailable, or causal with Sq != Sk: the wgmma kernel aligns the
+    diagonal bottom-right, this op top-left)."""
+    if _device.device_arch() != 90 or hd not in _WG_TILES or (causal and Sq != Sk) or not rt.have_tensor_maps():
+        return None
+    if q.shape[-1] % 8 or any(a.data.ptr % 16 for a in (q, k, v, o)):
+        return None
+    for c in _WG_TILES[hd]:
+        if (c["BLOCK_M"], c["BLOCK_N"]) == (block_q, block_k):
+            return c
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- patterns
@@ -163,6 +185,15 @@ def _sparse_gpu(q, k, v, indptr, indices, *, block_q, block_k, causal, softmax_s
             lse = (_check_out(lse_out, (B, Hq, Sq), np.float32, "lse_out") if lse_out is not None
                    else cp.empty((B, Hq, Sq), dtype=cp.float32))
         hd = head_dim_bucket(D)
+        wg = _wg_config(q, k, v, o, hd, shape.block_q, shape.block_k, causal, Sq, Sk)
+        if wg is not None:
+            per = shape.patterns > 1
+            sp = (ptr_d, idx_d if idx_d.size else np.uint64(0), np.int64(shape.n_q_blocks + 1 if per else 0),
+                  np.int64(shape.nnz if per else 0), np.int32(shape.nnz), np.int32(shape.n_k_blocks))
+            launch = _attn._Launch(q, k, v, o, lse, None, None, B, Sq, Sk, Sq, Sk, Hq, Hkv, D, scale, -1,
+                                   0 if causal else -1, softcap, Sq, sparse=sp)
+            launch.run(wg)
+            return (o, lse) if return_lse else o
         vec = bool(D % 8 == 0 and all(a.data.ptr % 16 == 0 for a in (q, k, v, o)))
         limits = _device.query_device()["limits"]
         bn = block_n(hd, shape.block_q, limits["smem_optin"])
