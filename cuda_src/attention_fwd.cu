@@ -632,7 +632,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     const int* ip = sp_indptr + pat * sp_ptr_stride;
     const int qb = cta.m0 / BLOCK_M;
     const int s0 = ip[qb], s1 = ip[qb + 1];
-    int bad = ip[0] != 0 || s0 < 0 || s1 < s0 || s1 > sp_nnz;
+    int bad = (qb == 0 && s0 != 0) || s0 < 0 || s1 < s0 || s1 > sp_nnz;  // indptr[0] is query block 0's
     sp_list = sp_indices + pat * sp_idx_stride + (bad ? 0 : s0);
     if (!bad)
       for (int i = tid; i < s1 - s0; i += NT) bad |= (unsigned)sp_list[i] >= (unsigned)sp_nkb;
