@@ -77,9 +77,12 @@ class Case:
         return run
 
 
-def time_case(c: Case, rep=10) -> dict:
-    ms = _timing.time_ms(c.ours, warmup=3, rep=rep)
-    dense_ms = _timing.time_ms(c.dense, warmup=3, rep=rep)
+def time_case(c: Case, rep=10, rounds=3) -> dict:
+    """Ours and dense interleaved for `rounds` rounds (clock drift hits both), each side's fastest median kept."""
+    ms = dense_ms = float("inf")
+    for _ in range(rounds):
+        ms = min(ms, _timing.time_ms(c.ours, warmup=3, rep=rep))
+        dense_ms = min(dense_ms, _timing.time_ms(c.dense, warmup=3, rep=rep))
     row = {"S": c.S, "D": c.D, "B": c.B, "H": c.H, "blocks": f"{c.block_q}x{c.block_k}", "kept": c.kept,
            "ours_ms": ms, "dense_ms": dense_ms, "ours/dense": ms / dense_ms,
            "tflops": 4.0 * c.B * c.H * c.S * c.S * c.D * c.kept / ms / 1e9}
@@ -103,13 +106,24 @@ def main(argv=None) -> int:
     ap.add_argument("--block-q", type=int, default=128)
     ap.add_argument("--block-k", type=int, default=128)
     ap.add_argument("--rep", type=int, default=10)
+    ap.add_argument("--stages", type=int, nargs="*", default=[],
+                    help="A/B: also time the sm_90 wgmma tile of these STAGES counts (D = 128, 128 x 128 blocks)")
     a = ap.parse_args(argv)
     if not rt.gpu_available():
         print("bench_sparse: no CUDA device")
         return 1
+    from vbw_cupy import attention, sparse
+    variants = [None] + list(a.stages)
+    default = sparse._WG_TILES
     for d in a.density:
-        row = time_case(Case(a.S, a.D, a.B, a.H, d, a.block_q, a.block_k), rep=a.rep)
-        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        for st in variants:
+            if st is not None:
+                sparse._WG_TILES = {**default, 128: (attention._wg(128, stages=st),)}
+            row = time_case(Case(a.S, a.D, a.B, a.H, d, a.block_q, a.block_k), rep=a.rep)
+            sparse._WG_TILES = default
+            row = {"tile": "default" if st is None else f"{st} stages", **row}
+            print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
     return 0
 
 
