@@ -2,7 +2,8 @@
 equivalent boolean mask (its EFFICIENT backend, the one that takes masks), issue 20's bars.
 
     python bench/bench_sparse.py                 S = 16384, D = 128, fp16, B = 2, H = 16, 128 x 128 blocks,
-                                                 densities 10% and 100% (random patterns, not causal)
+                                                 densities 10% and 100% (random patterns, not causal; every
+                                                 query block keeps round(density * blocks) key blocks)
     python bench/bench_sparse.py --S 4096 --density 0.05 0.1 0.5 1.0 --block-q 64 --block-k 64
     python -m pytest bench/bench_sparse.py --benchmark-only      the same rows as pytest-benchmark cases
 
@@ -36,6 +37,19 @@ def _torch():
         return None
 
 
+def _exact_mask(rng, nq, nk, density):
+    """A block mask of the given density exactly: every query block keeps round(density * nk) key blocks, its
+    diagonal block and the rest drawn at random (so "10%" is 10% of the blocks, and rows are balanced)."""
+    keep = max(1, min(nk, round(density * nk)))
+    m = np.zeros((nq, nk), bool)
+    for i in range(nq):
+        diag = min(i * nk // nq, nk - 1)
+        others = np.delete(np.arange(nk), diag)
+        m[i, diag] = True
+        m[i, rng.choice(others, keep - 1, replace=False)] = True
+    return m
+
+
 class Case:
     def __init__(self, S=16384, D=128, B=2, H=16, density=0.1, block_q=128, block_k=128, seed=0):
         import cupy as cp
@@ -46,8 +60,7 @@ class Case:
         self.q, self.k, self.v = (rng.standard_normal((B, S, H, D), dtype=cp.float32).astype(cp.float16)
                                   for _ in range(3))
         nq, nk = -(-S // block_q), -(-S // block_k)
-        self.mask = sparse.random_mask(np.random.default_rng(seed), nq, nk, density) if density < 1 else \
-            np.ones((nq, nk), bool)
+        self.mask = _exact_mask(np.random.default_rng(seed), nq, nk, density)
         self.indptr, self.indices = (cp.asarray(a) for a in sparse.bsr_from_mask(self.mask))
         self.kept = float(self.mask.mean())
 
