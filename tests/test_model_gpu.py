@@ -142,3 +142,25 @@ def test_wrong_format_and_slots_are_refused():
     model.prefill([[1] * 16], cache, [0])
     with pytest.raises(ValueError, match="capacity"):
         model.decode([1], cache, [0])
+
+
+def test_cli_generate_on_the_gpu(tmp_path, capsys):
+    """`vbw-cupy generate --device gpu` end to end on a llama2.c file and tokenizer.bin written here: the prompt's
+    ids first, repeatable output, and the first token equal to the CPU reference's where its margin is clear."""
+    from test_model import EXTRA, TOK_VOCAB, cli_ids, random_weights as rc_weights, write_llama2c, \
+        write_tokenizer_bin
+    from vbw_cupy.models import load_model, load_tokenizer
+    rng = np.random.default_rng(12)
+    w = rc_weights(rng, 64, 96, 2, 4, 2, TOK_VOCAB, True)
+    ckpt, tok = write_llama2c(tmp_path / "m.bin", w, 48, True), write_tokenizer_bin(tmp_path / "t.bin", EXTRA)
+    argv = ["generate", str(ckpt), "--tokenizer", str(tok), "--prompt", "abc ab", "--device", "gpu", "--print-ids",
+            "--max-new-tokens", "12", "--weights", "fp16"]
+    ids = cli_ids(capsys, argv)
+    assert ids == cli_ids(capsys, argv)
+    prompt = load_tokenizer(tok).encode("abc ab")
+    assert ids[:len(prompt)] == prompt and len(prompt) < len(ids) <= len(prompt) + 12
+    cpu = load_model(ckpt, weights="fp16", device="cpu")
+    logits = cpu.prefill([prompt], cpu.new_cache(1, 48), [0])[0]
+    top2 = np.sort(logits)[-2:]
+    if top2[1] - top2[0] > 0.05 * np.abs(logits).max():
+        assert ids[len(prompt)] == int(np.argmax(logits))
