@@ -10,8 +10,14 @@ fp4_gemm.cu (data and scales interleaved); 512 is data alone, 128-byte aligned; 
 On the lent H100s (2026-11-22), two leases: 576: 2.09-2.11 TB/s on the first, 2.41-2.45 on the second; 512:
 2.38-2.43 on both; 640: 2.25-2.28, then 2.56-2.60; pairs (second only): 2.36-2.43. Compare within one run.
 """
+import os
+import sys
+
 import cupy as cp
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from vbw_cupy import _timing  # noqa: E402
 
 _SRC = r'''
 extern "C" __global__ void bare_read(const unsigned char* __restrict__ p, int cpw, int stride, int pairs, uint4* sink) {
@@ -104,18 +110,9 @@ def bulk(bufs, nbytes=37_748_736):
 
 
 def _time(run):
-    for i in range(5):
-        run(i)
-    s, e = cp.cuda.Event(), cp.cuda.Event()
-    ts = []
-    for _ in range(10):
-        s.record()
-        for i in range(10):
-            run(i)
-        e.record()
-        e.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(s, e) / 10)
-    return float(np.median(ts))
+    """Median ms of run(i) (i rotates the buffers), 10 back-to-back launches between events."""
+    calls = iter(range(1 << 62))
+    return _timing.time_ms(lambda: run(next(calls)), warmup=5, rep=10, inner=10)
 
 
 def main():

@@ -52,40 +52,6 @@ def _fill_random(cp, a, seed):
         flat[i:i + n] = rs.standard_normal(n, dtype=cp.float32).astype(a.dtype)
 
 
-def _graph_time_ms(cp, fns, target_ms=30.0, reps=5):
-    """Median ms per call over CUDA-graph replays of back-to-back calls (fns rotated)."""
-    for f in fns:
-        f()
-    cp.cuda.Device().synchronize()
-    s = cp.cuda.Stream(non_blocking=True)
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    with s:
-        start.record(s)
-        for f in fns:
-            f()
-        stop.record(s)
-        stop.synchronize()
-    est = max(cp.cuda.get_elapsed_time(start, stop) / len(fns), 1e-3)
-    rounds = max(1, min(400 // len(fns), math.ceil(target_ms / est / len(fns))))
-    with s:
-        s.begin_capture()
-        for _ in range(rounds):
-            for f in fns:
-                f()
-        g = s.end_capture()
-        g.upload(s)
-        g.launch(s)
-        s.synchronize()
-        times = []
-        for _ in range(reps):
-            start.record(s)
-            g.launch(s)
-            stop.record(s)
-            stop.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, stop) / (rounds * len(fns)))
-    return float(np.median(times))
-
-
 def _copy_gbs(cp, nbytes, detail=None):
     """Best of three device-to-device copies (cudaMemcpyAsync, cupy elementwise on uint8 and on float32
     views) of a buffer the size of K + V (clamped to [256 MB, 2 GB]), as GB/s of bytes read + written."""
@@ -100,7 +66,7 @@ def _copy_gbs(cp, nbytes, detail=None):
         "elementwise_u8": lambda: dst.__setitem__(Ellipsis, src),
         "elementwise_f32": lambda: dst.view(cp.float32).__setitem__(Ellipsis, src.view(cp.float32)),
     }
-    res = {k: 2 * n / _graph_time_ms(cp, [f], target_ms=20.0) / 1e6 for k, f in ways.items()}
+    res = {k: 2 * n / _timing.graph_time_ms([f], target_ms=20.0) / 1e6 for k, f in ways.items()}
     if detail is not None:
         detail.update(res)
     del src, dst
@@ -135,7 +101,7 @@ class Case:
 
     def time_ms(self, launches=None):
         import cupy as cp
-        return _graph_time_ms(cp, [L.run for L in (launches or self.launches)])
+        return _timing.graph_time_ms([L.run for L in (launches or self.launches)])
 
     def peer_ms(self):
         """flash_attention with Sq = 1 on a contiguous cache (None when unavailable or too large)."""

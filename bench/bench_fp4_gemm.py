@@ -17,7 +17,7 @@ import pytest
 
 cp = pytest.importorskip("cupy") if __name__ != "__main__" else __import__("cupy")
 
-from vbw_cupy import gemm  # noqa: E402
+from vbw_cupy import _timing, gemm  # noqa: E402
 from vbw_cupy.fp4 import dequantize, quantize  # noqa: E402
 
 MS = (1, 16, 64, 256, 4096)
@@ -56,20 +56,10 @@ def setup(M, N, K, fmt="nvfp4", epilogue=False, seed=0):
 
 
 def time_us(fn, inner=10, reps=15):
-    stream = cp.cuda.get_current_stream()
-    for i in range(3):
-        fn(i)
-    stream.synchronize()
-    times = []
-    for r in range(reps):
-        s, e = cp.cuda.Event(), cp.cuda.Event()
-        s.record(stream)
-        for i in range(inner):
-            fn(r * inner + i)
-        e.record(stream)
-        e.synchronize()
-        times.append(cp.cuda.get_elapsed_time(s, e) * 1e3 / inner)
-    return float(np.median(times))
+    """Median microseconds of fn(i), i counting up across calls (callers rotate weight copies by it), `inner`
+    back-to-back calls between events (`_timing.time_ms`)."""
+    calls = iter(range(1 << 62))
+    return 1e3 * _timing.time_ms(lambda: fn(next(calls)), warmup=3, rep=reps, inner=inner)
 
 
 def measure(M, N, K, fmt="nvfp4", epilogue=False, check=True):
@@ -133,24 +123,7 @@ def diagnose(out=sys.stdout):
         o, plan = gemm._matmul_gpu(a, w, None, None, np.dtype(np.float16))
         t_launch = time_us(lambda i: gemm._launch(plan, a, o, None))
         try:
-            s = cp.cuda.Stream(non_blocking=True)
-            with s:
-                gemm.fp4_matmul(a, w)
-                s.begin_capture()
-                for _ in range(20):
-                    gemm.fp4_matmul(a, w)
-                g = s.end_capture()
-                g.launch(s)
-                s.synchronize()
-                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                ts = []
-                for _ in range(10):
-                    e0.record(s)
-                    g.launch(s)
-                    e1.record(s)
-                    e1.synchronize()
-                    ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / 20)
-                t_graph = float(np.median(ts))
+            t_graph = 1e3 * _timing.graph_time_ms([lambda: gemm.fp4_matmul(a, w)], target_ms=2.0, reps=10)
         except Exception as exc:
             t_graph = float("nan")
             print(f"graph capture failed: {exc}", file=out)

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vbw_cupy as vc  # noqa: E402
+from vbw_cupy import _timing  # noqa: E402
 from bare_read import _SRC as BARE_SRC  # noqa: E402
 
 SHAPES = ((8192, 8192), (14336, 4096), (4096, 14336), (28672, 4096))
@@ -25,27 +26,8 @@ _ROTATE_BYTES = 256 << 20
 
 
 def _graph_us(fns):
-    """Median time of one fn call (us): a graph of 10 calls cycling through `fns`, events around a replay."""
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        for f in fns:
-            f()
-        s.synchronize()
-        s.begin_capture()
-        for i in range(10):
-            fns[i % len(fns)]()
-        g = s.end_capture()
-        for _ in range(3):
-            g.launch(s)
-        ts = []
-        for _ in range(10):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(s)
-            g.launch(s)
-            b.record(s)
-            b.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / 10)
-    return float(np.median(ts))
+    """Microseconds per call from one CUDA graph of back-to-back calls cycling through `fns`."""
+    return 1e3 * _timing.graph_time_ms(fns, target_ms=5.0, reps=10)
 
 
 def main(argv=None):

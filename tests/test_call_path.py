@@ -366,3 +366,13 @@ def test_gpu_graph_paged_cache_append_and_attention():
     assert caches[0].sync_lengths().tolist() == [13 + 9, 13, 13 + 9]
     np.testing.assert_array_equal(caches[0].k_cache.get(), caches[1].k_cache.get())
     vc.check_errors()
+
+
+@pytest.mark.gpu
+def test_gpu_graph_time_ms_times_a_replayed_kernel():
+    """_timing.graph_time_ms (the benchmarks' graph timer): a 64 MB fill takes about its bandwidth's time."""
+    import cupy as cp
+    from vbw_cupy import _timing
+    a = cp.empty(16 << 20, dtype=cp.float32)
+    ms = _timing.graph_time_ms([lambda: a.fill(1.0)], target_ms=5.0, reps=3)
+    assert 1e-3 < ms < 5.0 and float(a[-1]) == 1.0

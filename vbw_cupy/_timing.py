@@ -7,17 +7,20 @@ import numpy as np
 from . import _runtime as rt
 
 
-def time_ms(fn, warmup: int = 3, rep: int = 20, inner: int = 1) -> float:
+def time_ms(fn, warmup: int = 3, rep: int = 20, inner: int = 1, before=None) -> float:
     """Median time of fn() in milliseconds, CUDA events on the current stream, after warm-up.
 
     `inner` > 1 times that many back-to-back calls between one pair of events and divides: the launch
-    queue stays full, so a short kernel is timed without the host's per-call launch gap."""
+    queue stays full, so a short kernel is timed without the host's per-call launch gap. `before()` runs
+    before each sample, outside the timed interval (the autotuner flushes the L2 there)."""
     cp = rt.require_cupy()
     for _ in range(warmup):
         fn()
     stream = cp.cuda.get_current_stream()
     times = []
     for _ in range(rep):
+        if before is not None:
+            before()
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         start.record(stream)
         for _ in range(inner):
@@ -25,6 +28,41 @@ def time_ms(fn, warmup: int = 3, rep: int = 20, inner: int = 1) -> float:
         stop.record(stream)
         stop.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, stop) / inner)
+    return float(np.median(times))
+
+
+def graph_time_ms(fns, target_ms: float = 30.0, reps: int = 5) -> float:
+    """Median milliseconds per call of back-to-back calls of `fns` (rotated) replayed from one CUDA graph on a
+    private stream: no host launch cost at all. Each fn must be capturable; they run once eagerly first."""
+    cp = rt.require_cupy()
+    for f in fns:
+        f()
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    with s:
+        start.record(s)
+        for f in fns:
+            f()
+        stop.record(s)
+        stop.synchronize()
+        est = max(cp.cuda.get_elapsed_time(start, stop) / len(fns), 1e-3)
+        rounds = max(1, min(400 // len(fns), -(-int(target_ms / est) // len(fns))))
+        s.begin_capture()
+        for _ in range(rounds):
+            for f in fns:
+                f()
+        g = s.end_capture()
+        g.upload(s)
+        g.launch(s)
+        s.synchronize()
+        times = []
+        for _ in range(reps):
+            start.record(s)
+            g.launch(s)
+            stop.record(s)
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop) / (rounds * len(fns)))
     return float(np.median(times))
 
 

@@ -95,6 +95,7 @@ import numpy as np
 
 from . import _device
 from . import _runtime as rt
+from . import _timing
 
 try:  # POSIX; elsewhere writes are still atomic, just not merged under a lock
     import fcntl
@@ -424,34 +425,20 @@ def _flush_l2(stream) -> None:
 
 def _cuda_event_timer(run: Callable[[dict], None], cfg: dict, budget_s: float = 0.2,
                       cutoff_ms: float | None = None, flush: bool = True) -> float:
-    """Median milliseconds of run(cfg) on the current stream: 1 warm-up, then MIN_REPS..MAX_REPS timed
-    launches (as many as fit in budget_s), L2 flushed before each outside the timed interval. flush=False
-    times WARM_INNER back-to-back launches per sample instead (the steady state of repeated calls)."""
+    """Median milliseconds of run(cfg) on the current stream (`_timing.time_ms`): 1 warm-up, then
+    MIN_REPS..MAX_REPS timed launches (as many as fit in budget_s), L2 flushed before each outside the timed
+    interval. flush=False times WARM_INNER back-to-back launches per sample instead (the steady state of
+    repeated calls)."""
     cp = rt.require_cupy()
     stream = cp.cuda.get_current_stream()
-    run(cfg)                       # warm-up: NVRTC compile / module load / first touch
-    stream.synchronize()
     inner = 1 if flush else WARM_INNER
-
-    def sample():  # (start, stop) events around `inner` launches, the L2 flushed first when asked
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        if flush:
-            _flush_l2(stream)
-        a.record(stream)
-        for _ in range(inner):
-            run(cfg)
-        b.record(stream)
-        return a, b
-
-    a, b = sample()
-    b.synchronize()
-    first = cp.cuda.get_elapsed_time(a, b) / inner
+    before = (lambda: _flush_l2(stream)) if flush else None
+    call = lambda: run(cfg)  # noqa: E731
+    first = _timing.time_ms(call, warmup=1, rep=1, inner=inner, before=before)
     if cutoff_ms is not None and first > cutoff_ms:
         return first
     reps = int(min(MAX_REPS, max(MIN_REPS, budget_s * 1e3 / max(first * inner, 1e-3))))
-    events = [sample() for _ in range(reps)]
-    events[-1][1].synchronize()
-    return statistics.median(cp.cuda.get_elapsed_time(a, b) for a, b in events) / inner
+    return _timing.time_ms(call, warmup=0, rep=reps, inner=inner, before=before)
 
 
 # Tests replace this: _timer(run, cfg, budget_s=..., cutoff_ms=...) -> milliseconds.
