@@ -299,6 +299,7 @@ class _Launch:
         # `sparse` from vbw_cupy.sparse, or none for a dense launch
         self.sparse = bool(sparse)
         self.sparse_args = tuple(sparse) or (null, null, np.int64(0), np.int64(0), np.int32(0), np.int32(0))
+        self.sparse_smem = 4 * int(sparse[-1]) if sparse else 0   # the CTA's staged block ids (n_k_blocks ints)
         # CTA order: sections of (b, h) pairs whose K and V (max_k keys each) fit in half of L2.
         kv_bytes = 2 * max_k * D * q.dtype.itemsize
         per_sec = max(1, _l2_bytes() // 2 // max(1, kv_bytes)) * (Hq // Hkv)
@@ -328,8 +329,8 @@ class _Launch:
         num_m = rt.cdiv(self.max_q, cfg["BLOCK_M"])
         scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + self.tail_args + \
             (self.sparse_args if wg else ())
-        return (kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), smem_bytes(self.head_dim, cfg), scalars,
-                wg, boxes)
+        smem = smem_bytes(self.head_dim, cfg) + (self.sparse_smem if wg else 0)
+        return kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), smem, scalars, wg, boxes
 
     def run(self, cfg):
         """Launch with cfg; returns bound(cfg)."""

@@ -21,7 +21,8 @@ Index safety without a sync (``check="device"``, the default for GPU patterns): 
 block ids it reads; a query block with a bad one gets NaN rows (and NaN lse) and a flag that
 `vbw_cupy.check_errors()` raises as ValueError; nothing is read out of bounds. ``check="host"`` (and NumPy
 patterns) read and check the pattern on the host first (a sync for GPU arrays), which also rejects a block
-listed twice in a row (the kernel does not detect duplicates: they count twice).
+listed twice in a row (the GPU kernels do not look for duplicates: the mma.sync kernel counts a repeated
+block twice; the sm_90 kernel refuses a row longer than the number of key blocks, which must repeat one).
 
 Extra device memory beyond q, k, v, o (and lse): none, except contiguous copies of non-contiguous inputs.
 """
@@ -98,7 +99,7 @@ def kernel_instances() -> list[tuple[str, str]]:
     return out
 
 
-def _wg_config(q, k, v, o, hd, block_q, block_k, causal, Sq, Sk):
+def _wg_config(q, k, v, o, hd, block_q, block_k, causal, Sq, Sk, n_k_blocks):
     """The wgmma config for this call, or None when the mma.sync kernel runs (not sm_90a, unaligned, another
     head dim or block shape, TMA maps unavailable, or causal with Sq != Sk: the wgmma kernel aligns the
     diagonal bottom-right, this op top-left)."""
@@ -107,8 +108,11 @@ def _wg_config(q, k, v, o, hd, block_q, block_k, causal, Sq, Sk):
         return None
     if q.shape[-1] % 8 or any(a.data.ptr % 16 for a in (q, k, v, o)):
         return None
+    limit = _device.query_device()["limits"]["smem_optin"]
     for c in _WG_TILES[hd]:
-        if (c["BLOCK_M"], c["BLOCK_N"]) == (block_q, block_k):
+        # the CTA stages its block ids (n_k_blocks ints) in shared memory after the K/V ring
+        if (c["BLOCK_M"], c["BLOCK_N"]) == (block_q, block_k) and \
+                _attn.smem_bytes(hd, c) + 4 * n_k_blocks <= limit:
             return c
     return None
 
@@ -186,7 +190,7 @@ def _sparse_gpu(q, k, v, indptr, indices, *, block_q, block_k, causal, softmax_s
             lse = (_check_out(lse_out, (B, Hq, Sq), np.float32, "lse_out") if lse_out is not None
                    else cp.empty((B, Hq, Sq), dtype=cp.float32))
         hd = head_dim_bucket(D)
-        wg = _wg_config(q, k, v, o, hd, shape.block_q, shape.block_k, causal, Sq, Sk)
+        wg = _wg_config(q, k, v, o, hd, shape.block_q, shape.block_k, causal, Sq, Sk, shape.n_k_blocks)
         if wg is not None:
             per = shape.patterns > 1
             sp = (ptr_d, idx_d if idx_d.size else np.uint64(0), np.int64(shape.n_q_blocks + 1 if per else 0),
