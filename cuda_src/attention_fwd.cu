@@ -573,9 +573,9 @@ __device__ __forceinline__ vbw::u32 sw_offset(int r, int c) {
 // BSR pattern (block_q = BLOCK_M, block_k = BLOCK_N): sp_indptr / sp_indices of pattern (b, h / group) start
 // sp_ptr_stride / sp_idx_stride elements apart (0: one shared pattern), sp_nnz entries each, block ids below
 // sp_nkb. Tiles are taken in list order; masks (causal, past Sk) apply by position as for dense tiles. The CTA
-// stages its first sp_nkb ids in shared memory (after the mbarriers; the launcher adds them to the dynamic
-// size). A bad list (indptr not from 0, decreasing or past sp_nnz, an id outside [0, sp_nkb)) gives NaN rows
-// and SPARSE_INDICES; a repeated block counts twice, as in attention_sparse.cu. Dense launches pass null pointers; the dense instances
+// stages its ids in shared memory (sp_nkb ints after the mbarriers; the launcher adds them to the dynamic
+// size). A bad list (indptr not from 0, decreasing or past sp_nnz, longer than sp_nkb, an id outside
+// [0, sp_nkb)) gives NaN rows and SPARSE_INDICES. Dense launches pass null pointers; the dense instances
 // compile without any of it.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP, bool TMA, int STAGES, bool SPARSE>
 __global__ void __launch_bounds__(WGS * 128, 1)
@@ -628,24 +628,23 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   vbw_attn::tile_range<BLOCK_N>(cta, rows_q, n_lo, n_hi, nm_lo, nm_hi);
   // The CTA's key tiles by ordinal i = 0 .. cnt - 1: dense, n_hi - 1 down to n_lo; sparse, the listed blocks.
   int cnt = n_hi - n_lo;
-  const int* sp_list = nullptr;  // sparse: the staged ids (shared memory) and the row's ids in global memory
-  const int* sp_ids = nullptr;
+  const int* sp_list = nullptr;
   if constexpr (SPARSE) {
     const long long pat = (long long)cta.b * (heads / group) + cta.h / group;
     const int* ip = sp_indptr + pat * sp_ptr_stride;
     const int qb = cta.m0 / BLOCK_M;
     const int s0 = ip[qb], s1 = ip[qb + 1];
-    int bad = (qb == 0 && s0 != 0) || s0 < 0 || s1 < s0 || s1 > sp_nnz;  // indptr[0] is query block 0's
-    sp_ids = sp_indices + pat * sp_idx_stride + (bad ? 0 : s0);
-    // the first sp_nkb ids go to shared memory after the K/V ring and its mbarriers: tile(i) is then one shared
-    // load, off the critical path of the TMA issue and the mask test (a longer row repeats blocks: its tail is
-    // read from global memory)
+    // a row longer than sp_nkb repeats a block: refused too (the ids are staged in shared memory, sp_nkb slots)
+    int bad = (qb == 0 && s0 != 0) || s0 < 0 || s1 < s0 || s1 > sp_nnz || s1 - s0 > sp_nkb;
+    const int* ids = sp_indices + pat * sp_idx_stride + (bad ? 0 : s0);
+    // the ids go to shared memory after the K/V ring and its mbarriers: tile(i) is then one shared load, off
+    // the critical path of the TMA issue and the mask test
     int* list = reinterpret_cast<int*>(smem_raw + (sK - raw) + 2 * STAGES * KV_BYTES + 8 * (1 + 2 * STAGES));
     if (!bad)
       for (int i = tid; i < s1 - s0; i += NT) {
-        const int id = sp_ids[i];
+        const int id = ids[i];
         bad |= (unsigned)id >= (unsigned)sp_nkb;
-        if (i < sp_nkb) list[i] = id;
+        list[i] = id;
       }
     sp_list = list;
     if (__syncthreads_or(bad)) {
@@ -662,7 +661,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     cnt = s1 - s0;
   }
   auto tile = [&](int i) -> int {
-    if constexpr (SPARSE) return i < sp_nkb ? sp_list[i] : __ldg(sp_ids + i);
+    if constexpr (SPARSE) return sp_list[i];
     return n_hi - 1 - i;
   };
 

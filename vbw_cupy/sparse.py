@@ -21,7 +21,8 @@ Index safety without a sync (``check="device"``, the default for GPU patterns): 
 block ids it reads; a query block with a bad one gets NaN rows (and NaN lse) and a flag that
 `vbw_cupy.check_errors()` raises as ValueError; nothing is read out of bounds. ``check="host"`` (and NumPy
 patterns) read and check the pattern on the host first (a sync for GPU arrays), which also rejects a block
-listed twice in a row (the GPU kernels do not look for duplicates: they count twice).
+listed twice in a row (the GPU kernels do not look for duplicates: the mma.sync kernel counts a repeated
+block twice; the sm_90 kernel refuses a row longer than the number of key blocks, which must repeat one).
 
 Extra device memory beyond q, k, v, o (and lse): none, except contiguous copies of non-contiguous inputs.
 """
