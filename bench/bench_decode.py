@@ -100,7 +100,6 @@ class Case:
                                   explore=True) for t in self.tables]
 
     def time_ms(self, launches=None):
-        import cupy as cp
         return _timing.graph_time_ms([L.run for L in (launches or self.launches)])
 
     def peer_ms(self):

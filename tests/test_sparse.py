@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import vbw_cupy
-from vbw_cupy import _checks
 from vbw_cupy import _runtime as rt
 from vbw_cupy import reference as ref
 from vbw_cupy import sparse as SP

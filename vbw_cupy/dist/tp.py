@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from ..models.llama import LayerWeights, Llama, LlamaConfig, LlamaKVCache, LlamaWeights
+from ..models.llama import Llama, LlamaConfig, LlamaKVCache, LlamaWeights
 from ..models.ops import ArrayOps, numpy_ops
 from .comm import Comm, NcclComm, SimGroup, run_ranks
 
