@@ -11,8 +11,9 @@ kernel zero-fills the missing columns and never reads or writes past D. Configs 
 BLOCK_M, BLOCK_N, WARPS, Q_REGS, STAGES) are chosen per compiled head dim: a per-architecture default, or the
 autotuner's pick (``vbw_cupy.autotune``, one Tunable per head dim, named ``attention_fwd_d<HEAD_DIM>``, timed on
 back-to-back launches (``warm_l2``); shape bucket = (pow2 of the longest query sequence, pow2 of the longest key
-sequence, each clamped to [64, 16384], 1 if a causal/window mask applies, pow2 of batch x query heads clamped to
-[1, 1024]). On sm_90 the aligned head dims 64 / 128 / 256 run the wgmma kernel (``attn_fwd_wg``) by default,
+sequence, each clamped to [64, 16384], 1 if a causal/window mask applies, and `bh_bucket`: batch x query heads
+in eighths of the SM count, pow2, clamped to [1, 16], so a call whose grid is a fraction of a wave does not share
+its tile with one that fills the GPU many times over). On sm_90 the aligned head dims 64 / 128 / 256 run the wgmma kernel (``attn_fwd_wg``) by default,
 everything else the mma.sync one; a wgmma config is never launched off sm_90 or on unaligned inputs
 (``_runnable``).
 
@@ -186,12 +187,30 @@ def _runnable(head_dim: int, cfg: dict, vec: bool) -> dict:
     return cfg
 
 
+def _sm_count(shape: dict) -> int:
+    """The SM count the bucket is relative to: shape["SMS"] (what `_Launch.pick` passes), else the current
+    device's (tune()'s standard shapes), else an H100 SXM's 132 (no device: CPU tests, `vbw-cupy info`)."""
+    if shape.get("SMS"):
+        return int(shape["SMS"])
+    try:
+        return int(_autotune._device_info()["limits"]["num_sms"]) or 132
+    except Exception:  # noqa: BLE001 - no CuPy / no device
+        return 132
+
+
+def bh_bucket(bh: int, sms: int) -> int:
+    """B x Hq in eighths of the SM count, pow2, clamped to [1, 16]: 8 = up to one (b, h) pair per SM, 16 = more.
+    At S >= 1024 a pair has >= 8 Q tiles of 128 rows, so below 8 the grid is a fraction of a wave or a few
+    waves with a heavy tail and the best tile is a small one (more CTAs); above 16 any tile fills the GPU."""
+    return _autotune.pow2_bucket(-(-8 * max(1, int(bh)) // max(1, int(sms))), lo=1, hi=16)
+
+
 def _bucket(shape: dict) -> tuple:
-    # B x Hq counts: a small batch's best tile (more, smaller CTAs) ran 0.67-0.73x of the default on a large one
-    # (H200), and the first call of a bucket is the one that tunes it.
+    # B x Hq counts, relative to the SM count: a small batch's best tile (more, smaller CTAs) ran 0.67-0.73x of
+    # the default on a large one (H200), and the first call of a bucket is the one that tunes it.
     p2 = (lambda n: _autotune.pow2_bucket(n, lo=64, hi=16384))
     bh = shape.get("BH", shape.get("B", 4) * shape.get("H", 16))
-    return (p2(shape["Sq"]), p2(shape["Sk"]), int(bool(shape["masked"])), _autotune.pow2_bucket(bh, lo=1, hi=1024))
+    return (p2(shape["Sq"]), p2(shape["Sk"]), int(bool(shape["masked"])), bh_bucket(bh, _sm_count(shape)))
 
 
 def _tunable_name(head_dim: int) -> str:
@@ -343,7 +362,8 @@ class _Launch:
             return dict(config)
         if _autotune is None or not self.vec:
             return default_config(self.head_dim, _device.device_arch(), self.vec)
-        shape = {"Sq": self.max_q, "Sk": self.max_k, "masked": int(self.masked), "BH": self.B * self.Hq}
+        shape = {"Sq": self.max_q, "Sk": self.max_k, "masked": int(self.masked), "BH": self.B * self.Hq,
+                 "SMS": _device.num_sms()}
         return _autotune.pick(_tunable_name(self.head_dim), shape, self.q.dtype, self.run)
 
 
