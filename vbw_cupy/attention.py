@@ -32,6 +32,7 @@ import numpy as np
 from . import _checks
 from . import _device
 from . import _errors
+from . import _peers
 from . import _plans
 from . import _runtime as rt
 from . import _timing
@@ -637,25 +638,6 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
 
 
 # ---------------------------------------------------------------------------------------------- selftest
-def _peer_attention(q, k, v, causal, scale):
-    """CuPy matmul-softmax-matmul with float32 softmax (the plain path this kernel replaces)."""
-    cp = rt.require_cupy()
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    qt = q.transpose(0, 2, 1, 3).astype(cp.float32)
-    kt = cp.repeat(k.transpose(0, 2, 1, 3), g, axis=1).astype(cp.float32)
-    vt = cp.repeat(v.transpose(0, 2, 1, 3), g, axis=1).astype(cp.float32)
-    s = cp.matmul(qt, kt.transpose(0, 1, 3, 2)) * scale
-    if causal:
-        i = cp.arange(Sq)[:, None] + (Sk - Sq)
-        s = cp.where(cp.arange(Sk)[None, :] <= i, s, -cp.inf)
-    s -= s.max(axis=-1, keepdims=True)
-    p = cp.exp(s)
-    p /= p.sum(axis=-1, keepdims=True)
-    return cp.matmul(p, vt).astype(q.dtype).transpose(0, 2, 1, 3)
-
-
 def _selftest_case(B, S, Hq, Hkv, D, dtype, causal):
     def case():
         import ml_dtypes
@@ -675,23 +657,26 @@ def _selftest_case(B, S, Hq, Hkv, D, dtype, causal):
         cap = 2e-3 if dtype == "float16" else 1e-2
         bound = min(2 * base, cap) if base > 0 else cap
         ms = _timing.time_ms(lambda: flash_attention(q, k, v, causal=causal), warmup=3, rep=10)
+        peer = _peers.attention_peer(q, k, v, causal, 1.0 / math.sqrt(D))
         peer_ms = None
-        try:
-            scale = 1.0 / math.sqrt(D)
-            peer_ms = _timing.time_ms(lambda: _peer_attention(q, k, v, causal, scale), warmup=1, rep=3)
-        except Exception:
-            pass
+        if peer is not None:
+            try:
+                peer_ms = peer.time_ms(warmup=1, rep=3) if peer.naive else peer.time_ms(warmup=3, rep=10)
+            except Exception as e:  # noqa: BLE001 - a failing peer leaves its cells empty, not the row
+                rt.warn_once(f"peer:{peer.kind}", f"vbw_cupy selftest: the {peer.label} peer failed ({e})")
         flops = 4.0 * B * Hq * S * S * D / (2 if causal else 1)
         return {"op": "flash_attention", "shape": f"B{B} S{S} H{Hq}/{Hkv} D{D} {dtype}{' causal' if causal else ''} "
                 f"({flops / ms / 1e9:.0f} TFLOP/s)", "error": err, "bound": bound, "ok": bool(err <= bound),
-                "time_ms": ms, "peer": "cupy matmul-softmax-matmul" if peer_ms else None, "peer_ms": peer_ms}
+                "time_ms": ms, "peer": peer.label if peer_ms else None, "peer_ms": peer_ms,
+                "peer_naive": bool(peer_ms and peer.naive)}
     case.__qualname__ = f"flash_attention[D{D},{dtype},{'causal' if causal else 'full'}]"
     return case
 
 
 def selftest_cases() -> list:
     """Selftest rows: real sizes, error against the float64 reference (computed on the host), time against
-    the CuPy matmul-softmax-matmul peer."""
+    the best peer importable here (`vbw_cupy._peers`: cuDNN SDPA through cudnn-frontend, torch SDPA, else a
+    naive CuPy matmul-softmax-matmul, labelled as such)."""
     return [_selftest_case(1, 2048, 8, 2, 128, "float16", True),
             _selftest_case(1, 2048, 8, 8, 64, "bfloat16", False),
             _selftest_case(1, 1024, 4, 1, 256, "float16", False)]
