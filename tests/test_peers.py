@@ -91,11 +91,13 @@ def test_attention_peer_order(monkeypatch):
 
 def test_a_failing_peer_is_skipped(monkeypatch):
     _stub_builders(monkeypatch)
+    rt.forget_warnings()
 
     def cudnn_fails(*a):
         raise RuntimeError("cudnnGraphNotSupportedError: no engine for this shape")
     monkeypatch.setattr(_peers, "cudnn_sdpa", cudnn_fails)
-    assert _peers.attention_peer(Q, KV, KV, False, 0.125).kind == "torch"
+    with pytest.warns(RuntimeWarning, match="cuDNN SDPA.*no engine for this shape"):
+        assert _peers.attention_peer(Q, KV, KV, False, 0.125).kind == "torch"
     assert _peers.attention_peer(Q, KV, KV, False, 0.125, kinds=("cudnn",)) is None
     with pytest.raises(ValueError, match="kind"):
         _peers.attention_peer(Q, KV, KV, False, 0.125, kinds=("tvm",))
@@ -225,3 +227,32 @@ def test_selftest_table_marks_a_naive_ratio():
     out = io.StringIO()
     cli.print_table(rows[1:], out=out)
     assert "no performance claim" not in out.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", _peers.KINDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_peer_agrees_with_flash_attention(kind, causal, dtype):
+    """Each importable peer computes the same attention as flash_attention (grouped-query, Sq == Sk); a peer
+    whose package is missing is skipped."""
+    cp = pytest.importorskip("cupy")
+    import ml_dtypes
+    from vbw_cupy import attention as A
+    if kind != "naive" and kind not in _peers.available_kinds():
+        pytest.skip(f"{_peers.LABELS[kind]}: package not importable here")
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    rng = np.random.default_rng(7)
+    q = cp.asarray(rng.standard_normal((2, 203, 8, 64)).astype(dt))
+    k, v = (cp.asarray(rng.standard_normal((2, 203, 2, 64)).astype(dt)) for _ in range(2))
+    p = _peers.attention_peer(q, k, v, causal, 0.125, kinds=(kind,))
+    assert p is not None and p.kind == kind
+    out = p.run()
+    if kind == "torch":
+        out = cp.from_dlpack(out.transpose(1, 2).contiguous())
+    ours = A.flash_attention(q, k, v, causal=causal, softmax_scale=0.125)
+    err = float(cp.linalg.norm(out.astype(cp.float32) - ours.astype(cp.float32)) /
+                cp.linalg.norm(ours.astype(cp.float32)))
+    assert err < (4e-3 if dtype == "float16" else 2e-2), err
+    assert p.time_ms(warmup=1, rep=2) > 0

@@ -204,7 +204,8 @@ def _build(kind, q, k, v, causal, scale) -> Peer | None:
             fn = _naive(q, k, v, causal, scale)
             return None if fn is None else Peer("naive", NAIVE, fn)
     except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is skipped, not fatal
-        log.info("vbw_cupy peers: %s SDPA unavailable for q %s (%s: %s)", kind, tuple(q.shape), type(e).__name__, e)
+        rt.warn_once(f"peer:{kind}", f"vbw_cupy: the {LABELS[kind]} peer cannot run q {tuple(q.shape)} "
+                                     f"{np.dtype(q.dtype).name} ({type(e).__name__}: {e}); trying the next peer")
         return None
     raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
 
