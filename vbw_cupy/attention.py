@@ -13,9 +13,9 @@ autotuner's pick (``vbw_cupy.autotune``, one Tunable per head dim, named ``atten
 back-to-back launches (``warm_l2``); shape bucket = (pow2 of the longest query sequence, pow2 of the longest key
 sequence, each clamped to [64, 16384], 1 if a causal/window mask applies, and `bh_bucket`: batch x query heads
 in eighths of the SM count, pow2, clamped to [1, 16], so a call whose grid is a fraction of a wave does not share
-its tile with one that fills the GPU many times over). On sm_90 the aligned head dims 64 / 128 / 256 run the wgmma kernel (``attn_fwd_wg``) by default,
-everything else the mma.sync one; a wgmma config is never launched off sm_90 or on unaligned inputs
-(``_runnable``).
+its tile with one that fills the GPU many times over). On sm_90 the aligned head dims 64 / 128 / 256 run the
+wgmma kernel (``attn_fwd_wg``) by default, everything else the mma.sync one; a wgmma config is never launched
+off sm_90 or on unaligned inputs (``_runnable``).
 
 Host cost: a `flash_attention` call whose shapes, dtypes, options, device, stream and tuning state match an
 earlier checked call replays its launch, re-checking only array types, contiguity, devices and alignment.
