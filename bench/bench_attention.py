@@ -3,8 +3,11 @@
 pytest-benchmark:  python -m pytest bench/bench_attention.py --benchmark-only
     D in {64, 128, 256}, S in {1024, 4096, 16384}, causal and not, float16 and bfloat16; B x H keeps
     B * S = 32768 tokens and H * D = 2048 (TARGETS.md's shapes at D = 64 / 128). extra_info holds TFLOP/s
-    (4 B H S^2 D / t, halved when causal) of ours and each peer, and ratios = peer time / our time. Without
-    torch the peer is a CuPy matmul-softmax-matmul.
+    (4 B H S^2 D / t, halved when causal) of ours and each peer, and ratios = peer time / our time.
+    Peers (`peer_names`, the preference of vbw_cupy._peers): cuDNN's SDPA through nvidia-cudnn-frontend
+    ("cudnn-fe", no torch needed) when it imports, torch SDPA's FLASH and CUDNN backends when torch with CUDA
+    imports; with neither, a naive CuPy matmul-softmax-matmul ("naive", not a tuned kernel: its ratio is no
+    performance claim).
 
 Standalone (one device call can test and benchmark):
     python bench/bench_attention.py --quick        TFLOP/s table for the same grid, ours vs FLASH / CUDNN (each
@@ -24,6 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vbw_cupy import _device  # noqa: E402
+from vbw_cupy import _peers  # noqa: E402
 from vbw_cupy import _runtime as rt  # noqa: E402
 from vbw_cupy import _timing  # noqa: E402
 
@@ -54,6 +58,14 @@ def _torch():
         return torch
     except Exception:
         return None
+
+
+def peer_names():
+    """The peers of this machine, best first: "cudnn-fe" (cudnn-frontend), "FLASH" and "CUDNN" (torch SDPA
+    backends); ("naive",) when none of them imports."""
+    kinds = _peers.available_kinds()
+    names = (["cudnn-fe"] if "cudnn" in kinds else []) + (["FLASH", "CUDNN"] if "torch" in kinds else [])
+    return tuple(names) or ("naive",)
 
 
 def cuda_ms(fn, warmup=3, rep=10):
@@ -103,10 +115,16 @@ class Case:
             return None
         return run
 
-    def cupy_peer(self):
-        from vbw_cupy.attention import _peer_attention
+    def cudnn_fe_peer(self):
+        """cuDNN SDPA through cudnn-frontend (built once per case), or None where it cannot run the shape."""
+        if not hasattr(self, "_cudnn_fe"):
+            p = _peers.attention_peer(self.q, self.k, self.v, self.causal, 1.0 / math.sqrt(self.D), kinds=("cudnn",))
+            self._cudnn_fe = p.run if p is not None else None
+        return self._cudnn_fe
+
+    def naive_peer(self):
         scale = 1.0 / math.sqrt(self.D)
-        return lambda: _peer_attention(self.q, self.k, self.v, self.causal, scale)
+        return lambda: _peers.naive_attention(self.q, self.k, self.v, self.causal, scale)
 
     def tflops(self, ms):
         return self.flops / ms / 1e9 if ms else None
@@ -130,9 +148,12 @@ def _time_peer(case, name, rep):
             stop.synchronize()
             times.append(start.elapsed_time(stop))
         return float(np.median(times))
-    if case.B * case.H * case.S * case.S * 4 > (4 << 30):  # the plain path's S x S scores must fit
+    if name == "cudnn-fe":
+        fn = case.cudnn_fe_peer()
+        return cuda_ms(fn, warmup=3, rep=rep) if fn is not None else None
+    if case.B * case.H * case.S * case.S * 4 > _peers.NAIVE_MAX_SCORE_BYTES:  # the S x S scores must fit
         return None
-    return cuda_ms(case.cupy_peer(), warmup=1, rep=max(3, rep // 3))
+    return cuda_ms(case.naive_peer(), warmup=1, rep=max(3, rep // 3))
 
 
 # ---------------------------------------------------------------------------------------------- pytest
@@ -156,8 +177,7 @@ if pytest is not None:
             stream.synchronize()
         benchmark.pedantic(timed, rounds=10, iterations=1, warmup_rounds=2)
         info = {"B": case.B, "H": case.H, "ours_ms": ms, "ours_tflops": case.tflops(ms)}
-        peers = ("FLASH", "CUDNN") if _torch() is not None else ("cupy",)
-        for peer in peers:
+        for peer in peer_names():
             pms = _time_peer(case, peer, 10)
             info[f"{peer}_ms"] = pms
             info[f"{peer}_tflops"] = case.tflops(pms)
@@ -167,8 +187,9 @@ if pytest is not None:
 
 # ---------------------------------------------------------------------------------------------- standalone
 def quick(Ds=(64, 128, 256), Ss=GRID_S, dtypes=("float16", "bfloat16"), rep=10, out=sys.stdout):
-    torch = _torch()
-    peers = ("FLASH", "CUDNN") if torch is not None else ("cupy",)
+    peers = peer_names()
+    if peers == ("naive",):
+        print(f"peer: {_peers.NAIVE}; install nvidia-cudnn-frontend or torch for a tuned peer", file=out)
     head = f"{'D':>4} {'S':>6} {'BxH':>6} {'causal':>6} {'dtype':>8} | {'ours ms':>8} {'TFLOP/s':>7} | " + \
         " | ".join(f"{p:>6} TF/s  ratio" for p in peers)
     print(head, file=out, flush=True)

@@ -30,24 +30,13 @@
 // {64, 128, 256}: only ceil(D / 16) k-steps run, chunks past D are zero-filled in shared memory; D % 8 != 0
 // (or unaligned caches) takes a scalar load path (vec16 = 0) that is correct but slow.
 //
-// History (NVIDIA H200, 132 SMs; bench/bench_decode.py: CUDA-graph replays, K/V rotated past L2, fp16, D=128;
-// KV GB/s = K+V bytes / time; "copy" = the best cupy/cudaMemcpy D2D copy of the run, 4.22 TB/s read+write at
-// 64-384 MB. NB on this H200 copies of >= 512 MB drop to 2.76 TB/s while this kernel's reads reach 4.5 TB/s,
-// so percentages below use the 4.22 TB/s figure, the conservative one.)
-//   v1: warp-private cp.async pipelines + mma.sync, split-KV + combine kernel, WARPS=4 STAGES=3, splits filling
-//       the CTA slots once. B=1 x 32k, 32/8, bs 16: 48.3 us, 2.78 TB/s (66%); B=64 x 4k: 280 us, 3.84 TB/s (91%).
-//   v2: tried merging the splits in the last CTA to finish (atomic counter, no 2nd launch): slower whenever
-//       splits > ~16 (8 CTAs merge 49 partials serially: 52.1 vs 45.6 us at B=1 x 32k), dropped. Sweep: 4 warps
-//       x 2 stages (3 CTAs/SM) best at small batch; wave quantisation matters (B=64 x 4k on 3 CTAs/SM: 1 split
-//       326 us, 2 splits 280 us).
-//   v3: Q loads issued before the seq_lens-dependent work; combine kernel with 16-byte loads and 4 splits in
-//       parallel per column; split count by wave efficiency; default WARPS=4 STAGES=2 on sm_90.
-//       B=1 x 32k bs 16: 45.4 us, 2.96 TB/s = 70% of copy (bar met, goal 85% not); bs 128 best config (8 warps,
-//       16 splits) 40.9 us = 78%. B=64 x 4k bs 16: 270 us, 3.98 TB/s = 94%. B >= 8 with >= 4k tokens:
-//       3.9-4.5 TB/s (92-107%). Small problems are latency-bound: B=1 x 512 takes 11 us (about 8 us of it a
-//       dependent chain: seq_lens -> block table -> K/V -> merge -> combine launch).
-//   v4: index values checked on the device (one unsigned compare per page lookup, __syncthreads_or at the
-//       merge), so the host call needs no copy of seq_lens / block_table and no sync (bench_decode.py).
+// History (the full log: notes/kernel-history.md, section attention_decode.cu). H200, fp16, D=128,
+// bench/bench_decode.py (CUDA-graph replays, K/V rotated past L2); % of a 4.22 TB/s device-to-device copy.
+//   v1 warp-private cp.async pipelines + mma.sync, split-KV + combine kernel: B=1 x 32k 48.3 us (66%), B=64 x 4k
+//      280 us (91%).
+//   v2 splits merged by the last CTA (no 2nd launch): tried, slower (52.1 vs 45.6 us at B=1 x 32k), dropped.
+//   v3 Q loads first, 16-byte combine, splits by wave efficiency: B=1 x 32k 45.4 us (70%), B=64 x 4k 270 us (94%).
+//   v4 index values checked on the device: the host call needs no copy of seq_lens / block_table and no sync.
 
 #include "mma.cuh"
 #include "errors.cuh"

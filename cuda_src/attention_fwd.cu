@@ -37,186 +37,32 @@
 //   m, most KV tiles under a causal mask) of all its heads go first. Output goes registers -> shared (Q's
 //   buffer) -> 16-byte coalesced stores.
 //
-// History. Lent H200 (1980 MHz), CuPy 14.2 / NVRTC 13.0, torch 2.11; TFLOP/s = 4 B H S^2 D / t (halved when
-// causal), B*S = 32768 tokens, H*D = 2048; ratio = our TFLOP/s / torch SDPA FLASH (FlashAttention-2) in the same
-// run. Run-to-run noise on this machine is 5-10% (FLASH's own back-to-back timings differed by up to 11%).
-//   v1: FA2 pipeline (STAGES = 1), reversed Q-tile order per head, 3-D grid. D=64 128x64 Q in registers:
-//       0.86-1.00x (S=1024..16384); D=128 128x64: 0.83-0.97x (326 vs 353 TFLOP/s at S=4096).
-//   v2: + STAGES = 2 (one barrier per KV tile) + L2-sized head sections, longest Q tiles first. D=64 128x128
-//       2-stage: 284 / 323 / 320 TFLOP/s at S=1024 / 4096 / 16384 (1.01-1.05x; causal 1.01-1.13x) in one run.
-//       D=128: 2-stage 128x64 spilled 56 B (-9%); best 128x64 1-stage 0.84-0.95x.
-//   v3: register trimming (per-CTA state recomputed in the mask branch and the epilogue, one ldmatrix lane
-//       address for Q/K/V, volatile thread index in the loaders) so 2-stage D=64/128 do not spill; exp fused
-//       into the P V k-loop. A/B in one run, fp16, geomean over S=1024..16384 of ratio vs FLASH: D=64 0.93
-//       (128x128 2-stage, no spill) / 0.97 (1-stage, 16 B spill); D=128 0.86 (128x64 2-stage) / 0.91
-//       (1-stage, 24 B spill). Not yet at FLASH for D=128: the next step is the sm_90a wgmma path.
-//   v4 (attn_fwd_wg, sm_90a): wgmma SS for Q K^T, RS for P V with V read MN-major; the default on sm_90 for
-//       head dims 64 / 128 / 256 (aligned inputs). Same run vs FLASH, fp16 and bf16, S = 1024 / 4096 / 16384:
-//       D=128 128x128 331-420 TFLOP/s, 1.06-1.22x; D=256 128x64 (fp16) 273-421 TFLOP/s, 1.16-1.35x; D=64
-//       0.90-0.99x (64x128, 254-301 TFLOP/s). Tried for D=64 and measured slower or equal (S=4096, H200):
-//       FA3's intra-warpgroup overlap (kept as KIND "wgp": 284 vs 294 TFLOP/s), a producer warp feeding the
-//       warpgroups through mbarriers (182-234: one warp cannot issue the cp.async fast enough, and a 9-warp CTA
-//       caps registers at 168 per thread, so it spills), three K/V stages (+-1%), loads issued after the wgmma
-//       instead of before (-25%). Stage timings (ops left out, D=64 128x128): wgmma alone 1.5 ms of 3.77, the
-//       softmax 1.9 ms, the cp.async issue 0.65 ms, and they add up: with two warpgroups in lock step at the
-//       per-tile barrier neither softmax overlaps the other's wgmma. Next: TMA loads (no per-thread load
-//       instructions) and ping-pong scheduling of the two warpgroups with named barriers.
-//       BLOCK_N = 192 (one warpgroup): 293 / 269 TFLOP/s at S=4096 full / causal vs 292 / 256 (a candidate);
-//       at S=1024 the mma.sync 128x128 1-stage tile (16 B spill) is the fastest D=64 config: 271 / 195 vs 243 /
-//       183. Tuned, after the GPU suite in the same cache, vs FLASH: D=64 0.86-1.00x, D=128 1.00-1.30x,
-//       D=256 1.12-1.48x (fp16 and bf16, S = 1024 / 4096 / 16384).
-//   v5 (lent H100, 1980 MHz): TMA loads of Q, K, V for dense inputs (one thread issues each tile, mbarrier
-//       waits; tensor maps [d, heads, seqlen, batch] zero-fill past the sequence and d) and STAGES K/V slots.
-//       The cp.async issue was the cost: same run, fp16, S = 4096 full / causal, D=64 64x128 254 / 242 ->
-//       383 / 328 TFLOP/s, D=128 128x128 (2 stages) 362 / 309 -> 465 / 426; registers drop (D=64 64x128 223 ->
-//       184). Next sweep, vs FLASH in the same run: D=64 1.06-1.37x, D=128 1.04-1.70x (best tile per shape,
-//       S = 1024..16384), D=256 1.51-1.65x at S = 4096. More stages help D=128 at long S (3: 544 vs 482 causal
-//       S = 16384), not D=64 or S = 1024. S = 1024 causal stays the thin case (D=64 212 vs FLASH 199; D=128 241
-//       vs 231): short CTAs, whose prologue (barrier init, first loads) and epilogue are not hidden. Final run
-//       (tuned, bench_attention --quick --rep 20, each peer timed before and after ours, its faster time kept):
-//       vs FLASH D=64 1.07-1.39x (239-404 TFLOP/s), D=128 1.12-1.60x (260-512), D=256 1.16-1.95x (274-556),
-//       fp16 and bf16, S = 1024..16384, causal and not; vs cuDNN 0.66-0.93x. Packed (varlen) inputs by TMA
-//       too (one map over all tokens; V rows past a sequence zeroed in the CTA's first tile): 8 x 4096 tokens,
-//       same configs, TMA vs cp.async, D=128 128x128 374-393 vs 303-309 TFLOP/s causal, 471-493 vs 356-364 full
-//       (dense TMA 423-432 / 471-487). From 64x64
-//       at S = 1024 vs 4096 (293 vs 361 TFLOP/s, 16 vs 64 KV tiles a CTA) a CTA's fixed cost is ~5 tiles' time.
-//       ncu, D=64 S=1024 (64x64 / 128x64): issue slots 56-59% busy, MUFU 41%, ALU 45-47%, 16 warps an SM; the
-//       top stall is "wait" (fixed-latency dependencies), then barrier (1.1 for two warpgroups, 0.6 for one).
-//       Tried, no gain (interleaved A/B, geomean vs FLASH 1.115 vs 1.145 at 64x64): four independent max and
-//       sum chains per row in the softmax instead of one. Tried and reverted (commit 3d52ddc): persistent CTAs
-//       (grid = resident CTAs, each looping over Q tiles, one K/V tile stream across them so the next tile's Q
-//       and first K/V load during this one's last tile and epilogue). Correct (GPU suite), but slower: D=64 S=1024
-//       64x64 240 vs 292 TFLOP/s (167 registers: 3 CTAs an SM instead of 4), S=4096 270 vs 368; D=128 128x128
-//       (one CTA an SM either way) 334 vs 352 at S=1024, 454 vs 470 at S=4096, 398 vs 392 causal. So the fixed
-//       cost of short CTAs is not the first loads' latency. Also tried and dropped: no CTA barrier in the TMA
-//       loop (each warpgroup counts itself on its slot when done with a tile, the last one refills it; loads
-//       wait on mbarriers only): interleaved A/B vs FLASH, geomean over 7 shapes, 64x64 0.90x vs 1.15x with the
-//       barrier, 128x64 0.67x vs 1.10x, D=128 128x128 1.11x vs 1.22x (+20-25 registers, and warps spinning
-//       on mbarriers take issue slots from the other warpgroup's softmax).
+// History (the full log, with A/B runs, tried-and-dropped variants and ncu readings: notes/kernel-history.md,
+// section attention_fwd.cu). fp16, B*S = 32768 tokens, H*D = 2048; ratio = our TFLOP/s / torch SDPA FLASH
+// (FlashAttention-2) in the same run; run-to-run noise 5-10%.
+//   v1 (H200) FA2 pipeline, mma.sync, STAGES = 1: D=128 0.83-0.97x (326 vs 353 TFLOP/s at S=4096).
+//   v2 (H200) STAGES = 2, L2-sized head sections, longest Q tiles first: D=64 284-323 TFLOP/s (1.01-1.05x).
+//   v3 (H200) register trimming (2-stage tiles do not spill), exp fused into P V: geomean D=64 0.93x, D=128 0.86x.
+//   v4 (H200) attn_fwd_wg (sm_90a wgmma, cp.async loads): D=128 331-420 TFLOP/s (1.06-1.22x), D=64 0.90-0.99x.
+//   v5 (H100) TMA loads of Q, K, V, STAGES K/V slots: D=64 1.07-1.39x, D=128 1.12-1.60x, D=256 1.16-1.95x
+//      (239-556 TFLOP/s); vs cuDNN 0.66-0.93x.
+//   The SPARSE instance of attn_fwd_wg (block_sparse_attention) came after v5; the dense instances are unchanged.
+//
+// Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
+//   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks
+//   attention_softmax.cuh   online max / rescale factors, the NaN rule of a row's sum (shared with the sparse kernel)
+//   attention_tile.cuh      attn_fwd's padded shared-memory tiles and their cp.async loader (shared with sparse)
+//   attention_wgmma_tile.cuh  attn_fwd_wg's 128B-swizzled panels: cp.async loader, element offsets (epilogue)
+//   mma.cuh / wgmma.cuh     the tensor-core, ldmatrix, cp.async, TMA and mbarrier wrappers
+// Tile sizes per head dim and architecture, each with the reason it was chosen: vbw_cupy/attention.py.
+
 #include "mma.cuh"
 #include "wgmma.cuh"
 #include "errors.cuh"
 #include "attention_tile.cuh"
-
-namespace vbw_attn {
-
-// Where a CTA works: (b, h), its first query row m0, the sequence lengths, and the visible key range of its rows
-// (row m0 + r sees keys [r + lo_base, min(r + hi_base, sk))). Sequence lengths are < 2^30 (checked by the
-// launcher), so these and every tile-local offset fit in an int.
-// CTA order: (b, h) pairs are cut into sections of sect_heads consecutive pairs (sized by the launcher so a
-// section's K and V fit in L2); within a section the longest Q tiles (largest m) of all its heads go first.
-// The block index is read with a volatile move so that calling this again (in the rarely taken mask branch and
-// in the epilogue) recomputes the values instead of keeping them alive in registers across the KV loop.
-struct Cta {
-  int b, h, m0, sq, sk, lo_base, hi_base;
-  long long q_start, k_start;
-};
-
-template <int BLOCK_M>
-__device__ __forceinline__ Cta cta_info(const int* __restrict__ cu_q, const int* __restrict__ cu_k, int batch,
-                                        int seqlen_q, int seqlen_k, int heads, int num_m, int sect_heads,
-                                        int win_left, int win_right) {
-  unsigned bid;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bid));
-  Cta c;
-  const int total = batch * heads;
-  const int per_sec = sect_heads * num_m;
-  const int sec = (int)bid / per_sec;
-  const int r = (int)bid - sec * per_sec;
-  const int size = min(sect_heads, total - sec * sect_heads);
-  const int m_block = num_m - 1 - r / size;
-  const int hh = sec * sect_heads + r % size;
-  c.b = hh / heads;
-  c.h = hh - c.b * heads;
-  if (cu_q != nullptr) {
-    c.q_start = cu_q[c.b];
-    c.sq = cu_q[c.b + 1] - cu_q[c.b];
-    c.k_start = cu_k[c.b];
-    c.sk = cu_k[c.b + 1] - cu_k[c.b];
-  } else {
-    c.q_start = (long long)c.b * seqlen_q;
-    c.sq = seqlen_q;
-    c.k_start = (long long)c.b * seqlen_k;
-    c.sk = seqlen_k;
-  }
-  c.m0 = m_block * BLOCK_M;
-  constexpr long long BIG = 1LL << 30;
-  const long long diag = (long long)c.sk - c.sq;
-  c.lo_base = win_left >= 0 ? (int)max(-BIG, min(BIG, c.m0 + diag - win_left)) : -(int)BIG;
-  c.hi_base = win_right >= 0 ? (int)max(-BIG, min(BIG, c.m0 + diag + win_right + 1)) : (int)BIG;
-  return c;
-}
-
-// Varlen inputs (cu_q != nullptr): whether sequence c.b's offsets are bad (cu[b] < 0, cu[b + 1] < cu[b],
-// cu[b + 1] > the tokens, cu[0] != 0, cu[B] != the tokens, or more query rows than the grid's num_m * BLOCK_M). If so the CTA writes NaN into its
-// share of the sequence's rows [cu_q[b], cu_q[b + 1]) that lie inside [0, total_q) (the last m-block takes every
-// row past the grid), flags the error word and the caller returns: nothing is read through the bad offsets.
-// In varlen mode the kernel's seqlen_q / seqlen_k arguments carry total_q / total_k.
-template <typename T, int BLOCK_M>
-__device__ __noinline__ bool varlen_bad(const Cta& c, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
-                                        int batch, int total_q, int total_k, int num_m, T* __restrict__ o,
-                                        float* __restrict__ lse, long long q_rs, int d, long long lse_stride_h,
-                                        int* __restrict__ err) {
-  const long long q0 = cu_q[c.b], q1 = cu_q[c.b + 1], k0 = cu_k[c.b], k1 = cu_k[c.b + 1];
-  const bool first = c.b == 0, last = c.b == batch - 1;   // the offsets must also start at 0 and end at the total
-  const bool bad_q = q0 < 0 || q1 < q0 || q1 > total_q || q1 - q0 > (long long)num_m * BLOCK_M ||
-                     (first && q0 != 0) || (last && q1 != total_q);
-  const bool bad_k = k0 < 0 || k1 < k0 || k1 > total_k || (first && k0 != 0) || (last && k1 != total_k);
-  if (!bad_q && !bad_k) return false;
-  if (threadIdx.x == 0 && c.h == 0 && c.m0 == 0) {
-    if (bad_q) vbw_err::flag(err, vbw_err::VARLEN_CU_Q, c.b);
-    if (bad_k) vbw_err::flag(err, vbw_err::VARLEN_CU_K, c.b);
-  }
-  const long long lo = max(0LL, max(q0, q0 + c.m0));
-  const long long hi = min((long long)total_q, c.m0 + BLOCK_M >= (long long)num_m * BLOCK_M ? q1 : min(q1, q0 + c.m0 + BLOCK_M));
-  const unsigned short nan = (unsigned short)vbw::pack2<T>(__int_as_float(0x7fc00000), 0.f);  // T's NaN bits
-  unsigned short* o16 = reinterpret_cast<unsigned short*>(o);
-  for (long long i = threadIdx.x; i < (hi - lo) * d; i += blockDim.x) {
-    const long long r = lo + i / d;
-    o16[r * q_rs + (long long)c.h * d + i % d] = nan;
-  }
-  if (lse != nullptr)
-    for (long long r = lo + threadIdx.x; r < hi; r += blockDim.x) lse[(long long)c.h * lse_stride_h + r] = __int_as_float(0x7fc00000);
-  return true;
-}
-
-// KV tiles that some row of the CTA (rows_q rows) sees: [n_lo, n_hi); tiles in [nm_lo, nm_hi) need no mask.
-template <int BLOCK_N>
-__device__ __forceinline__ void tile_range(const Cta& c, int rows_q, int& n_lo, int& n_hi, int& nm_lo, int& nm_hi) {
-  n_lo = n_hi = 0;
-  const int lo = max(0, c.lo_base);
-  const int hi = min(c.sk, c.hi_base + rows_q - 1);
-  if (hi > lo) {
-    n_lo = lo / BLOCK_N;
-    n_hi = (hi + BLOCK_N - 1) / BLOCK_N;
-  }
-  const int last_lo = c.lo_base + rows_q - 1;  // the last row's first key
-  nm_lo = last_lo > 0 ? (last_lo + BLOCK_N - 1) / BLOCK_N : 0;
-  nm_hi = min(c.sk, c.hi_base) >= 0 ? min(c.sk, c.hi_base) / BLOCK_N : -1;
-}
-
-// The scores of one m16 row tile, as an mma.sync / wgmma accumulator: s[j][e] is row rl0 + g + 8 (e / 2) of the
-// CTA, key 8j + 2t + e % 2 of the KV tile (g = lane / 4, t = lane % 4). Keys a row does not see become -inf:
-// row r sees keys [r + lo_off, min(r + hi_off, hi_cap)) of the tile.
-template <int NN>
-__device__ __forceinline__ void mask_tile(float (&s)[NN][4], int rl0, int lo_off, int hi_off, int hi_cap, int lane) {
-  const float NEG_INF = __int_as_float(0xff800000);
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int rl = rl0 + (lane >> 2) + hf * 8;
-    const int lo_t = rl + lo_off;
-    const int hi_t = min(rl + hi_off, hi_cap);
-#pragma unroll
-    for (int j = 0; j < NN; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = j * 8 + (lane & 3) * 2 + e;
-        if (col < lo_t || col >= hi_t) s[j][2 * hf + e] = NEG_INF;
-      }
-  }
-}
-
-}  // namespace vbw_attn
+#include "attention_softmax.cuh"
+#include "attention_mask.cuh"
+#include "attention_wgmma_tile.cuh"
 
 // Where this CTA works, recomputed from the kernel's arguments wherever a kernel needs it (see cta_info).
 #define VBW_CTA() vbw_attn::cta_info<BLOCK_M>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, sect_heads, \
@@ -538,36 +384,7 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 //   mask / online softmax in registers (the accumulator layout is mma.sync's, so the code is attn_fwd's, MT = 1)
 //   O += P V    wgmma RS, m64 n=HEAD_DIM k16: P packed from S in registers, V read MN-major (transposed B)
 // The two warpgroups meet at the per-tile barrier; measured, they run in lock step there, so one's softmax
-// does not overlap the other's wgmma (see the history above).
-namespace vbw_attn {
-
-// cp.async a [ROWS][HEAD_DIM] tile into 128B-swizzled column panels at s (1024-aligned); rows >= rows_valid and
-// columns >= d are zero-filled.
-template <int ROWS, int HEAD_DIM, int NT, typename T>
-__device__ __forceinline__ void load_tile_sw(vbw::u32 s, const T* g, long long row_stride, int rows_valid, int d) {
-  int tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  constexpr int CPR = HEAD_DIM / 8;
-  constexpr int TOTAL = ROWS * CPR;
-  constexpr int ITERS = (TOTAL + NT - 1) / NT;
-#pragma unroll
-  for (int i = 0; i < ITERS; ++i) {
-    const int c = tid + i * NT;
-    if ((TOTAL % NT) != 0 && c >= TOTAL) break;
-    const int r = c / CPR, ch = c % CPR;
-    const vbw::u32 dst = s + (ch >> 3) * (ROWS * 128) + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
-    const bool ok = r < rows_valid && ch * 8 < d;
-    vbw::cp_async_16(dst, ok ? g + r * row_stride + ch * 8 : g, ok);
-  }
-}
-
-// Byte offset of element (r, c) in such a tile of ROWS rows.
-template <int ROWS>
-__device__ __forceinline__ vbw::u32 sw_offset(int r, int c) {
-  return (c >> 6) * (ROWS * 128) + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
-}
-
-}  // namespace vbw_attn
+// does not overlap the other's wgmma (v4 in notes/kernel-history.md).
 
 // SPARSE (block_sparse_attention, dense layout): the CTA runs only the key tiles listed for its query block in a
 // BSR pattern (block_q = BLOCK_M, block_k = BLOCK_N): sp_indptr / sp_indices of pattern (b, h / group) start

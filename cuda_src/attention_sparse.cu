@@ -39,6 +39,7 @@
 #include "mma.cuh"
 #include "errors.cuh"
 #include "attention_tile.cuh"
+#include "attention_softmax.cuh"
 
 namespace vbw_sparse {
 

@@ -1,16 +1,11 @@
-// attention_tile.cuh: device helpers shared by the mma.sync flash-attention kernels (attention_fwd.cu,
-// attention_sparse.cu): the padded shared-memory tile loader and the online-softmax row bookkeeping.
+// attention_tile.cuh: the padded shared-memory tile of the mma.sync flash-attention kernels (attn_fwd in
+// attention_fwd.cu, attention_sparse.cu): rows of HEAD_DIM + PAD elements, so the 8 row addresses of an ldmatrix
+// hit distinct bank groups, and its loader (cp.async, or element-wise for unaligned inputs).
 #pragma once
 
 #include "mma.cuh"
 
 namespace vbw_attn {
-
-// `x` when it is NaN, else `otherwise`: a row whose softmax sum is NaN (a NaN query or score) gets NaN output
-// and lse, not the 0 / -inf of a row that sees no key (docs/nan.md). A bit test, safe under any math flags.
-__device__ __forceinline__ float nan_or(float x, float otherwise) {
-  return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u ? x : otherwise;
-}
 
 constexpr int PAD = 8;  // elements of padding per shared-memory row (16 bytes)
 
@@ -68,29 +63,5 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, long long row_stride
     }
   }
 }
-
-// Online-softmax bookkeeping of one m16 row tile: the new row maxima (over the quad), msc = max * scale_log2 (0
-// for a row that has seen no key) and corr = 2^(old max - new max) (scaled), the factor the row's O and sum
-// must be scaled by (0 while the old max is -inf). Returns whether some corr != 1.
-template <int NN>
-__device__ __forceinline__ bool online_max(const float (&s)[NN][4], float (&row_max)[2], float scale_log2,
-                                           float (&msc)[2], float (&corr)[2]) {
-  const float NEG_INF = __int_as_float(0xff800000);
-  bool moved = false;
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    float mx = row_max[hf];
-#pragma unroll
-    for (int j = 0; j < NN; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * hf], s[j][2 * hf + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    msc[hf] = (mx == NEG_INF) ? 0.f : mx * scale_log2;
-    corr[hf] = (row_max[hf] == NEG_INF) ? 0.f : vbw::fast_exp2(row_max[hf] * scale_log2 - msc[hf]);
-    moved |= corr[hf] != 1.f;
-    row_max[hf] = mx;
-  }
-  return moved;
-}
-
 
 }  // namespace vbw_attn

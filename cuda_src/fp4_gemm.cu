@@ -44,79 +44,18 @@
 //   counter, self-resetting) sums all partials in a fixed order (deterministic) and runs the epilogue.
 //   Epilogue: * out_scale, + bias (f16/bf16/f32), relu / gelu(erf) / gelu_tanh / silu, one store per element.
 //
-// History (NVIDIA H200 at 1980 MHz -- no H100 was lent; fp16, nvfp4, N = K = 8192; cuBLAS = cupy.matmul fp16 on
-// the dequantized weight, same run; "us" = CUDA events over back-to-back calls, weights rotated past the L2):
-//   v1 mma.sync split-K (M <= 16) + wgmma RS with wait<1> (ptxas: "wgmma serialized", C7513):
-//      M=1 36 us (cuBLAS 39, 1.06x), M=16 34 us (1.07x), M=4096 1296 us 424 TFLOP/s (cuBLAS 771, 0.55x).
-//   v2 wgmma SS (decoded tile staged in smem, wait<1>) + leaner host path: M=1 25.5 us (1.59x; bare kernel
-//      24.6 us, so not launch-bound), M=16 25.9 us (1.41x), M=4096 1473 us 373 TFLOP/s (0.55x).
-//   v3 per-thread copy plans hoisted out of the k-loop, BC=8 / smaller-stage tiles, RS with a drain per k-tile:
-//      M=1 19.9 us (mma_s8k, 1895 GB/s, 2.0x), M=16 24.0 us (1.5x): flat across tiles, splits and occupancy, so
-//      bound by instructions per weight (decode 15 + scale 8 ops per 8 weights); M=4096 wgrs256 1050 us
-//      524 TFLOP/s (0.67x), wg256 (SS) 437, wg128 330, mma.sync 128x128 222.
-//   v4 KSUB = 2 for the RS kernel (wgrs256k 478 TFLOP/s: fewer drains did not pay, 3 stages are too shallow).
-//      Final run, autotuned (VBW_CUPY_AUTOTUNE=1), same-run cuBLAS: M=1 21 us vs 40 (1.9x), M=16 25 us vs 37
-//      (1.5x), M=64 50 us vs 40 (0.8x, mma 64x64), M=256 80-86 us vs 50-54 (0.63x), M=4096 1059-1147 us,
-//      480-520 TFLOP/s vs cuBLAS 717-767 us (0.67-0.70x). Errors 2.1e-4 against a SPEC 7 bound of 4.2e-4.
-//   Left: decode-path instructions per weight (bars: 3x at M <= 16) and the per-k-tile wgmma drain of the RS
-//   kernel (bar: 0.8x at M = 4096): warp-specialized loads (TMA + mbarriers) and ping-pong warpgroups next.
-//   v5 (first H100 run, H100 80GB HBM3 at 1980 MHz; cuBLAS 50-53 us at N = K = 8192, M <= 16, not TARGETS.md's
-//      71-78): before, tuned, M=1 24.6 us (2.13x), M=16 26.0 us (2.01x), M=4096 0.55-0.84x. ncu (M=1, mma_s8
-//      split 2): 10.5M instructions = 40 per warp k16 step, 1.9 warps per scheduler, IPC 0.56, DRAM 53%;
-//      the cp.async copy code alone was ~7 instructions per step. fp4_gemm_mmv (weights straight to
-//      registers) + DIAG halves the count (7.8M, 20 per step) yet the kernel stays at 21-23 us: stall
-//      long_scoreboard 2.86 with DRAM at 53% of peak. A bare streaming read of the same 37.7 MB (512-byte
-//      chunks per warp, any order) takes 15.5-16.2 us back to back, so the floor for this launch is ~16 us
-//      (3.2x) and the 3x bar needs <= 17.3 us. Measured per config (kernel alone, M=1): mmvd split 4 with one
-//      k-tile of weights in flight 21.1 us, two 22.4, three 26.6 (more requests in flight is slower); split
-//      3/5/8: 23.4/24.6/26.5; 8 warps 22.6; L2::256B prefetch hint +0.5 us; old mma_s8k 21.7. M=16: mmv 25.8
-//      vs mma_sk 24.3. Also tried: the CTA's 4 warps splitting K of one row group (own activation ring and
-//      barrier per warp, partials added in shared memory, no split-K fixup): M=1 23.7 us, M=16 39.1 us --
-//      dropped. Every structure lands at 21.3-21.8 us for M=1, so the limit is below the code. A bare read in
-//      this layout's pattern (bench/bare_read.py: per warp 512 data bytes + 8 scale bytes per 8 lanes, atoms
-//      576 bytes apart, every other one off the 128-byte grid) moved 2.09 TB/s against 2.38 for 512-byte
-//      aligned atoms on one H100 lease, but 2.41-2.45 against 2.39-2.42 on the next (atom pairs, 1152 bytes
-//      on the grid: 2.36-2.43): no layout penalty that holds across machines.
-//      Final run (H100, tuned): M=1 21.1 / 27.0 / 23.5 us at 8192^2 / 14336x4096 / 4096x14336 (2.36x / 1.69x /
-//      1.97x), M=16 25.2 / 25.2 / 24.6 us (2.02x / 1.81x / 1.94x), M=4096 0.63x / 0.56x / 0.77x (cuBLAS ran
-//      772 TFLOP/s at 8192^2 here, 575 in the session's first run, where the same kernel was 0.84x).
-//      Tried next: the scales in their own array after all nibbles (nibble atoms 512 bytes on the 128-byte grid,
-//      staged kernels copying both parts into the same shared-memory atom): correct (352 GPU tests) but slower
-//      for every kernel, A/B interleaved on one lease (kernel alone): M=1 mmvd 22.4 us vs 21.1-21.3, M=16
-//      mma_sk 25.5-25.9 vs 24.1-24.2, M=64 mma_m 51.8-52.1 vs 49.2-49.5 (a second stream of 64-byte reads
-//      per warp). Reverted. Atom pairs were not built: their bare read is no faster (above). Left: the ~4-5 us between
-//      the kernel and a bare read of its bytes (15.5-18 us); removing the CTA barrier and the split-K fixup
-//      (K split inside the CTA) did not close it.
-//   v6 (H100) wgrs with TMA: thread 0 loads the activation sub-tiles with a 2-D tensor map (128-byte swizzle,
-//      zero fill past M and K) and each 16-row group's weight atoms with bulk copies, all completing one
-//      mbarrier per stage; nobody else issues a load. Same run vs cuBLAS fp16 (733 / 660 / 701 TFLOP/s), M=4096,
-//      8192^2 / 14336x4096 / 4096x14336: wgrs256k 603 / 490 / 630 TFLOP/s (0.82 / 0.74 / 0.90x; cp.async 0.67 /
-//      0.62 / 0.69x), wgrs256 0.77 / 0.73 / 0.86x (cp.async 0.70 / 0.67 / 0.74x); wgrs128k unchanged (0.55-0.58x).
-//      M=256 8192^2: 0.76x (0.67x). wgrs256k is now the sm_90 default for M > 128. Next lease, TMA only:
-//      wgrs256k 0.88 / 0.69 / 0.84x, wgrs256 0.83 / 0.65 / 0.82x, five 64-k stages (wgrs256, 5 stages; not
-//      kept) 0.82 / 0.66 / 0.79x: deeper prefetch does not help. 14336x4096 (32 k-tiles a CTA, 13.6 waves of
-//      one CTA an SM) is the short-K case where each CTA's prologue and epilogue weigh twice as much.
-//   v7 (H100) staged epilogue for the wgmma kernels (wg_finish): the fp32 tile goes through the drained ring
-//      and each thread writes 8 consecutive outputs of a token row (16-byte stores, bias / activation in a
-//      loop) instead of a call and a 2-byte store N apart per element. Interleaved A/B, same run (cuBLAS
-//      745 / 730 / 759 TFLOP/s), M=4096 8192^2 / 14336x4096 / 4096x14336: wgrs256k 0.94 / 0.88 / 0.94x (per
-//      element: 0.81 / 0.65 / 0.82x), wgrs256 0.88 / 0.79 / 0.81x (0.74 / 0.62 / 0.72x); M=256 8192^2 0.94x
-//      (0.77x); M=4096 8192^2 with SiLU 0.73x (0.63x; the peer's time has no activation here).
-//   v8 (H100, cuBLAS 50.3-51.6 us at M <= 16, 8192^2) where the M = 1 decode time goes. A probe with mmvd's load
-//      pattern (4 atoms a warp in flight, 2048 warps, same grid) reads the 37.7 MB in 15.5-15.8 us, 16.7-17.0 with
-//      240 dependent integer ops per k-tile; mmvd 20.4-21.3 in the same runs. ncu (M = 1): 7.2M instructions,
-//      3.6 warps per scheduler, 8.3 cycles between issues of which long-scoreboard only 2.7, SMs active 81% of
-//      the elapsed cycles. Parts removed one at a time (A/B in one run, results wrong on purpose): the MMAs
-//      0 us, the per-k-tile barrier 0.5, the split-K fixup (fence, counter, the last CTA's reads) 1.8, all three
-//      2.2 (18.2 us). Tried: (a) a nibble layout decoded by rotate + mask, 11 instead of 16 instructions per
-//      word but all on the ALU pipe (8 of the old 16 are IMAD.SHL on the FMA pipe): M = 1 and 16 within 3%,
-//      M = 64 (mma) 5-7% slower: reverted; two MMA accumulator chains for DIAG: no change, reverted. (b) split-K
-//      in a thread-block cluster (cluster_reduce): split 2 0.4-0.5 us faster (14336x4096: M = 1 19.2 -> 18.7,
-//      M = 16 22.9 -> 22.6), split 4 1.1-1.5 us and split 8 1-3 us slower (mmv16 9-12 us slower): kept for
-//      split 2. (c) rows of atoms padded to a multiple of 4 (gemm.py), so the decode loop loads whole k-tiles
-//      from two stepping pointers, no per-atom bounds. The public call's host path costs 14.3 us (a bare
-//      RawKernel launch 5.0), under the kernel. Left: the 3x bar at M <= 16 needs <= 16.8 us a call, about the
-//      bare read (15.5): beyond reach of a kernel that also reduces split-K and waits on a barrier per k-tile.
+// History (the full log: notes/kernel-history.md, section fp4_gemm.cu). nvfp4, fp16 activations, N = K = 8192
+// unless said; ratio = cuBLAS (cupy.matmul fp16 on the dequantized weight, same run) time / ours.
+//   v1 (H200) mma.sync split-K (M <= 16) + wgmma RS: M=1 36 us (1.06x), M=4096 424 TFLOP/s (0.55x).
+//   v2 (H200) wgmma SS (decoded tile staged in smem): M=1 25.5 us (1.59x), M=4096 373 TFLOP/s (0.55x).
+//   v3 (H200) copy plans hoisted out of the k-loop, RS drained per k-tile: M=1 19.9 us (2.0x), M=4096 524 TFLOP/s
+//      (0.67x).
+//   v4 (H200) KSUB = 2 for RS, autotuned: M=1 21 us (1.9x), M=16 25 us (1.5x), M=4096 480-520 TFLOP/s (0.67-0.70x).
+//   v5 (H100) fp4_gemm_mmv (weights straight to registers) + DIAG: M=1 21.1 us (2.36x); a bare read of the same
+//      bytes takes ~16 us.
+//   v6 (H100) wgrs with TMA loads: M=4096 8192^2 wgrs256k 603 TFLOP/s (0.82x; cp.async 0.67x).
+//   v7 (H100) staged epilogue (16-byte stores): M=4096 0.94 / 0.88 / 0.94x at 8192^2 / 14336x4096 / 4096x14336.
+//   v8 (H100) split-K in a thread-block cluster (split 2), padded atom rows: M=1 14336x4096 19.2 -> 18.7 us.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"

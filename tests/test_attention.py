@@ -438,11 +438,37 @@ def test_numpy_inputs_run_the_reference():
 
 def test_tuning_bucket_counts_batch_and_heads():
     """Tiles tuned on a small batch must not be reused for a large one (they ran 0.67x there on an H200)."""
-    small = A._bucket({"Sq": 4096, "Sk": 4096, "masked": 0, "BH": 2})
-    large = A._bucket({"Sq": 4096, "Sk": 4096, "masked": 0, "BH": 128})
+    small = A._bucket({"Sq": 4096, "Sk": 4096, "masked": 0, "BH": 2, "SMS": 132})
+    large = A._bucket({"Sq": 4096, "Sk": 4096, "masked": 0, "BH": 128, "SMS": 132})
     assert small != large
-    assert A._bucket({"Sq": 4000, "Sk": 4096, "masked": 0, "BH": 100}) == large
-    assert A._bucket({"Sq": 1024, "Sk": 1024, "masked": 1, "B": 16, "H": 16})[-1] == 256  # tune()'s shapes
+    assert A._bucket({"Sq": 4000, "Sk": 4096, "masked": 0, "BH": 100, "SMS": 132}) == large
+    # tune()'s standard shapes give B and H; with no SMS the current device's count is used
+    assert A._bucket({"Sq": 1024, "Sk": 1024, "masked": 1, "B": 16, "H": 16, "SMS": 132})[-1] == 16
+
+
+def test_tuning_bucket_is_relative_to_the_sm_count():
+    """B x H in eighths of the SM count, pow2, clamped to [1, 16]: one (b, h) pair per SM is bucket 8."""
+    assert [A.bh_bucket(bh, 132) for bh in (1, 16, 17, 33, 34, 66, 67, 132, 133, 264, 100000)] == \
+        [1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 16]
+    # the same B x H is a full wave on a small GPU and a fraction of one on a large one
+    assert A.bh_bucket(64, 132) == 4 and A.bh_bucket(64, 64) == 8 and A.bh_bucket(64, 16) == 16
+    shape = {"Sq": 2048, "Sk": 2048, "masked": 0, "BH": 64}
+    assert A._bucket({**shape, "SMS": 132}) != A._bucket({**shape, "SMS": 16})
+    assert A._bucket({**shape, "SMS": 132})[:3] == (2048, 2048, 0)
+
+
+def test_tuning_bucket_takes_the_sm_count_from_the_device(monkeypatch):
+    """Without SMS in the shape (tune()'s standard shapes) the bucket asks the tuner's device info."""
+    from vbw_cupy import autotune
+    monkeypatch.setattr(autotune, "_device_info", lambda: {"limits": {"num_sms": 16}})
+    assert A._bucket({"Sq": 1024, "Sk": 1024, "masked": 0, "BH": 64})[-1] == 16
+    monkeypatch.setattr(autotune, "_device_info", lambda: {"limits": {"num_sms": 132}})
+    assert A._bucket({"Sq": 1024, "Sk": 1024, "masked": 0, "BH": 64})[-1] == 4
+
+    def no_device():
+        raise RuntimeError("no GPU")
+    monkeypatch.setattr(autotune, "_device_info", no_device)
+    assert A._bucket({"Sq": 1024, "Sk": 1024, "masked": 0, "BH": 64})[-1] == 4  # an H100's 132
 
 
 def test_head_dim_bucket():

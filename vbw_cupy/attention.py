@@ -11,10 +11,11 @@ kernel zero-fills the missing columns and never reads or writes past D. Configs 
 BLOCK_M, BLOCK_N, WARPS, Q_REGS, STAGES) are chosen per compiled head dim: a per-architecture default, or the
 autotuner's pick (``vbw_cupy.autotune``, one Tunable per head dim, named ``attention_fwd_d<HEAD_DIM>``, timed on
 back-to-back launches (``warm_l2``); shape bucket = (pow2 of the longest query sequence, pow2 of the longest key
-sequence, each clamped to [64, 16384], 1 if a causal/window mask applies, pow2 of batch x query heads clamped to
-[1, 1024]). On sm_90 the aligned head dims 64 / 128 / 256 run the wgmma kernel (``attn_fwd_wg``) by default,
-everything else the mma.sync one; a wgmma config is never launched off sm_90 or on unaligned inputs
-(``_runnable``).
+sequence, each clamped to [64, 16384], 1 if a causal/window mask applies, and `bh_bucket`: batch x query heads
+in eighths of the SM count, pow2, clamped to [1, 16], so a call whose grid is a fraction of a wave does not share
+its tile with one that fills the GPU many times over). On sm_90 the aligned head dims 64 / 128 / 256 run the
+wgmma kernel (``attn_fwd_wg``) by default, everything else the mma.sync one; a wgmma config is never launched
+off sm_90 or on unaligned inputs (``_runnable``).
 
 Host cost: a `flash_attention` call whose shapes, dtypes, options, device, stream and tuning state match an
 earlier checked call replays its launch, re-checking only array types, contiguity, devices and alignment.
@@ -31,6 +32,7 @@ import numpy as np
 from . import _checks
 from . import _device
 from . import _errors
+from . import _peers
 from . import _plans
 from . import _runtime as rt
 from . import _timing
@@ -186,12 +188,30 @@ def _runnable(head_dim: int, cfg: dict, vec: bool) -> dict:
     return cfg
 
 
+def _sm_count(shape: dict) -> int:
+    """The SM count the bucket is relative to: shape["SMS"] (what `_Launch.pick` passes), else the current
+    device's (tune()'s standard shapes), else an H100 SXM's 132 (no device: CPU tests, `vbw-cupy info`)."""
+    if shape.get("SMS"):
+        return int(shape["SMS"])
+    try:
+        return int(_autotune._device_info()["limits"]["num_sms"]) or 132
+    except Exception:  # noqa: BLE001 - no CuPy / no device
+        return 132
+
+
+def bh_bucket(bh: int, sms: int) -> int:
+    """B x Hq in eighths of the SM count, pow2, clamped to [1, 16]: 8 = up to one (b, h) pair per SM, 16 = more.
+    At S >= 1024 a pair has >= 8 Q tiles of 128 rows, so below 8 the grid is a fraction of a wave or a few
+    waves with a heavy tail and the best tile is a small one (more CTAs); above 16 any tile fills the GPU."""
+    return _autotune.pow2_bucket(-(-8 * max(1, int(bh)) // max(1, int(sms))), lo=1, hi=16)
+
+
 def _bucket(shape: dict) -> tuple:
-    # B x Hq counts: a small batch's best tile (more, smaller CTAs) ran 0.67-0.73x of the default on a large one
-    # (H200), and the first call of a bucket is the one that tunes it.
+    # B x Hq counts, relative to the SM count: a small batch's best tile (more, smaller CTAs) ran 0.67-0.73x of
+    # the default on a large one (H200), and the first call of a bucket is the one that tunes it.
     p2 = (lambda n: _autotune.pow2_bucket(n, lo=64, hi=16384))
     bh = shape.get("BH", shape.get("B", 4) * shape.get("H", 16))
-    return (p2(shape["Sq"]), p2(shape["Sk"]), int(bool(shape["masked"])), _autotune.pow2_bucket(bh, lo=1, hi=1024))
+    return (p2(shape["Sq"]), p2(shape["Sk"]), int(bool(shape["masked"])), bh_bucket(bh, _sm_count(shape)))
 
 
 def _tunable_name(head_dim: int) -> str:
@@ -344,7 +364,8 @@ class _Launch:
             return dict(config)
         if _autotune is None or not self.vec:
             return default_config(self.head_dim, _device.device_arch(), self.vec)
-        shape = {"Sq": self.max_q, "Sk": self.max_k, "masked": int(self.masked), "BH": self.B * self.Hq}
+        shape = {"Sq": self.max_q, "Sk": self.max_k, "masked": int(self.masked), "BH": self.B * self.Hq,
+                 "SMS": _device.num_sms()}
         return _autotune.pick(_tunable_name(self.head_dim), shape, self.q.dtype, self.run)
 
 
@@ -618,25 +639,6 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
 
 
 # ---------------------------------------------------------------------------------------------- selftest
-def _peer_attention(q, k, v, causal, scale):
-    """CuPy matmul-softmax-matmul with float32 softmax (the plain path this kernel replaces)."""
-    cp = rt.require_cupy()
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    qt = q.transpose(0, 2, 1, 3).astype(cp.float32)
-    kt = cp.repeat(k.transpose(0, 2, 1, 3), g, axis=1).astype(cp.float32)
-    vt = cp.repeat(v.transpose(0, 2, 1, 3), g, axis=1).astype(cp.float32)
-    s = cp.matmul(qt, kt.transpose(0, 1, 3, 2)) * scale
-    if causal:
-        i = cp.arange(Sq)[:, None] + (Sk - Sq)
-        s = cp.where(cp.arange(Sk)[None, :] <= i, s, -cp.inf)
-    s -= s.max(axis=-1, keepdims=True)
-    p = cp.exp(s)
-    p /= p.sum(axis=-1, keepdims=True)
-    return cp.matmul(p, vt).astype(q.dtype).transpose(0, 2, 1, 3)
-
-
 def _selftest_case(B, S, Hq, Hkv, D, dtype, causal):
     def case():
         import ml_dtypes
@@ -656,23 +658,26 @@ def _selftest_case(B, S, Hq, Hkv, D, dtype, causal):
         cap = 2e-3 if dtype == "float16" else 1e-2
         bound = min(2 * base, cap) if base > 0 else cap
         ms = _timing.time_ms(lambda: flash_attention(q, k, v, causal=causal), warmup=3, rep=10)
+        peer = _peers.attention_peer(q, k, v, causal, 1.0 / math.sqrt(D))
         peer_ms = None
-        try:
-            scale = 1.0 / math.sqrt(D)
-            peer_ms = _timing.time_ms(lambda: _peer_attention(q, k, v, causal, scale), warmup=1, rep=3)
-        except Exception:
-            pass
+        if peer is not None:
+            try:
+                peer_ms = peer.time_ms(warmup=1, rep=3) if peer.naive else peer.time_ms(warmup=3, rep=10)
+            except Exception as e:  # noqa: BLE001 - a failing peer leaves its cells empty, not the row
+                rt.warn_once(f"peer:{peer.kind}", f"vbw_cupy selftest: the {peer.label} peer failed ({e})")
         flops = 4.0 * B * Hq * S * S * D / (2 if causal else 1)
         return {"op": "flash_attention", "shape": f"B{B} S{S} H{Hq}/{Hkv} D{D} {dtype}{' causal' if causal else ''} "
                 f"({flops / ms / 1e9:.0f} TFLOP/s)", "error": err, "bound": bound, "ok": bool(err <= bound),
-                "time_ms": ms, "peer": "cupy matmul-softmax-matmul" if peer_ms else None, "peer_ms": peer_ms}
+                "time_ms": ms, "peer": peer.label if peer_ms else None, "peer_ms": peer_ms,
+                "peer_naive": bool(peer_ms and peer.naive)}
     case.__qualname__ = f"flash_attention[D{D},{dtype},{'causal' if causal else 'full'}]"
     return case
 
 
 def selftest_cases() -> list:
     """Selftest rows: real sizes, error against the float64 reference (computed on the host), time against
-    the CuPy matmul-softmax-matmul peer."""
+    the best peer importable here (`vbw_cupy._peers`: cuDNN SDPA through cudnn-frontend, torch SDPA, else a
+    naive CuPy matmul-softmax-matmul, labelled as such)."""
     return [_selftest_case(1, 2048, 8, 2, 128, "float16", True),
             _selftest_case(1, 2048, 8, 8, 64, "bfloat16", False),
             _selftest_case(1, 1024, 4, 1, 256, "float16", False)]

@@ -37,16 +37,23 @@ def _fmt(v, spec):
 def print_table(rows, out=sys.stdout):
     cols = ["op", "shape", "error", "bound", "ok", "time_ms", "peer", "peer_ms", "ratio"]
     cells = []
+    naive = False
     for r in rows:
         ratio = r["peer_ms"] / r["time_ms"] if r.get("peer_ms") and r.get("time_ms") else None
+        ratio_s = _fmt(ratio, ".2f") + ("x" if ratio else "")
+        if ratio and r.get("peer_naive"):  # in parentheses: no claim against a tuned kernel
+            ratio_s, naive = f"({ratio_s})", True
         cells.append([str(r["op"]), str(r["shape"]), _fmt(r.get("error"), ".2e"), _fmt(r.get("bound"), ".2e"),
                       "yes" if r.get("ok") else "NO", _fmt(r.get("time_ms"), ".4f"), str(r.get("peer") or "-"),
-                      _fmt(r.get("peer_ms"), ".4f"), _fmt(ratio, ".2f") + ("x" if ratio else "")])
+                      _fmt(r.get("peer_ms"), ".4f"), ratio_s])
     widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)), file=out)
     for row in cells:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)), file=out)
     print("ratio = peer time / our time (> 1 means vbw_cupy is faster)", file=out)
+    if naive:
+        print("(ratio) = against a naive peer, not a tuned kernel: no performance claim. For a real peer install "
+              "nvidia-cudnn-frontend (pip install vbw_cupy[cudnn]) or torch.", file=out)
 
 
 def _cpu_selftest():
