@@ -105,11 +105,13 @@ TUNABLE = autotune.register(autotune.Tunable(
 ))
 
 
-def kernel_instances() -> list[tuple[str, str]]:
-    """Every (file, instance) paged_attention can launch."""
+def kernel_instances(head_dims=None) -> list[tuple[str, str]]:
+    """Every (file, instance) paged_attention and PagedKVCache can launch; with `head_dims` (real D values), those
+    of their buckets."""
+    dps = _DPS if head_dims is None else sorted({_dp(int(d)) for d in head_dims})
     out = []
     for T in ("__half", "__nv_bfloat16"):
-        out += [(_SOURCE, _kernel_name(T, dp, w, s)) for dp in _DPS for (w, s) in _CONFIGS]
+        out += [(_SOURCE, _kernel_name(T, dp, w, s)) for dp in dps for (w, s) in _CONFIGS]
         out.append((_SOURCE, _combine_name(T)))
     out += [(_STORE_SOURCE, f"vbw_store::paged_append<{e}>") for e in ("unsigned short", "float")]
     return out + [(_STORE_SOURCE, "vbw_store::advance_lens")]
