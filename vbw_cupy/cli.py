@@ -194,9 +194,27 @@ def cmd_bench(args) -> int:
     if not bench_dir.is_dir():
         print(f"vbw-cupy bench: the benchmarks live in the source checkout (bench/), not found next to {rt.SOURCE_DIR}")
         return 1
-    cmd = [sys.executable, "-m", "pytest", str(bench_dir), "--benchmark-only", "-q", *args.pytest_args]
+    from . import _report
+    if args.json:  # a report of earlier runs: nothing to run
+        if not args.report:
+            print("vbw-cupy bench: --json needs --report DIR", file=sys.stderr)
+            return 2
+        print(_report.write(_report.load(args.json), args.report))
+        return 0
+    extra = []
+    if args.report:
+        Path(args.report).mkdir(parents=True, exist_ok=True)
+        json_path = Path(args.report).resolve() / "benchmarks.json"
+        extra = [f"--benchmark-json={json_path}"]
+    cmd = [sys.executable, "-m", "pytest", str(bench_dir), "--benchmark-only", "-q", *extra, *args.pytest_args]
     print("running: " + " ".join(cmd), file=sys.stderr, flush=True)
-    return subprocess.call(cmd, cwd=str(bench_dir.parent))
+    rc = subprocess.call(cmd, cwd=str(bench_dir.parent))
+    if args.report:
+        if not json_path.is_file():
+            print(f"vbw-cupy bench: pytest wrote no {json_path}; no report", file=sys.stderr)
+            return rc or 1
+        print(_report.write(_report.load([json_path]), args.report))
+    return rc
 
 
 def cmd_bench_model(args) -> int:
@@ -309,10 +327,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("info", "device, architecture, NVRTC version, tuning cache",
         "Print the version, the CUDA sources and their hash, the cache directory, CuPy / NVRTC / CUDA headers, "
         "the device (name, sm_XX, SMs, memory) and what the autotune cache holds.")
-    add("bench", "run the pytest-benchmark suite in bench/ (source checkout); other options go to pytest",
+    b = add("bench", "run the pytest-benchmark suite in bench/ (source checkout); other options go to pytest",
         "Run `python -m pytest bench/ --benchmark-only -q` in the source checkout. Every other argument is "
         "passed to pytest as given, e.g. `vbw-cupy bench -k attention`; after `--` even options this command "
-        "knows (`vbw-cupy bench -- -h` is pytest's help).")
+        "knows (`vbw-cupy bench -- -h` is pytest's help). With --report DIR the results also go to "
+        "DIR/benchmarks.json and DIR/index.md: a table per operation and, with matplotlib, a plot of each "
+        "operation's throughput against its peers over the benchmark shapes.", allow_abbrev=False)
+    b.add_argument("--report", metavar="DIR", help="write DIR/index.md (tables, PNG plots) from this run's results")
+    b.add_argument("--json", nargs="+", metavar="FILE", help="with --report: build the report from these "
+                   "pytest-benchmark JSON files instead of running the benchmarks")
     t = add("tune", "autotune the standard shapes of every kernel and cache the choices",
             "Compile every tuning candidate in parallel, time the candidates of each kernel's standard shapes on "
             "this GPU and store the winners in $VBW_CUPY_CACHE_DIR/autotune.json; prints a table of the choices.")
