@@ -115,6 +115,9 @@ def _check_error(e, args, broken, arrays):
     msg = str(e)
     assert msg, f"{type(e).__name__} with no message"
     head = ":".join(msg.split(":")[:2])
+    if ON_GPU and msg.startswith(tuple(f"{op}: " for op in ("paged_attention", "flash_attention_varlen", "quantize",
+                                                           "block_sparse_attention"))):
+        head = msg  # a flag raised by check_errors(): "op: argument: what (which may name a max_seqlen_*)"
     if broken is not None and broken not in arrays:
         assert _names(head, broken), f"{type(e).__name__} for a bad {broken}={args[broken]!r}: {msg!r}"
     else:
