@@ -518,3 +518,14 @@ def test_cache_dir_that_is_a_file(env, monkeypatch, tmp_path):
     msgs = [str(x.message) for x in w]
     assert cfg == {"BM": 64, "W": 4} and len(msgs) == 1 and "cannot write the tuning cache" in msgs[0], msgs
     assert at.cache_summary()["status"] == "missing" and blocker.read_text() == "x"
+
+
+def test_slow_tuning_prints_a_notice_fast_tuning_none(env, monkeypatch, capsys):
+    from vbw_cupy import _progress
+    at.pick("t_fake", {"M": 1000, "K": 512}, "float16", noop)
+    assert "tuning" not in capsys.readouterr().err
+    monkeypatch.setattr(_progress, "AFTER_S", 0.05)
+    env.fn = lambda cfg: time.sleep(0.01) or fake_ms(cfg)
+    at.pick("t_fake", {"M": 64, "K": 512}, "float16", noop)
+    err = capsys.readouterr().err
+    assert "vbw_cupy: tuning t_fake for" in err and "done in" in err

@@ -4,10 +4,9 @@ GPU: paged_attention and flash_attention_varlen given bad block ids, lengths and
 sequences only, flag the device error word, and `check_errors()` raises ValueError naming the argument and the
 sequence; the process stays usable. Each public op is captured in a CUDA graph, replayed on new input values
 and compared with the eager call; arrays the pool hands out after the capture are not touched by a replay.
-(The device run also runs the bad-index tests under compute-sanitizer memcheck with the pool off:
-VBW_TEST_NO_POOL=1.)
+(bench/sanitize.sh runs the bad-index tests under compute-sanitizer memcheck with the pool off: VBW_TEST_NO_POOL=1,
+which conftest.py honours for every GPU test.)
 """
-import os
 
 import ml_dtypes
 import numpy as np
@@ -23,9 +22,6 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 @pytest.fixture(autouse=True)
 def _setup(monkeypatch):
     monkeypatch.setenv("VBW_CUPY_AUTOTUNE", "0")
-    if os.environ.get("VBW_TEST_NO_POOL"):
-        import cupy as cp
-        cp.cuda.set_allocator(None)
     yield
     if _errors._buffers:
         _errors.pending()  # a failed test must not leave flags for the next one

@@ -20,7 +20,7 @@ def test_every_subcommand_has_help_and_a_description():
     p = cli.build_parser()
     sub = next(a for a in p._actions if a.dest == "cmd")
     helps = {c.dest: c.help for c in sub._choices_actions}
-    assert set(sub.choices) == {"selftest", "info", "bench", "tune", "generate", "bench-model"} == set(helps)
+    assert set(sub.choices) == {"selftest", "info", "bench", "tune", "generate", "bench-model", "warmup"} == set(helps)
     for name, sp in sub.choices.items():
         assert helps[name] and sp.description and len(sp.description) > 40, name
     assert "3" in sub.choices["selftest"].epilog and "reference" in sub.choices["selftest"].epilog

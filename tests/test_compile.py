@@ -4,7 +4,7 @@ import pytest
 from vbw_cupy import _runtime as rt
 from vbw_cupy.cli import op_modules
 
-pytestmark = pytest.mark.skipif(not rt.have_cupy(), reason="CuPy (with NVRTC) is not installed")
+pytestmark = [pytest.mark.skipif(not rt.have_cupy(), reason="CuPy (with NVRTC) is not installed"), pytest.mark.slow]
 
 def _modules():
     from vbw_cupy import autotune  # its probe kernel is compiled too

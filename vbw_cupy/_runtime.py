@@ -31,7 +31,7 @@ import warnings
 
 import numpy as np
 
-from . import _checks
+from . import _checks, _progress
 
 try:  # CuPy is optional: the package and its NumPy reference work without it.
     import cupy
@@ -337,7 +337,8 @@ def _cached_cubin(filename, name, arch, extra_options) -> tuple[bytes, str]:
         if why:
             warn_once(f"bad:{cubin_path}", f"vbw_cupy: the cached kernel {cubin_path} ({name}, sm_{arch}) is "
                                            f"unusable: {why}; recompiling it")
-    cubin, lowered_map = compile_cubin(filename, [name], arch, extra_options)
+    with _progress.notice(f"compiling {name} ({filename}, sm_{arch}; `vbw-cupy warmup` compiles ahead of time)"):
+        cubin, lowered_map = compile_cubin(filename, [name], arch, extra_options)
     lowered = lowered_map[name]
     if d is not None:
         try:
@@ -363,16 +364,22 @@ def precompile(instances, arch: int | None = None, extra_options: tuple[str, ...
                progress: bool = True) -> list[tuple[str, str]]:
     """Compile (filename, instance) pairs into the disk cache in parallel processes, so later
     get_kernel calls load instead of compiling one at a time. Returns [(instance, error)] for failures.
-    Needs no GPU when `arch` is given."""
+    Needs no GPU when `arch` is given. With `progress`, a bar on stderr once it has taken 2 s (tqdm's, or plain
+    lines without tqdm) and a summary line at the end."""
     import multiprocessing as mp
     from ._device import device_arch  # _device imports this module
     arch = device_arch() if arch is None else arch
     jobs = sorted({(f, n, arch, tuple(extra_options)) for f, n in instances})
     t0 = time.perf_counter()
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs), 16))
+    if not jobs:
+        return []
     with mp.get_context("spawn").Pool(workers) as pool:
-        res = pool.map(_precompile_one, jobs)
-    bad = [(n, e) for n, _, e in res if e]
+        res = pool.imap_unordered(_precompile_one, jobs)
+        if progress:
+            res = _progress.bar(res, len(jobs), f"compiling for sm_{arch}")
+        res = list(res)
+    bad = sorted((n, e) for n, _, e in res if e)
     if progress:
         print(f"precompiled {len(jobs) - len(bad)}/{len(jobs)} kernel instances for sm_{arch} in "
               f"{time.perf_counter() - t0:.1f} s ({workers} processes)" +

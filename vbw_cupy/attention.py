@@ -164,10 +164,12 @@ def _all_configs(head_dim: int, vec: bool = True) -> list[dict]:
     return _unique(wg + list(_CANDIDATES[head_dim]) + defaults)
 
 
-def kernel_instances() -> list[tuple[str, str]]:
-    """Every (file, template instance) this module can launch, fp16 and bf16."""
-    return [(SOURCE, instance_name(dt, hd, c, vec, tma)) for dt in ("float16", "bfloat16") for hd in HEAD_DIMS
-            for vec in (True, False) for c in _all_configs(hd, vec)
+def kernel_instances(arch: int | None = None, head_dims=None) -> list[tuple[str, str]]:
+    """Every (file, template instance) this module can launch, fp16 and bf16; with `arch`, those it can launch on
+    that architecture (the wgmma kernels on sm_90 only); with `head_dims` (real D values), those of their buckets."""
+    hds = HEAD_DIMS if head_dims is None else sorted({head_dim_bucket(int(d)) for d in head_dims})
+    return [(SOURCE, instance_name(dt, hd, c, vec, tma)) for dt in ("float16", "bfloat16") for hd in hds
+            for vec in (True, False) for c in _all_configs(hd, vec) if arch in (None, 90) or c["KIND"] == "mma"
             for tma in ((False, True) if c["KIND"] != "mma" else (False,))]
 
 

@@ -93,7 +93,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import _device
+from . import _device, _progress
 from . import _runtime as rt
 from . import _timing
 
@@ -574,7 +574,9 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
             rt.warn_once(f"capture:{key}", f"vbw_cupy.autotune: {name} {_bucket_str(t, shape)} is not tuned and the "
                                          "stream is capturing a CUDA graph: using the default config")
             return default_config(name, dev["arch"])
-        e = _tune_key(t, run, dev)
+        with _progress.notice(f"tuning {name} for {_bucket_str(t, shape)} (once per shape bucket and GPU; "
+                              "VBW_CUPY_AUTOTUNE=0 turns tuning off)"):
+            e = _tune_key(t, run, dev)
         e.update(device=dev["name"], arch=dev["arch"], dtype=_dtype_name(dtype), bucket=_bucket_str(t, shape),
                  shape={k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in shape.items()})
         if e["config"] is None:  # nothing ran: do not remember, fall back to the default

@@ -1,4 +1,4 @@
-"""Command line: ``vbw-cupy selftest | info | bench | tune | generate`` (also ``python -m vbw_cupy``)."""
+"""Command line: ``vbw-cupy selftest | info | bench | tune | warmup | generate`` (also ``python -m vbw_cupy``)."""
 from __future__ import annotations
 
 import argparse
@@ -201,9 +201,27 @@ def cmd_bench(args) -> int:
     if not bench_dir.is_dir():
         print(f"vbw-cupy bench: the benchmarks live in the source checkout (bench/), not found next to {rt.SOURCE_DIR}")
         return 1
-    cmd = [sys.executable, "-m", "pytest", str(bench_dir), "--benchmark-only", "-q", *args.pytest_args]
+    from . import _report
+    if args.json:  # a report of earlier runs: nothing to run
+        if not args.report:
+            print("vbw-cupy bench: --json needs --report DIR", file=sys.stderr)
+            return 2
+        print(_report.write(_report.load(args.json), args.report))
+        return 0
+    extra = []
+    if args.report:
+        Path(args.report).mkdir(parents=True, exist_ok=True)
+        json_path = Path(args.report).resolve() / "benchmarks.json"
+        extra = [f"--benchmark-json={json_path}"]
+    cmd = [sys.executable, "-m", "pytest", str(bench_dir), "--benchmark-only", "-q", *extra, *args.pytest_args]
     print("running: " + " ".join(cmd), file=sys.stderr, flush=True)
-    return subprocess.call(cmd, cwd=str(bench_dir.parent))
+    rc = subprocess.call(cmd, cwd=str(bench_dir.parent))
+    if args.report:
+        if not json_path.is_file():
+            print(f"vbw-cupy bench: pytest wrote no {json_path}; no report", file=sys.stderr)
+            return rc or 1
+        print(_report.write(_report.load([json_path]), args.report))
+    return rc
 
 
 def cmd_bench_model(args) -> int:
@@ -231,6 +249,33 @@ def cmd_tune(args) -> int:
     rows = autotune.tune(names=args.kernels or None, progress=True)
     autotune.print_tune_table(rows)
     return 0
+
+
+def cmd_warmup(args) -> int:
+    from . import _warmup
+    if not rt.have_cupy():
+        print("vbw-cupy warmup: CuPy (with NVRTC) is not installed; nothing to compile.", file=sys.stderr)
+        return 1
+    arch = args.arch
+    if arch is None:
+        why = _gpu_unusable()
+        if why:
+            print(f"vbw-cupy warmup: {why.rstrip('.')}; give --arch (80, 86, 89 or 90) to compile for a GPU that is "
+                  "not here.", file=sys.stderr)
+            return 1
+        arch = _device.device_arch()
+    try:
+        insts = set(_warmup.op_instances(args.ops, arch)) if args.ops or not args.model else set()
+        if args.model:
+            insts |= set(_warmup.model_instances(args.model, arch))
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"vbw-cupy warmup: {e}", file=sys.stderr)
+        return 2
+    what = ", ".join(filter(None, [", ".join(args.ops or []), args.model and f"model {args.model}"])) or "every op"
+    print(f"vbw-cupy warmup: {len(insts)} kernel instances ({what}) for sm_{arch} into {rt.cache_dir() / 'kernels'}",
+          flush=True)
+    bad = rt.precompile(sorted(insts), arch=arch, workers=args.workers, progress=True)
+    return 1 if bad else 0
 
 
 def _default_tokenizer(checkpoint: str) -> Path:
@@ -289,14 +334,30 @@ def build_parser() -> argparse.ArgumentParser:
     add("info", "device, architecture, NVRTC version, tuning cache",
         "Print the version, the CUDA sources and their hash, the cache directory, CuPy / NVRTC / CUDA headers, "
         "the device (name, sm_XX, SMs, memory) and what the autotune cache holds.")
-    add("bench", "run the pytest-benchmark suite in bench/ (source checkout); other options go to pytest",
+    b = add("bench", "run the pytest-benchmark suite in bench/ (source checkout); other options go to pytest",
         "Run `python -m pytest bench/ --benchmark-only -q` in the source checkout. Every other argument is "
         "passed to pytest as given, e.g. `vbw-cupy bench -k attention`; after `--` even options this command "
-        "knows (`vbw-cupy bench -- -h` is pytest's help).")
+        "knows (`vbw-cupy bench -- -h` is pytest's help). With --report DIR the results also go to "
+        "DIR/benchmarks.json and DIR/index.md: a table per operation and, with matplotlib, a plot of each "
+        "operation's throughput against its peers over the benchmark shapes.", allow_abbrev=False)
+    b.add_argument("--report", metavar="DIR", help="write DIR/index.md (tables, PNG plots) from this run's results")
+    b.add_argument("--json", nargs="+", metavar="FILE", help="with --report: build the report from these "
+                   "pytest-benchmark JSON files instead of running the benchmarks")
     t = add("tune", "autotune the standard shapes of every kernel and cache the choices",
             "Compile every tuning candidate in parallel, time the candidates of each kernel's standard shapes on "
             "this GPU and store the winners in $VBW_CUPY_CACHE_DIR/autotune.json; prints a table of the choices.")
     t.add_argument("kernels", nargs="*", help="Tunable names (default: all)")
+    w = add("warmup", "compile ahead of time the kernels that ops or a model will use on this GPU",
+            "Compile in parallel processes, into the kernel cache ($VBW_CUPY_CACHE_DIR/kernels), every kernel "
+            "instance that the given ops (default: every op) or a Llama of the given checkpoint can launch on this "
+            "GPU's architecture, tuning candidates included, so that first calls load instead of compiling. A "
+            "progress bar appears when it takes more than 2 s. Exit status 1 if an instance failed to compile.")
+    from ._warmup import OPS
+    w.add_argument("--ops", nargs="+", choices=list(OPS), metavar="OP", help=f"some of: {', '.join(OPS)}")
+    w.add_argument("--model", metavar="PATH", help="a llama2.c .bin file or a Hugging Face Llama folder")
+    w.add_argument("--arch", type=int, choices=(80, 86, 87, 89, 90),
+                   help="compile for this sm_XX instead of the visible GPU's (no GPU needed)")
+    w.add_argument("--workers", type=int, default=None, help="compiler processes (default: the CPU count, at most 16)")
     bm = add("bench-model", "Llama decode and prefill against torch and the memory roofline",
              "Run bench/bench_model.py (source checkout, GPU): decode tokens/s of the GPU Llama with nvfp4 and fp16 "
              "weights against a torch fp16 Llama in a CUDA graph and against the memory roofline, and prefill time.")
@@ -332,7 +393,7 @@ def main(argv=None) -> int:
     elif rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     return {"selftest": cmd_selftest, "info": cmd_info, "bench": cmd_bench, "tune": cmd_tune,
-            "generate": cmd_generate, "bench-model": cmd_bench_model}[args.cmd](args)
+            "generate": cmd_generate, "bench-model": cmd_bench_model, "warmup": cmd_warmup}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -233,18 +233,22 @@ def _kernel_name(T, blk, mode, cfg, tma=False, cl=1):
     return _mma_name(T, blk, mode, cfg) if cfg["KIND"] == "mma" else _wg_name(T, blk, cfg, tma)
 
 
-def kernel_instances() -> list[tuple[str, str]]:
-    """Every (file, template instance) fp4_matmul can launch."""
+def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
+    """Every (file, template instance) fp4_matmul can launch; with `arch`, those it can launch on that
+    architecture (the wgmma kernels and cluster reductions on sm_90 only)."""
+    hopper = arch in (None, 90)
     out = []
     for blk in (16, 32):
         for mode in (_SIR, _FPP):
             out.append((_SOURCE, f"{_NS}fp4_gemm_prepare<{blk}, {mode}>"))
         for T in ("__half", "__nv_bfloat16"):
             for name, cfg in TILES.items():
+                if cfg["KIND"] in _WG and not hopper:
+                    continue
                 out.append((_SOURCE, _kernel_name(T, blk, _SIR, cfg)))
                 if cfg["KIND"] == "wgrs":
                     out.append((_SOURCE, _kernel_name(T, blk, _SIR, cfg, tma=True)))
-                if cfg["KIND"] in _MMV:
+                if cfg["KIND"] in _MMV and hopper:
                     out += [(_SOURCE, _kernel_name(T, blk, _SIR, cfg, cl=c)) for c in _CLUSTERS]
             for name in _FPP_TILES:
                 out.append((_SOURCE, _mma_name(T, blk, _FPP, TILES[name])))

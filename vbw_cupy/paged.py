@@ -105,11 +105,13 @@ TUNABLE = autotune.register(autotune.Tunable(
 ))
 
 
-def kernel_instances() -> list[tuple[str, str]]:
-    """Every (file, instance) paged_attention can launch."""
+def kernel_instances(head_dims=None) -> list[tuple[str, str]]:
+    """Every (file, instance) paged_attention and PagedKVCache can launch; with `head_dims` (real D values), those
+    of their buckets."""
+    dps = _DPS if head_dims is None else sorted({_dp(int(d)) for d in head_dims})
     out = []
     for T in ("__half", "__nv_bfloat16"):
-        out += [(_SOURCE, _kernel_name(T, dp, w, s)) for dp in _DPS for (w, s) in _CONFIGS]
+        out += [(_SOURCE, _kernel_name(T, dp, w, s)) for dp in dps for (w, s) in _CONFIGS]
         out.append((_SOURCE, _combine_name(T)))
     out += [(_STORE_SOURCE, f"vbw_store::paged_append<{e}>") for e in ("unsigned short", "float")]
     return out + [(_STORE_SOURCE, "vbw_store::advance_lens")]
@@ -534,16 +536,17 @@ class PagedKVCache:
         xp = _array_module(device, xp)
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq)):
-            if not _checks._is_int(v) or int(v) < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+            if not _checks._is_int(v) or not 1 <= int(v) < 2**31:  # block ids and lengths are int32
+                raise ValueError(f"{name}: expected a positive int below 2^31, got {v!r}")
+        if int(max_blocks_per_seq) * int(block_size) >= 2**31:
+            raise ValueError(f"max_blocks_per_seq: {max_blocks_per_seq} blocks of {block_size} tokens pass int32 "
+                             "seq_lens (2^31 - 1 tokens)")
         if block_size > _checks.MAX_BLOCK_SIZE or block_size & (block_size - 1):
             raise ValueError(f"block_size: expected a power of two from 1 to {_checks.MAX_BLOCK_SIZE}, "
                              f"got {block_size}")
         if not 1 <= head_dim <= _checks.MAX_HEAD_DIM:
             raise ValueError(f"head_dim: expected 1 to {_checks.MAX_HEAD_DIM}, got {head_dim}")
-        dtype = np.dtype(dtype)
-        if dtype not in _checks.ATTENTION_DTYPES:
-            raise TypeError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
+        dtype = _checks.check_float_dtype("dtype", dtype)
         self.xp = xp
         self.block_size = int(block_size)
         self.num_blocks = int(num_blocks)
@@ -574,12 +577,17 @@ class PagedKVCache:
             return self._lens.copy()
         return self._lens[self._slots(seqs, len(np.atleast_1d(seqs)))].copy()
 
-    def _slots(self, seqs, B):
+    def _slots(self, seqs, B, name="seqs"):
+        """Slot ids of `seqs` (default 0..B-1); `name` is the argument whose batch size B is."""
         if seqs is None:
             if B > self.max_batch:
-                raise ValueError(f"batch: {B} sequences but the cache has max_batch={self.max_batch} slots")
+                raise ValueError(f"{name}: {B} sequences but the cache has max_batch={self.max_batch} slots")
             return np.arange(B)
-        s = np.asarray(seqs, dtype=np.int64).reshape(-1)
+        items = seqs.tolist() if hasattr(seqs, "tolist") else seqs
+        items = items if isinstance(items, (list, tuple)) else [items]
+        if not all(_checks._is_int(i) for i in items):
+            raise TypeError(f"seqs: expected None or a list of {B} slot ids (ints), got {seqs!r}")
+        s = np.asarray(items, dtype=np.int64).reshape(-1) if items else np.zeros(0, np.int64)
         if s.size != B or (s.size and (s.min() < 0 or s.max() >= self.max_batch)) or np.unique(s).size != s.size:
             raise ValueError(f"seqs: expected {B} distinct slots in [0, {self.max_batch}), got {list(s)}")
         return s
@@ -602,7 +610,7 @@ class PagedKVCache:
         if k_new.ndim == 3:
             k_new, v_new = k_new[:, None], v_new[:, None]
         B, T = int(k_new.shape[0]), int(k_new.shape[1])
-        slots = self._slots(seqs, B)
+        slots = self._slots(seqs, B, "k_new")
         if T == 0 or B == 0:
             return
         # plan every allocation before changing anything
@@ -642,6 +650,9 @@ class PagedKVCache:
         """Allocate now the blocks that `tokens` more tokens of each sequence `seqs` (default: every slot that
         holds tokens) will need, so that appends of up to that many tokens allocate nothing: what a CUDA graph
         that captures `append` needs (its replays write at the device lengths and cannot allocate)."""
+        if not _checks._is_int(tokens) or int(tokens) < 0:
+            raise (ValueError if _checks._is_int(tokens) else TypeError)(
+                f"tokens: expected an int >= 0, got {tokens!r}")
         slots = np.flatnonzero(self._lens > 0) if seqs is None else self._slots(seqs, len(np.atleast_1d(seqs)))
         need = -(-(self._lens[slots] + int(tokens)) // self.block_size)
         if (need > self._table.shape[1]).any():
@@ -702,8 +713,11 @@ class PagedKVCache:
 
     def attention(self, q, seqs=None, **kw):
         """`paged_attention(q, ...)` over sequences `seqs` (default 0..B-1), each with at least one token."""
+        _checks.check_array_like("q", q)
+        if q.ndim != 3:
+            raise ValueError(f"q: expected a 3-d array [B, Hq, D], got shape {tuple(q.shape)}")
         B = int(q.shape[0])
-        slots = self._slots(seqs, B)
+        slots = self._slots(seqs, B, "q")
         if (self._lens[slots] < 1).any():
             i = int(np.argmax(self._lens[slots] < 1))
             raise ValueError(f"seqs: sequence slot {int(slots[i])} is empty; append a token first")

@@ -85,17 +85,20 @@ def instance_name(dtype, head_dim: int, block_q: int, bn: int, vec: bool) -> str
             f"{'true' if vec else 'false'}>")
 
 
-def kernel_instances() -> list[tuple[str, str]]:
-    """Every (file, template instance) this module can launch (fp16 and bf16, the KV tiles of sm_80 / 86 / 90)."""
+def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
+    """Every (file, template instance) this module can launch (fp16 and bf16, the KV tiles of sm_80 / 86 / 90);
+    with `arch`, those it can launch on that architecture (its KV tile, the wgmma kernel on sm_90 only)."""
+    limits = _SMEM_LIMITS if arch is None else (_SMEM_LIMITS[{90: 0, 80: 1}.get(arch, 2)],)
     out = []
     for dt in ("float16", "bfloat16"):
         for hd in HEAD_DIMS:
             for bq in BLOCK_Q:
-                for bn in sorted({block_n(hd, bq, lim) for lim in _SMEM_LIMITS}, reverse=True):
+                for bn in sorted({block_n(hd, bq, lim) for lim in limits}, reverse=True):
                     for vec in (True, False):
                         out.append((SOURCE, instance_name(dt, hd, bq, bn, vec)))
-        out += [(_attn.SOURCE, _attn.instance_name(dt, hd, c, True, True, True)) for hd, cs in _WG_TILES.items()
-                for c in cs]
+        if arch in (None, 90):
+            out += [(_attn.SOURCE, _attn.instance_name(dt, hd, c, True, True, True))
+                    for hd, cs in _WG_TILES.items() for c in cs]
     return out
 
 

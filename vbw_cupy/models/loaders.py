@@ -135,6 +135,13 @@ def _hf_weights(config: LlamaConfig, get) -> LlamaWeights:
     return LlamaWeights(emb, layers, get("model.norm.weight"), classifier)
 
 
+def load_config(path) -> LlamaConfig:
+    """The LlamaConfig of a checkpoint (a Hugging Face folder's config.json, a llama2.c file's header; its
+    tensors are only memory-mapped, not read)."""
+    path = _existing(path, "checkpoint")
+    return _hf_config(path) if path.is_dir() else load_llama2c(path)[0]
+
+
 def load_checkpoint(path) -> tuple[LlamaConfig, LlamaWeights]:
     """`load_hf` for a folder, `load_llama2c` for a file."""
     path = _existing(path, "checkpoint")
