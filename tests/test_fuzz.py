@@ -25,6 +25,7 @@ import vbw_cupy as vc
 
 F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
 ON_GPU = os.environ.get("VBW_FUZZ_XP") == "cupy"  # set by the GPU tests below for their subprocess
+ATTN_DTYPES = [F16, BF16] if ON_GPU else [F16, BF16, F32]   # the GPU attention kernels take 16-bit inputs
 FUZZ = settings(max_examples=int(os.environ.get("VBW_FUZZ_EXAMPLES", 40)), deadline=None, derandomize=not os.environ.get("VBW_FUZZ_RANDOM"),
                 suppress_health_check=list(HealthCheck))
 
@@ -269,7 +270,7 @@ def _check_attention(out, o, lse, q, v, args, D):
 def attention_case(draw):
     B, Sq, Sk = draw(st.integers(1, 2)), draw(st.integers(1, 20)), draw(st.integers(1, 20))
     Hkv, g, D = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.sampled_from([1, 3, 8, 16]))
-    dt = draw(st.sampled_from([F16, BF16, F32]))
+    dt = draw(st.sampled_from(ATTN_DTYPES))
     args = dict(q=_rand(draw, (B, Sq, Hkv * g, D), dt), k=_rand(draw, (B, Sk, Hkv, D), dt),
                 v=_rand(draw, (B, Sk, Hkv, D), dt), causal=draw(st.booleans()),
                 softmax_scale=draw(st.sampled_from([None, 0.3, -0.5])),
@@ -285,7 +286,7 @@ def varlen_case(draw):
     lq = draw(st.lists(st.integers(0, 6), min_size=B, max_size=B).filter(lambda x: sum(x) > 0))
     lk = draw(st.lists(st.integers(0, 8), min_size=B, max_size=B).filter(lambda x: sum(x) > 0))
     Hkv, g, D = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([2, 8, 16]))
-    dt = draw(st.sampled_from([F16, BF16, F32]))
+    dt = draw(st.sampled_from(ATTN_DTYPES))
     cu = lambda ls: np.concatenate([[0], np.cumsum(ls)]).astype(np.int32)  # noqa: E731
     args = dict(q=_rand(draw, (sum(lq), Hkv * g, D), dt), k=_rand(draw, (sum(lk), Hkv, D), dt),
                 v=_rand(draw, (sum(lk), Hkv, D), dt), cu_seqlens_q=cu(lq), cu_seqlens_k=cu(lk),
@@ -300,7 +301,7 @@ def varlen_case(draw):
 def paged_case(draw):
     B, Hkv, g = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
     D, bs, maxb = draw(st.sampled_from([1, 8, 16])), draw(st.sampled_from([1, 2, 4, 16])), draw(st.integers(1, 4))
-    dt = draw(st.sampled_from([F16, BF16, F32]))
+    dt = draw(st.sampled_from(ATTN_DTYPES))
     lens = np.array(draw(st.lists(st.integers(1, bs * maxb), min_size=B, max_size=B)), np.int32)
     nblk = B * maxb + draw(st.integers(0, 2))
     perm = np.random.default_rng(draw(st.integers(0, 99))).permutation(nblk)[:B * maxb]
@@ -317,7 +318,7 @@ def sparse_case(draw):
     B, Sq, Sk = draw(st.integers(1, 2)), draw(st.integers(1, 40)), draw(st.integers(1, 40))
     Hkv, g, D = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([4, 16]))
     bq, bk = draw(st.sampled_from([16, 64])), draw(st.sampled_from([16, 64]))
-    dt = draw(st.sampled_from([F16, BF16, F32]))
+    dt = draw(st.sampled_from(ATTN_DTYPES))
     nqb, nkb = -(-Sq // bq), -(-Sk // bk)
     shape = (nqb, nkb) if draw(st.booleans()) else (B, Hkv, nqb, nkb)
     mask = np.random.default_rng(draw(st.integers(0, 99))).random(shape) < draw(st.sampled_from([0.3, 1.0]))

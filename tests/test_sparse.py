@@ -347,13 +347,13 @@ def test_gpu_bad_indices_give_nan_rows_and_a_flag(what):
     rng = np.random.default_rng(4)
     B, S, Hq, Hkv, D = 1, 500, 4, 2, 64
     q, k, v = (cp.asarray(_rand(rng, s, np.float16)) for s in ((B, S, Hq, D), (B, S, Hkv, D), (B, S, Hkv, D)))
-    half = np.ones((8, 8), bool)
-    half[:, 1::2] = False   # 4 blocks a row: the "decreasing" case's longer neighbour row stays <= 8 entries
-    indptr, indices = SP.bsr_from_mask(half)    # block_q = block_k = 64
+    pattern = np.zeros((8, 8), bool)
+    pattern[:, ::4] = True   # 2 blocks a row: the "decreasing" case's neighbour row (5 entries) stays valid
+    indptr, indices = SP.bsr_from_mask(pattern)    # block_q = block_k = 64
     indptr, indices = indptr.copy(), indices[:indptr[-1]].copy()
     bad_qb = {"block id": 2, "negative id": 5, "decreasing": 3, "start": 0, "past": 7}[what]
     if what == "block id":
-        indices[indptr[2] + 3] = 8
+        indices[indptr[2] + 1] = 8
     elif what == "negative id":
         indices[indptr[5]] = -5
     elif what == "decreasing":
