@@ -288,7 +288,7 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
           for (int j = 2 * t; j < 2 * t + 2; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              s[mt][j][e] = fast_exp2(fmaf(s[mt][j][e], scale_log2, -msc[mt][e >> 1]));
+              s[mt][j][e] = fast_exp2((s[mt][j][e] - msc[mt][e >> 1]) * scale_log2);
               row_sum[mt][e >> 1] += s[mt][j][e];
             }
 #pragma unroll
@@ -603,7 +603,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       }
 #pragma unroll
       for (int i = 0; i < NS; ++i) {
-        s[i] = fast_exp2(fmaf(s[i], scale_log2, -msc[(i >> 1) & 1]));
+        s[i] = fast_exp2((s[i] - msc[(i >> 1) & 1]) * scale_log2);
         row_sum[(i >> 1) & 1] += s[i];
       }
 #pragma unroll

@@ -282,7 +282,7 @@ attn_sparse_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __res
           for (int j = 2 * kt; j < 2 * kt + 2; ++j)
 #pragma unroll
             for (int x = 0; x < 4; ++x) {
-              s[mt][j][x] = fast_exp2(fmaf(s[mt][j][x], scale_log2, -msc[mt][x >> 1]));
+              s[mt][j][x] = fast_exp2((s[mt][j][x] - msc[mt][x >> 1]) * scale_log2);
               row_sum[mt][x >> 1] += s[mt][j][x];
             }
 #pragma unroll

@@ -539,3 +539,22 @@ def test_gpu_nan_query_row_and_far_rows():
     o = A.flash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=True).get()
     assert np.isnan(o[0, 600:]).any(axis=(1, 2)).all()          # every row that sees key 600
     np.testing.assert_array_equal(o[0, :256], clean[0, :256])  # query tiles that never load it
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [None, 1e6, 2.0 ** 64])
+def test_gpu_huge_scores_stay_finite(scale):
+    """Scores far past 2^24 (large fp16 inputs, or a huge softmax_scale): the softmax subtracts the row max before
+    scaling, so the largest score's weight is exactly 1, never the rounding error of a product (an infinite
+    weight and a NaN row before). The output equals the float64 reference (softmax nearly one-hot)."""
+    import cupy as cp
+    rng = np.random.default_rng(21)
+    q, k, v = (rng.standard_normal((1, 64, 2, 64)).astype(np.float16) for _ in range(3))
+    q, k = q * np.float16(300.0), k * np.float16(300.0)        # dot products ~1e6-1e7
+    for causal in (False, True):
+        o = A.flash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=causal,
+                               softmax_scale=scale).get().astype(np.float32)
+        want = ref.flash_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                   causal=causal, softmax_scale=scale)
+        assert np.isfinite(o).all()
+        np.testing.assert_allclose(o, want, atol=2e-2, rtol=2e-2)
