@@ -351,6 +351,20 @@ def test_flash_second_call_replays_the_first(kernels, kw):
     assert o2 is not o1 and o2.shape == o1.shape and o2.dtype == o1.dtype
 
 
+def test_flash_ab_switches_are_plan_variants(kernels, monkeypatch):
+    """Flipping an A/B switch (attention._EXTRA_OPTIONS here) builds a new plan instead of replaying the old."""
+    d = _attn_case()
+    attention.flash_attention(*d)
+    attention.flash_attention(*d)
+    assert full_calls == ["_flash_gpu"]
+    monkeypatch.setattr(attention, "_EXTRA_OPTIONS", {64: ("-DVBW_AB_PROBE",)})
+    attention.flash_attention(*d)
+    assert full_calls == ["_flash_gpu", "_flash_gpu"] and len(attention._fast_plans) == 2
+    monkeypatch.setattr(attention, "_EXTRA_OPTIONS", ())
+    attention.flash_attention(*d)
+    assert full_calls == ["_flash_gpu", "_flash_gpu"]  # the first plan again
+
+
 @pytest.mark.parametrize("good, bad", [
     (dict(window=(1, 0)), dict(window=(True, 0))),
     (dict(window=(1, 0)), dict(window=(1.0, 0))),

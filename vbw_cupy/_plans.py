@@ -92,6 +92,15 @@ def scratch(name: str, nbytes: int, zeroed: bool = False):
         return new
 
 
+def frozen(x):
+    """A hashable form of an A/B switch's value (dicts and lists as tuples), for plan keys."""
+    if isinstance(x, dict):
+        return tuple(sorted((k, frozen(v)) for k, v in x.items()))
+    if isinstance(x, (list, tuple)):
+        return tuple(frozen(v) for v in x)
+    return x
+
+
 def kernel_ptr(kernel) -> int | None:
     """The driver handle (CUfunction) of a CuPy kernel: a `RawKernel` (what `RawModule.get_function` returns,
     holding a `Function` as `.kernel`) or a `Function`; None when neither exposes one."""

@@ -377,6 +377,11 @@ _EXTRA_OPTIONS = ()
 _USE_TMA = True
 
 
+def _variant() -> tuple:
+    """The A/B switches above as part of every plan key: flipping one builds new plans, never replays old ones."""
+    return _USE_TMA, _plans.frozen(_EXTRA_OPTIONS)
+
+
 def _map_args(q, k, v, boxes):
     """The wgmma kernel's three tensor-map arguments: with boxes = (BLOCK_M, BLOCK_N), TMA maps of q, k, v as
     [D, heads, seqlen, batch] (innermost first; the bounds zero-fill rows past a sequence and columns past D)
@@ -480,7 +485,7 @@ def _fast_key(q, k, v, causal, softmax_scale, window, softcap, return_lse):
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, type(causal), causal, type(softmax_scale),
                softmax_scale, type(window), window, type(softcap), softcap, type(return_lse), return_lse,
                cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr,
-               _autotune is not None and _autotune.enabled(), getattr(_autotune, "_generation", 0),
+               _autotune is not None and _autotune.enabled(), getattr(_autotune, "_generation", 0), _variant(),
                tuple(map(type, window)) if type(window) is tuple else None)
         hash(key)
     except TypeError:  # a list window, an odd scalar: the full path

@@ -453,6 +453,12 @@ def _launch_fast(plan, a2, out, bias):
 _FAST_LAUNCH = True  # the fast path replays through _plans.Launch (False: CuPy's kernel call, for A/B runs)
 
 
+def _variant() -> tuple:
+    """The A/B switches (_USE_TMA, _EXTRA_OPTIONS, _FAST_LAUNCH) as part of every plan key: flipping one builds
+    new plans, never replays old ones."""
+    return _USE_TMA, _plans.frozen(_EXTRA_OPTIONS), _FAST_LAUNCH
+
+
 def _matmul_gpu(a2, w, bias, act, out_dtype, cfg=None, out=None):
     """a2: [M, K] CuPy array (16-byte aligned rows, K a multiple of 16 bytes / itemsize). Returns out [M, N]."""
     cp = rt.require_cupy()
@@ -469,7 +475,7 @@ def _matmul_gpu(a2, w, bias, act, out_dtype, cfg=None, out=None):
         return out, plan
     tuned = autotune.enabled()
     key = (M, K, lda, adt, bias_kind, act, out_dtype.name, cp.cuda.Device().id, cp.cuda.get_current_stream().ptr,
-           tuned, autotune._generation)
+           tuned, autotune._generation, _variant())
     plans = w._cache.get("gemm_v1_plans")
     if plans is None:
         plans = w._cache.setdefault("gemm_v1_plans", _plans.PlanCache())
@@ -507,7 +513,8 @@ def _fast_key(a, bias, activation, out_dtype):
     cp = rt.cupy
     return (a.shape, a.dtype.char, activation, out_dtype,
             None if bias is None else (bias.shape, bias.dtype.char, bias.flags.c_contiguous, bias.data.device_id),
-            cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr, autotune.enabled(), autotune._generation)
+            cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr, autotune.enabled(), autotune._generation,
+            _variant())
 
 
 def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None):
