@@ -94,6 +94,8 @@ def scratch(name: str, nbytes: int, zeroed: bool = False):
 
 def frozen(x):
     """A hashable form of an A/B switch's value (dicts and lists as tuples), for plan keys."""
+    if x == () or x is True or x is False:  # the values in use: the fast paths ask on every call
+        return x
     if isinstance(x, dict):
         return tuple(sorted((k, frozen(v)) for k, v in x.items()))
     if isinstance(x, (list, tuple)):
