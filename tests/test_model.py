@@ -438,3 +438,47 @@ def test_cli_errors(tmp_path, capsys, tok_bin):
     assert "longer than the model's seq_len = 8" in capsys.readouterr().err
     assert cli_main(["generate", str(tmp_path / "none.bin"), "--device", "cpu"]) == 2
     assert "none.bin does not exist" in capsys.readouterr().err
+
+
+def test_gpu_model_host_checks_and_step_state_cache_identity(monkeypatch):
+    """LlamaGPU's host-side checks run before any device work, and a decode state never outlives its cache's
+    identity (a new cache reusing a dead one's id() gets fresh graphs). CPU only: no kernel is launched."""
+    import types
+    from vbw_cupy.models import LlamaConfig, gpu
+    cfg = LlamaConfig(dim=64, hidden_dim=128, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=50, seq_len=8)
+    model = object.__new__(gpu.LlamaGPU)
+    model.config, model._graphs = cfg, {}
+
+    class State:
+        def __init__(self, B, vocab, inv_temp, seed):
+            self.B = B
+            self.cache = lambda: None
+
+    monkeypatch.setattr(gpu, "_StepState", State)
+
+    class Cache:   # what _step / prefill read on the host
+        def __init__(self, B, lens, capacity=64):
+            self._lens, self.capacity, self.max_batch = np.array(lens, dtype=np.int64), capacity, B
+
+    c = Cache(2, [3, 8])
+    with pytest.raises(ValueError, match="at least one slot"):
+        model._step([], c, [], False, None, 0)
+    with pytest.raises(ValueError, match="one token per slot"):
+        model._step([1, 2], c, [0], False, None, 0)
+    with pytest.raises(ValueError, match="seq_len"):   # slot 1 holds 8 = seq_len tokens: no RoPE row left
+        model._step([1], c, [1], False, None, 0)
+    with pytest.raises(ValueError, match="distinct slots"):
+        model.prefill([[1, 2], [3]], Cache(2, [0, 0]), [0, 0])
+    with pytest.raises(ValueError, match="distinct slots"):
+        model.prefill([[1, 2], [3]], Cache(2, [0, 0]), [0, 2])
+    with pytest.raises(ValueError, match="distinct slots"):
+        model.prefill([[1, 2]], Cache(2, [0, 0]), [0, 1])
+
+    a = Cache(2, [1, 1])
+    st = model._state(a, None, 0)
+    assert model._state(a, None, 0) is st and st.cache() is a
+    stale = types.SimpleNamespace(cache=lambda: None)   # the state of a cache that died, under a reused id
+    b = Cache(2, [1, 1])
+    model._graphs = {(id(b), None, 0): stale}
+    st_b = model._state(b, None, 0)
+    assert st_b is not stale and st_b.cache() is b and list(model._graphs.values()) == [st_b]

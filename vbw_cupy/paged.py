@@ -514,7 +514,9 @@ class PagedKVCache:
       device-to-host copy: the kernel checks the values it reads).
     - ``free(seq)``: returns a sequence's blocks to the free list and empties its slot.
     - CUDA graphs: on the GPU, ``append`` writes at the lengths held on the device and advances them there, and
-      ``attention`` allocates nothing on a repeated call, so both can be captured. A replay cannot allocate
+      ``attention`` allocates nothing on a repeated call but its result (pass ``out=`` an array that lives as
+      long as the graph, or keep the captured result alive: a graph keeps writing to that address), so both
+      can be captured. A replay cannot allocate
       blocks: call ``reserve(tokens, seqs)`` before capturing, and ``sync_lengths()`` after replays to bring the
       host's copy of the lengths up to date.
 

@@ -102,7 +102,7 @@ def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
     return out
 
 
-def _wg_config(q, k, v, o, hd, block_q, block_k, causal, Sq, Sk, n_k_blocks):
+def _wg_config(q, k, v, o, block_q, block_k, causal, Sq, Sk, n_k_blocks):
     """The wgmma config for this call, or None when the mma.sync kernel runs (not sm_90a, unaligned, another
     head dim or block shape, TMA maps unavailable, or causal with Sq != Sk: the wgmma kernel aligns the
     diagonal bottom-right, this op top-left)."""
@@ -193,7 +193,7 @@ def _sparse_gpu(q, k, v, indptr, indices, *, block_q, block_k, causal, softmax_s
             lse = (_check_out(lse_out, (B, Hq, Sq), np.float32, "lse_out") if lse_out is not None
                    else cp.empty((B, Hq, Sq), dtype=cp.float32))
         hd = head_dim_bucket(D)
-        wg = _wg_config(q, k, v, o, hd, shape.block_q, shape.block_k, causal, Sq, Sk, shape.n_k_blocks)
+        wg = _wg_config(q, k, v, o, shape.block_q, shape.block_k, causal, Sq, Sk, shape.n_k_blocks)
         if wg is not None:
             per = shape.patterns > 1
             sp = (ptr_d, idx_d if idx_d.size else np.uint64(0), np.int64(shape.n_q_blocks + 1 if per else 0),

@@ -7,7 +7,8 @@ either; it adds `decode_sample` (the next tokens sampled on the GPU, only B ints
 Per layer: x (float32 residual) -> add_rmsnorm -> one fused QKV GEMM -> rope_store (RoPE on q and k, K and V
 stored into the paged cache at each token's position) -> flash_attention_varlen (prefill) or paged_attention
 (decode) -> O GEMM -> add_rmsnorm -> one fused gate/up GEMM -> silu_mul -> down GEMM. GEMMs are
-`fp4_matmul` for nvfp4 / mxfp4 weights and cuBLAS (`_blas.matmul_nt`, capturable) for float16 ones;
+`fp4_matmul` for nvfp4 / mxfp4 weights and cuBLAS (`_blas.matmul_nt`, capturable) for dense ones ("fp16",
+stored in the activations' dtype);
 activations entering a GEMM or attention are float16 (or bfloat16, `act_dtype`).
 
 The cache reserves each slot's blocks up front (`GPUKVCache`): block_table never changes during decoding, so
@@ -18,6 +19,8 @@ plans its split for, so a step costs what its context needs. Each graph owns a p
 the arrays it allocated while being captured, so nothing the graph writes is ever handed to another array.
 """
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 
@@ -224,6 +227,10 @@ class LlamaGPU:
         cp = rt.cupy
         lens = np.array([len(p) for p in prompts], dtype=np.int64)
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if slots.size != lens.size or not lens.size or slots.min() < 0 or slots.max() >= cache.max_batch or \
+                np.unique(slots).size != slots.size:
+            raise ValueError(f"slots: expected {lens.size} distinct slots (one a prompt, at least one) in "
+                             f"[0, {cache.max_batch}), got {slots.tolist()}")
         if (lens < 1).any():
             raise ValueError("prompts: every prompt needs at least one token")
         if (lens > cache.capacity).any() or (lens > self.config.seq_len).any():
@@ -264,13 +271,16 @@ class LlamaGPU:
                        st.pos, st.tokens))
 
     def _state(self, cache: GPUKVCache, inv_temp, seed) -> "_StepState":
-        """The step buffers (and graphs) for this cache and sampling mode; those of other caches are dropped."""
+        """The step buffers (and graphs) for this cache and sampling mode; those of other caches are dropped.
+        A state holds a weak reference to its cache: a new cache that reuses a dead one's id() never replays
+        graphs captured over the dead one's (freed) arrays."""
         key = (id(cache), inv_temp, seed)
         st = self._graphs.get(key)
-        if st is None:
-            for k in [k for k in self._graphs if k[0] != id(cache)]:
+        if st is None or st.cache() is not cache:
+            for k in [k for k, s in self._graphs.items() if s.cache() is not cache]:
                 del self._graphs[k]
             st = self._graphs[key] = _StepState(cache.max_batch, self.config.vocab_size, inv_temp, seed)
+            st.cache = weakref.ref(cache)
         return st
 
     def decode(self, tokens, cache: GPUKVCache, slots, *, graph: bool = True):
@@ -296,12 +306,16 @@ class LlamaGPU:
         cp = rt.cupy
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         B = cache.max_batch
-        if slots.size and (slots.min() < 0 or slots.max() >= B or np.unique(slots).size != slots.size):
-            raise ValueError(f"slots: expected distinct slots in [0, {B}), got {slots.tolist()}")
+        if not slots.size or slots.min() < 0 or slots.max() >= B or np.unique(slots).size != slots.size:
+            raise ValueError(f"slots: expected at least one slot, distinct, in [0, {B}), got {slots.tolist()}")
+        if np.size(tokens) != slots.size:
+            raise ValueError(f"tokens: expected one token per slot ({slots.size}), got {np.size(tokens)}")
         if (cache._lens[slots] < 1).any():
             raise ValueError("slots: every slot needs a prefilled sequence")
         if (cache._lens[slots] + 1 > cache.capacity).any():
             raise ValueError(f"slots: a sequence would pass the cache's capacity of {cache.capacity} tokens")
+        if (cache._lens[slots] + 1 > self.config.seq_len).any():  # the RoPE table's rows: rope_store would flag it
+            raise ValueError(f"slots: a sequence would pass the model's seq_len = {self.config.seq_len}")
         st = self._state(cache, inv_temp, seed)
         longest = int(cache._lens[slots].max()) + 1
         bucket = min(1 << (longest - 1).bit_length(), cache.capacity)
@@ -342,6 +356,7 @@ class _StepState:
         self.slots = cp.arange(B, dtype=cp.int32)
         self.logits = cp.zeros((B, vocab), dtype=cp.float32)
         self.inv_temp, self.seed = inv_temp, seed
+        self.cache = lambda: None   # weakref.ref of the cache the graphs were captured over (set by _state)
         self.graphs: dict = {}
 
 
