@@ -33,21 +33,6 @@ constexpr int THREADS = 256;
 
 __device__ __forceinline__ float nan_f() { return __int_as_float(0x7fc00000); }
 
-// Sum over the CTA (THREADS threads); every thread gets the result.
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float part[THREADS / 32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-  __syncthreads();  // part[] may still be read by a previous call
-  if (l == 0) part[w] = v;
-  __syncthreads();
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < THREADS / 32; ++i) s += part[i];
-  return s;
-}
-
 // out[t] = table[ids[t]] as float32; an id outside [0, vocab) gives a NaN row and flags MODEL_TOKEN_IDS.
 template <typename E>
 __global__ void __launch_bounds__(THREADS) embedding(const E* __restrict__ table, const int* __restrict__ ids,

@@ -56,9 +56,17 @@ def matmul_nt(x, w, out_dtype=None):
     cp = rt.require_cupy()
     M, K = x.shape
     N = w.shape[0]
+    if w.ndim != 2 or w.shape[1] != K or w.dtype != x.dtype or x.dtype.name not in ("float16", "bfloat16"):
+        raise ValueError(f"matmul_nt: x {x.shape} {x.dtype} and w {w.shape} {w.dtype}: expected w [N, {K}] of x's "
+                         "dtype, float16 or bfloat16")
+    if not (x.flags.c_contiguous and w.flags.c_contiguous):
+        raise ValueError("matmul_nt: x and w must be C-contiguous")
     odt = np.dtype(out_dtype or x.dtype)
     out = cp.empty((M, N), dtype=odt)
     if M == 0 or N == 0:
+        return out
+    if K == 0:
+        out.fill(0)
         return out
     lib = _library()
     stream = cp.cuda.get_current_stream()

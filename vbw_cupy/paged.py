@@ -514,11 +514,11 @@ class PagedKVCache:
       device-to-host copy: the kernel checks the values it reads).
     - ``free(seq)``: returns a sequence's blocks to the free list and empties its slot.
     - CUDA graphs: on the GPU, ``append`` writes at the lengths held on the device and advances them there, and
-      ``attention`` allocates nothing on a repeated call but its result (pass ``out=`` an array that lives as
-      long as the graph, or keep the captured result alive: a graph keeps writing to that address), so both
-      can be captured. A replay cannot allocate
-      blocks: call ``reserve(tokens, seqs)`` before capturing, and ``sync_lengths()`` after replays to bring the
-      host's copy of the lengths up to date.
+      ``attention`` allocates nothing on a repeated call but its result, so both can be captured (keep the
+      captured result alive: the graph writes to that address on every replay). A replay cannot allocate
+      blocks: call ``reserve(tokens, seqs)`` before capturing (table entries not yet allocated hold -1, so a
+      replay past the reservation is flagged, not written anywhere), and ``sync_lengths()`` after replays to
+      bring the host's copy of the lengths up to date.
 
     Example, a greedy decode loop over a batch of 8 (``model`` is yours)::
 
@@ -555,7 +555,7 @@ class PagedKVCache:
         shape = (int(num_blocks), int(block_size), int(num_kv_heads), int(head_dim))
         self.k_cache = xp.zeros(shape, dtype=dtype)
         self.v_cache = xp.zeros(shape, dtype=dtype)
-        self.block_table = xp.zeros((int(max_batch), int(max_blocks_per_seq)), dtype=np.int32)
+        self.block_table = xp.full((int(max_batch), int(max_blocks_per_seq)), -1, dtype=np.int32)  # -1: none yet
         self.seq_lens = xp.zeros((int(max_batch),), dtype=np.int32)
         self._lens = np.zeros(int(max_batch), dtype=np.int64)
         self._table = np.zeros((int(max_batch), int(max_blocks_per_seq)), dtype=np.int64)
@@ -563,6 +563,7 @@ class PagedKVCache:
         self._free = list(range(int(num_blocks) - 1, -1, -1))           # pop() hands out block 0 first
         self._slot_arrays: dict = {}   # slot list -> device int32 array (see _device_slots)
         self._gathers: dict = {}       # slot list -> (block_table rows, seq_lens) buffers (see attention)
+        self._retired: list = []       # evicted buffers of those two: kept for graphs captured over them
 
     # -- bookkeeping
     @property
@@ -695,7 +696,8 @@ class PagedKVCache:
         key = slots.tobytes()
         a = self._slot_arrays.get(key)
         if a is None:
-            if len(self._slot_arrays) >= 64:
+            if len(self._slot_arrays) >= 64:   # a captured graph may still use them: retire, never free
+                self._retired.extend(self._slot_arrays.values())
                 self._slot_arrays.clear()
             a = self._slot_arrays[key] = self.xp.asarray(slots.astype(np.int32))
         return a
@@ -710,7 +712,7 @@ class PagedKVCache:
         self._table[s, :n] = 0
         self._nblk[s] = 0
         self._lens[s] = 0
-        self.block_table[s, :n] = 0
+        self.block_table[s, :n] = -1
         self.seq_lens[s] = 0
 
     def attention(self, q, seqs=None, **kw):
@@ -733,6 +735,7 @@ class PagedKVCache:
             bufs = self._gathers.get(key)
             if bufs is None:
                 if len(self._gathers) >= 64:
+                    self._retired.extend(self._gathers.values())
                     self._gathers.clear()
                 bufs = self._gathers[key] = (self.xp.empty((B, self.block_table.shape[1]), dtype=np.int32),
                                              self.xp.empty((B,), dtype=np.int32))
