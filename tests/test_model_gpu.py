@@ -58,18 +58,23 @@ def test_logits_every_step_within_bound(name, fmt):
 
 
 def test_graph_replay_equals_eager():
-    model = _model("gqa-adjacent", "nvfp4", seed=2)
+    """Two models with the same weights, one replaying its decode graphs step after step (one cache, so the
+    graphs of each context bucket are captured once and replayed), the other eager."""
+    models = [_model("gqa-adjacent", "nvfp4", seed=2) for _ in range(2)]
+    model = models[0]
     rng = np.random.default_rng(2)
     prompts = _prompts(rng, (9, 30, 3), model.config.vocab_size)
-    caches = [model.new_cache(3, 100) for _ in range(2)]
-    for c in caches:
-        model.prefill(prompts, c, [0, 1, 2])
-    forced = rng.integers(3, model.config.vocab_size, (40, 3))  # crosses context buckets 16, 32, 64
+    caches = [m.new_cache(3, 100) for m in models]
+    for m, c in zip(models, caches):
+        m.prefill(prompts, c, [0, 1, 2])
+    forced = rng.integers(3, model.config.vocab_size, (40, 3))  # the longest sequence crosses from bucket 32 to 64
     for i, toks in enumerate(forced):
         slots = [0, 1, 2] if i < 25 else [0, 2]   # slot 1 idles from step 25 on
-        a = model.decode(toks[slots], caches[0], slots, graph=True).get()
-        b = model.decode(toks[slots], caches[1], slots, graph=False).get()
+        a = models[0].decode(toks[slots], caches[0], slots, graph=True).get()
+        b = models[1].decode(toks[slots], caches[1], slots, graph=False).get()
         np.testing.assert_array_equal(a, b)
+    st = next(iter(models[0]._graphs.values()))
+    assert sorted(st.graphs) == [32, 64]   # one graph per context bucket, replayed between
     np.testing.assert_array_equal(caches[0].seq_lens.get(), caches[1].seq_lens.get())
     np.testing.assert_array_equal(caches[0].seq_lens.get(), [9 + 40, 30 + 25, 3 + 40])
     _errors.check_errors()  # idle slots flag nothing
