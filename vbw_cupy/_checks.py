@@ -34,7 +34,7 @@ NVFP4_MAX_BLOCK_SCALE = 512.0
 
 def check_nvfp4_global_scale(amax, global_scale) -> None:
     """ValueError naming global_scale when it is below amax / 3072, amax = max|x| (finite): x's largest block
-    would then saturate. Same float32 steps as the quantize rule (SPEC section 2), so the GPU kernel's flag
+    would then saturate. Same float32 steps as the quantize rule (docs/formats.md), so the GPU kernel's flag
     (_errors.py code 8) agrees with it."""
     with np.errstate(over="ignore"):
         s = np.float32(np.float32(amax) / np.float32(6.0)) / np.float32(global_scale)
@@ -47,7 +47,7 @@ def check_nvfp4_global_scale(amax, global_scale) -> None:
 #: dtypes the reference accepts for q, k, v (the GPU kernels take float16 and bfloat16 only).
 ATTENTION_DTYPES = (np.dtype(np.float16), np.dtype(_ml_dtypes.bfloat16), np.dtype(np.float32))
 GPU_ATTENTION_DTYPES = ATTENTION_DTYPES[:2]  # the kernels take float16 and bfloat16
-#: largest head dimension (SPEC section 3: any D from 1 to 256).
+#: largest head dimension (docs/attention.md: any D from 1 to 256).
 MAX_HEAD_DIM = 256
 #: largest paged-KV block size (any power of two from 1 to 256).
 MAX_BLOCK_SIZE = 256
@@ -229,7 +229,7 @@ def effective_scale(softmax_scale, D):
 
 
 def effective_window(window, causal):
-    """(left, right) after SPEC's rule that `causal=True` means right = 0 (any left window is kept)."""
+    """(left, right) after the rule (docs/attention.md) that `causal=True` means right = 0 (any left window is kept)."""
     left, right = check_window(window)
     return (left, 0) if causal else (left, right)
 
@@ -260,7 +260,7 @@ def check_attention_args(q, k, v, window=(-1, -1), softcap=0.0, *, causal=False,
     """Check the arguments of `flash_attention` and return their sizes.
 
     q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D], all of one dtype from `dtypes`, no empty dimension,
-    Hq % Hkv == 0, 1 <= D <= 256; `window`, `softcap`, `causal`, `softmax_scale` as in SPEC section 3.
+    Hq % Hkv == 0, 1 <= D <= 256; `window`, `softcap`, `causal`, `softmax_scale` as in docs/attention.md.
     Only `.shape`, `.dtype` and `.ndim` are read, so NumPy and CuPy arrays work alike and nothing is
     copied. Raises TypeError / ValueError naming the argument. Returns
     `AttentionShape(B, Sq, Sk, Hq, Hkv, D)` (a tuple).

@@ -1,4 +1,4 @@
-"""Flash attention forward (SPEC section 3): `flash_attention`, `flash_attention_varlen`.
+"""Flash attention forward (docs/attention.md): `flash_attention`, `flash_attention_varlen`.
 
 NumPy inputs run `vbw_cupy.reference` (float64). CuPy inputs (or DLPack / CUDA-array-interface objects such as
 torch tensors) run a tensor-core kernel of ``cuda_src/attention_fwd.cu`` (FlashAttention-2 style: one CTA per
@@ -571,7 +571,7 @@ def _varlen_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen
 # ---------------------------------------------------------------------------------------------- public
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0,
                     return_lse=False):
-    """Scaled dot-product attention, FlashAttention-2 style (SPEC section 3).
+    """Scaled dot-product attention, FlashAttention-2 style (docs/attention.md).
 
     q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]; float16 or bfloat16 (NumPy inputs: also float32, via the
     float64 reference); Hq % Hkv == 0 (query head h reads KV head h // (Hq // Hkv)); 1 <= D <= 256.

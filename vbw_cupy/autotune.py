@@ -1,4 +1,4 @@
-"""Autotuning of kernel template parameters, remembered on disk (SPEC section 5).
+"""Autotuning of kernel template parameters, remembered on disk (README, "Autotuning").
 
 A kernel module declares what can be tuned once, at import time::
 

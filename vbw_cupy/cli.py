@@ -1,8 +1,10 @@
-"""Command line: ``vbw-cupy selftest | info | bench | tune | warmup | generate`` (also ``python -m vbw_cupy``)."""
+"""Command line: ``vbw-cupy selftest | info | bench | bench-model | tune | warmup | generate`` (also
+``python -m vbw_cupy``)."""
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import subprocess
 import sys
 import time
@@ -208,6 +210,9 @@ def cmd_bench(args) -> int:
             return 2
         print(_report.write(_report.load(args.json), args.report))
         return 0
+    if importlib.util.find_spec("pytest") is None or importlib.util.find_spec("pytest_benchmark") is None:
+        print("vbw-cupy bench: needs pytest and pytest-benchmark: pip install -e '.[test]'", file=sys.stderr)
+        return 1
     extra = []
     if args.report:
         Path(args.report).mkdir(parents=True, exist_ok=True)
@@ -254,13 +259,14 @@ def cmd_tune(args) -> int:
 def cmd_warmup(args) -> int:
     from . import _warmup
     if not rt.have_cupy():
-        print("vbw-cupy warmup: CuPy (with NVRTC) is not installed; nothing to compile.", file=sys.stderr)
+        print("vbw-cupy warmup: CuPy (with NVRTC) is not installed; nothing to compile (pip install -e '.[cuda12]': "
+              "no GPU is needed with --arch).", file=sys.stderr)
         return 1
     arch = args.arch
     if arch is None:
         why = _gpu_unusable()
         if why:
-            print(f"vbw-cupy warmup: {why.rstrip('.')}; give --arch (80, 86, 89 or 90) to compile for a GPU that is "
+            print(f"vbw-cupy warmup: {why.rstrip('.')}; give --arch (80, 86, 87, 89 or 90) to compile for a GPU that is "
                   "not here.", file=sys.stderr)
             return 1
         arch = _device.device_arch()
@@ -369,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("checkpoint", help="a llama2.c .bin file or a Hugging Face Llama folder")
     g.add_argument("--tokenizer", help="tokenizer.bin or tokenizer.json (default: beside / inside the checkpoint)")
     g.add_argument("--prompt", default="", help="the prompt text (default: empty, BOS only)")
-    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-new-tokens", type=int, default=256,
+                   help="default 256; a sequence also stops at the checkpoint's seq_len")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 is off")

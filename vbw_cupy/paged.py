@@ -1,6 +1,6 @@
 """Paged-KV decode attention (flash-decoding) and a small paged KV cache to feed it.
 
-`paged_attention` (SPEC section 3) attends one query token per sequence over a KV cache stored in fixed-size
+`paged_attention` (docs/attention.md) attends one query token per sequence over a KV cache stored in fixed-size
 blocks ("pages"). NumPy inputs run `vbw_cupy.reference.paged_attention` (float64); CuPy inputs (or DLPack /
 CUDA-array-interface objects) run ``cuda_src/attention_decode.cu``: one CTA per (KV head, sequence, split)
 that serves all the query heads of the KV head's group from each K/V load, the KV range of long sequences
@@ -221,7 +221,7 @@ def _is_numpy(x) -> bool:
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, softcap=0.0,
                     window=(-1, -1), check="device", max_seqlen=None, out=None):
-    """Decode attention over a paged KV cache: one query token per sequence (SPEC section 3).
+    """Decode attention over a paged KV cache: one query token per sequence (docs/attention.md).
 
     q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_table int32 [B, max_blocks];
     seq_lens int32 [B]. float16 or bfloat16 (NumPy inputs also float32), Hq % Hkv == 0 (query head h reads

@@ -1,6 +1,6 @@
 """NumPy float64 ground truth for every public operation of vbw_cupy.
 
-Obviously correct rather than fast. FP4 quantization follows SPEC section 2 exactly, including its
+Obviously correct rather than fast. FP4 quantization follows docs/formats.md exactly, including its
 float32 rounding steps for NVFP4, so the GPU kernels can be compared bit for bit. Attention works
 in float64 one block of queries at a time, so 8k tokens never build an 8k x 8k x heads array.
 """
@@ -12,7 +12,7 @@ import numpy as np
 
 def rel_error(got, want) -> float:
     """Relative Frobenius error ||got - want|| / ||want|| in float64 (||got|| when want is all zeros; NaN
-    when got holds NaN): the accuracy measure of SPEC section 7."""
+    when got holds NaN): the accuracy measure of docs/accuracy.md."""
     got, want = np.asarray(got).astype(np.float64), np.asarray(want).astype(np.float64)
     den = np.linalg.norm(want)
     return float(np.linalg.norm(got - want) / den) if den > 0 else float(np.linalg.norm(got))
@@ -90,7 +90,7 @@ def _unpack(data: np.ndarray) -> np.ndarray:
 
 
 def nvfp4_global_scale(x: np.ndarray) -> np.float32:
-    """SPEC: float32(amax_tensor) / float32(448 * 6); 1.0 when the tensor is all zeros."""
+    """docs/formats.md: float32(amax_tensor) / float32(448 * 6); 1.0 when the tensor is all zeros."""
     amax = np.float32(np.max(np.abs(x.astype(np.float32)))) if x.size else np.float32(0)
     return nvfp4_global_scale_of_amax(amax)
 
@@ -118,7 +118,7 @@ def quantize_mxfp4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def quantize_nvfp4(x: np.ndarray, global_scale) -> tuple[np.ndarray, np.ndarray]:
-    """(data, scales) for NVFP4 with the SPEC's float32 steps, each rounded to nearest even."""
+    """(data, scales) for NVFP4 with the float32 steps of docs/formats.md, each rounded to nearest even."""
     gs = np.float32(global_scale)
     blk, _ = _blocks(x, 16)
     amax = np.max(np.abs(blk), axis=-1)
@@ -195,7 +195,7 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None):
 # Attention
 # ----------------------------------------------------------------------------------------------
 
-# Attention follows SPEC section 3. Every function works on one sequence at a time, one KV head at a
+# Attention follows docs/attention.md. Every function works on one sequence at a time, one KV head at a
 # time, and a block of query rows at a time, so the largest temporary is about _BLOCK_ELEMS float64
 # scores (16 MiB) whatever the sequence length. Arguments are assumed valid: the public functions run
 # vbw_cupy._checks on them first.
@@ -214,7 +214,7 @@ def _scale(softmax_scale, D):
 
 
 def _window(window, causal):
-    """(left, right) as ints, right = 0 when `causal` (SPEC section 3; any left window is kept)."""
+    """(left, right) as ints, right = 0 when `causal` (docs/attention.md; any left window is kept)."""
     left, right = int(window[0]), int(window[1])
     return (left, 0) if causal else (left, right)
 
@@ -238,7 +238,7 @@ def _round_from_f64(x, dtype):
 
 def _query_blocks(Sq, Sk, group, left, right):
     """Yield (i0, i1, j0, j1, mask): query rows [i0, i1), the keys [j0, j1) any of them may see, and
-    mask[r, c] True iff query i0 + r sees key j0 + c (bottom-right aligned, SPEC section 3)."""
+    mask[r, c] True iff query i0 + r sees key j0 + c (bottom-right aligned, docs/attention.md)."""
     offset = Sk - Sq
     rows = max(1, min(_BLOCK_ROWS, _BLOCK_ELEMS // (group * max(Sk, 1))))
     for i0 in range(0, Sq, rows):
@@ -301,7 +301,7 @@ def _attend(q, k, v, out, lse, scale, left, right, softcap):
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0,
                     return_lse=False):
-    """Attention in float64 (SPEC section 3), the ground truth for the GPU kernel.
+    """Attention in float64 (docs/attention.md), the ground truth for the GPU kernel.
 
     q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]: float16, bfloat16 or float32 NumPy arrays of one dtype,
     Hq % Hkv == 0 (query head h reads KV head h // (Hq // Hkv)), 1 <= D <= 256.
@@ -389,7 +389,7 @@ def block_sparse_attention(q, k, v, indptr, indices, *, block_q, block_k, causal
     q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]; indptr [n_q_blocks + 1] and indices [nnz] (one pattern for all
     (batch, head)), or indptr [B, Hkv, n_q_blocks + 1] and indices [B, Hkv, nnz] (query head h of batch b uses
     pattern (b, h // (Hq // Hkv))). Scores, softcap and the empty-row rule are `flash_attention`'s (a row that
-    sees no key gets 0 and lse -inf). `lowp=True` computes SPEC section 7's same-dtype baseline instead
+    sees no key gets 0 and lse -inf). `lowp=True` computes docs/accuracy.md's same-dtype baseline instead
     (`sdpa_lowp`'s steps). Returns o [B, Sq, Hq, D] in q's dtype (and lse float32 [B, Hq, Sq]).
     """
     B, Sq, Hq, D = q.shape
@@ -433,7 +433,7 @@ def block_sparse_attention(q, k, v, indptr, indices, *, block_q, block_k, causal
 
 
 def sdpa_lowp(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0):
-    """The same attention computed the way flash-attn does in the input precision: SPEC section 7's
+    """The same attention computed the way flash-attn does in the input precision: docs/accuracy.md's
     baseline ("the error of a same-dtype computation with float32 softmax").
 
     Same arguments and masks as `flash_attention`. Steps, per query row: scores q.k from the input
@@ -443,7 +443,7 @@ def sdpa_lowp(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     no online rescaling: the row max is exact, which only makes this baseline slightly better.)
     Rows that see no key give 0. A GPU result passes when
     `err(gpu) <= 2 * err(sdpa_lowp)` (relative Frobenius errors against `flash_attention` in float64) and
-    under the SPEC's absolute cap for its dtype.
+    under the absolute cap of docs/accuracy.md for its dtype.
 
     Returns o [B, Sq, Hq, D] in q's dtype.
     """

@@ -1,4 +1,4 @@
-"""The Llama architecture (SPEC section 8): its configuration, its weights, and the forward pass.
+"""The Llama architecture (docs/models.md): its configuration, its weights, and the forward pass.
 
 The forward pass is written once over an `ArrayOps` backend (`ops.py`): a packed prefill of prompts of
 different lengths (varlen causal attention, K and V written into a paged cache), then decode steps of one

@@ -1,4 +1,4 @@
-"""Checkpoint loaders (SPEC section 8): llama2.c legacy `.bin` files and Hugging Face Llama folders.
+"""Checkpoint loaders (docs/models.md): llama2.c legacy `.bin` files and Hugging Face Llama folders.
 
 Both return `(LlamaConfig, LlamaWeights)` with host arrays: the llama2.c file is memory-mapped once and its
 tensors are views of the map; a Hugging Face folder is read through the `safetensors` NumPy API (the

@@ -1,4 +1,4 @@
-"""Tokenizers: llama2.c's `tokenizer.bin` (SPEC section 8) and a thin wrapper of a Hugging Face
+"""Tokenizers: llama2.c's `tokenizer.bin` (docs/models.md) and a thin wrapper of a Hugging Face
 `tokenizer.json`, with one interface: `encode(text, bos=True) -> ids`, `decode(ids) -> str`, and
 `stream(prev)` for text that arrives one token at a time (a multi-byte character split over byte-fallback
 tokens is held back until it is whole).
