@@ -482,3 +482,29 @@ def test_gpu_model_host_checks_and_step_state_cache_identity(monkeypatch):
     model._graphs = {(id(b), None, 0): stale}
     st_b = model._state(b, None, 0)
     assert st_b is not stale and st_b.cache() is b and list(model._graphs.values()) == [st_b]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_save_llama2c_round_trip(tmp_path, shared):
+    """models.save_llama2c writes what load_llama2c reads back (and what this file's run.c writer writes)."""
+    from vbw_cupy.models import LlamaConfig, load_llama2c, save_llama2c
+    from vbw_cupy.models.llama import random_weights as lib_weights
+    cfg = LlamaConfig(dim=32, hidden_dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, seq_len=16,
+                      shared_classifier=shared)
+    w = lib_weights(cfg, seed=3)
+    path = save_llama2c(tmp_path / "m.bin", cfg, w)
+    cfg2, w2 = load_llama2c(path)
+    assert cfg2 == cfg
+    np.testing.assert_array_equal(w2.token_embedding, w.token_embedding)
+    np.testing.assert_array_equal(w2.classifier, w.classifier)
+    assert (w2.classifier is w2.token_embedding) == shared
+    for a, b in zip(w2.layers, w.layers):
+        for name in ("rms_att", "wq", "wk", "wv", "wo", "rms_ffn", "w1", "w2", "w3"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    # the same bytes as the run.c-order writer of this file
+    rc = {"token_embedding": w.token_embedding, "rms_final": w.rms_final, "wcls": w.classifier,
+          "sizes": dict(dim=32, hidden=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab=97)}
+    for name in ("rms_att", "wq", "wk", "wv", "wo", "rms_ffn", "w1", "w2", "w3"):
+        rc[name] = np.stack([getattr(layer, name) for layer in w.layers])
+    other = write_llama2c(tmp_path / "rc.bin", rc, 16, shared)
+    assert path.read_bytes() == other.read_bytes()

@@ -8,12 +8,12 @@ tokenizers, the forward pass over a small array backend (`ops.py`, the NumPy ref
 """
 from .generate import Generation, Sequence, generate, generate_ids
 from .llama import LayerWeights, Llama, LlamaConfig, LlamaKVCache, LlamaWeights
-from .loaders import load_checkpoint, load_config, load_hf, load_llama2c, load_model
+from .loaders import load_checkpoint, load_config, load_hf, load_llama2c, load_model, save_llama2c
 from .gpu import GPUKVCache, LlamaGPU
 from .ops import ArrayOps, numpy_ops
 from .sampling import Sampler, sampling_probs
 from .tokenizer import HFTokenizer, Llama2cTokenizer, load_tokenizer
 
 __all__ = ["LlamaConfig", "LlamaWeights", "LayerWeights", "Llama", "LlamaKVCache", "load_model", "load_checkpoint", "load_config",
-           "load_llama2c", "load_hf", "Llama2cTokenizer", "HFTokenizer", "load_tokenizer", "ArrayOps", "numpy_ops",
+           "load_llama2c", "load_hf", "save_llama2c", "Llama2cTokenizer", "HFTokenizer", "load_tokenizer", "ArrayOps", "numpy_ops",
            "LlamaGPU", "GPUKVCache", "Sampler", "sampling_probs", "generate", "generate_ids", "Generation", "Sequence"]

@@ -80,6 +80,37 @@ def load_llama2c(path) -> tuple[LlamaConfig, LlamaWeights]:
     return config, weights
 
 
+def save_llama2c(path, config: LlamaConfig, weights: LlamaWeights) -> Path:
+    """Write `weights` as a llama2.c legacy checkpoint that `load_llama2c` (and run.c) read back: the inverse of
+    the loader, float32, the classifier stored separately when it is not the embedding. With
+    `llama.random_weights(config)` it makes a tiny model to try the command line on.
+
+    >>> from vbw_cupy.models.llama import random_weights
+    >>> cfg = LlamaConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, seq_len=64)
+    >>> save_llama2c("tiny.bin", cfg, random_weights(cfg))      # doctest: +SKIP
+    """
+    path = Path(path)
+    weights.check(config, str(path))
+    shared = weights.classifier is weights.token_embedding
+    if config.rope_style != "adjacent":
+        raise ValueError(f"config: llama2.c files rotate adjacent pairs; rope_style {config.rope_style!r} cannot be "
+                         "stored in one")
+    f32 = lambda a: np.ascontiguousarray(np.asarray(a, dtype="<f4"))  # noqa: E731
+    head = (config.dim, config.hidden_dim, config.n_layers, config.n_heads, config.n_kv_heads,
+            config.vocab_size if shared else -config.vocab_size, config.seq_len)
+    with open(path, "wb") as f:
+        f.write(np.array(head, dtype="<i4").tobytes())
+        f.write(f32(weights.token_embedding).tobytes())
+        for name in ("rms_att", "wq", "wk", "wv", "wo", "rms_ffn", "w1", "w2", "w3"):
+            for layer in weights.layers:
+                f.write(f32(getattr(layer, name)).tobytes())
+        f.write(f32(weights.rms_final).tobytes())
+        f.write(np.zeros(config.seq_len * config.head_dim, dtype="<f4").tobytes())  # run.c's unused RoPE tables
+        if not shared:
+            f.write(f32(weights.classifier).tobytes())
+    return path
+
+
 def _hf_config(folder: Path) -> LlamaConfig:
     path = _existing(folder / "config.json", "checkpoint")
     c = json.loads(path.read_text())
