@@ -508,3 +508,13 @@ def test_save_llama2c_round_trip(tmp_path, shared):
         rc[name] = np.stack([getattr(layer, name) for layer in w.layers])
     other = write_llama2c(tmp_path / "rc.bin", rc, 16, shared)
     assert path.read_bytes() == other.read_bytes()
+
+
+def test_cli_says_when_seq_len_stops_generation(tmp_path, capsys, tok_bin):
+    rng = np.random.default_rng(13)
+    w = random_weights(rng, 32, 48, 1, 4, 4, TOK_VOCAB, True)
+    w["token_embedding"][:3] = 0.0   # BOS / EOS never win the argmax: generation runs to its limit
+    ckpt = write_llama2c(tmp_path / "m.bin", w, 12, True)
+    assert cli_main(["generate", str(ckpt), "--tokenizer", str(tok_bin), "--prompt", "ab", "--device", "cpu",
+                     "--max-new-tokens", "500"]) == 0
+    assert "the model's seq_len = 12" in capsys.readouterr().err

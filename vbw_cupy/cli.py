@@ -322,6 +322,10 @@ def _generate(args) -> int:
     print(f"prefill: {out.prefill_tokens} tokens, {out.prefill_tokens_per_s:.1f} tokens/s; "
           f"decode: {out.decode_tokens} tokens, {out.decode_tokens_per_s:.1f} tokens/s "
           f"({getattr(model, 'where', args.device)}, {model.weight_format} weights)", file=sys.stderr)
+    seq = out.sequences[0]
+    if seq.finish_reason == "length" and len(seq.ids) < args.max_new_tokens:
+        print(f"stopped after {len(seq.ids)} new tokens: the prompt ({len(ids)} tokens) and the generated ones reach "
+              f"the model's seq_len = {model.config.seq_len}", file=sys.stderr)
     return 0
 
 
