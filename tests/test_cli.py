@@ -36,6 +36,7 @@ def test_every_subcommand_has_help_and_a_description():
 def test_bench_passes_pytest_options_through(monkeypatch, argv, want):
     seen = []
     monkeypatch.setattr(cli.subprocess, "call", lambda cmd, cwd=None: seen.append(cmd) or 0)
+    monkeypatch.setattr(cli, "_gpu_unusable", lambda: None)
     assert cli.main(argv) == 0
     (cmd,), = [seen]
     assert cmd[cmd.index("--benchmark-only") + 2:] == want and cmd[2] == "pytest"
@@ -98,3 +99,11 @@ def test_sm80_and_newer_accepted(monkeypatch):
         _old_gpu(monkeypatch, arch, "NVIDIA X")
         assert _device.device_arch() == int(arch)
     _device._device_arch.cache_clear()
+
+
+def test_bench_without_a_gpu_says_nothing_was_measured(monkeypatch, capsys):
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, cwd=None: 0)
+    monkeypatch.setattr(cli, "_gpu_unusable", lambda: "no CUDA device is visible")
+    assert cli.main(["bench"]) == cli.EXIT_REFERENCE_ONLY
+    assert "nothing was measured" in capsys.readouterr().err
+    assert cli.main(["bench", "--", "-h"]) == 0   # pytest's help is not a benchmark run

@@ -76,6 +76,7 @@ def test_cli_report_from_json_and_after_a_run(tmp_path, monkeypatch, capsys):
         pathlib.Path(out).write_text(SAMPLE.read_text())
         return 0
     monkeypatch.setattr(cli.subprocess, "call", fake_pytest)
+    monkeypatch.setattr(cli, "_gpu_unusable", lambda: None)   # a run that measured (on this CPU: exit 3)
     assert cli.main(["bench", "--report", str(tmp_path / "b"), "-k", "attention"]) == 0
     assert seen[0][-2:] == ["-k", "attention"] and "## fp4_matmul" in (tmp_path / "b" / "index.md").read_text()
 

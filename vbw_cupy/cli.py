@@ -226,6 +226,11 @@ def cmd_bench(args) -> int:
             print(f"vbw-cupy bench: pytest wrote no {json_path}; no report", file=sys.stderr)
             return rc or 1
         print(_report.write(_report.load([json_path]), args.report))
+    why = _gpu_unusable()
+    if rc == 0 and why and "-h" not in args.pytest_args and "--help" not in args.pytest_args:
+        print(f"vbw-cupy bench: {why.rstrip('.')}: every benchmark was skipped, nothing was measured "
+              f"(exit status {EXIT_REFERENCE_ONLY})", file=sys.stderr)
+        return EXIT_REFERENCE_ONLY
     return rc
 
 
