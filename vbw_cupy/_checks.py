@@ -255,6 +255,20 @@ def _check_qkv(q, k, v, q_layout, kv_layout, dtypes, *, k_name="k", v_name="v"):
     _check_nonempty(k_name, k.shape, kv_layout)
 
 
+def _check_dense_qkv(q, k, v, dtypes):
+    """q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] of one dtype from `dtypes`, Hq % Hkv == 0: (B, Sq, Sk, Hq, Hkv, D)."""
+    _check_qkv(q, k, v, "[B, Sq, Hq, D]", "[B, Sk, Hkv, D]", dtypes)
+    B, Sq, Hq, D = (int(n) for n in q.shape)
+    Bk, Sk, Hkv, Dk = (int(n) for n in k.shape)
+    if Bk != B or Dk != D:
+        raise ValueError(f"k: expected shape [B, Sk, Hkv, D] with B == q's {B} and D == q's {D}, "
+                         f"got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    _check_heads(Hq, Hkv, "q", "k")
+    return B, Sq, Sk, Hq, Hkv, D
+
+
 def check_attention_args(q, k, v, window=(-1, -1), softcap=0.0, *, causal=False, softmax_scale=None,
                          dtypes=ATTENTION_DTYPES):
     """Check the arguments of `flash_attention` and return their sizes.
@@ -265,15 +279,7 @@ def check_attention_args(q, k, v, window=(-1, -1), softcap=0.0, *, causal=False,
     copied. Raises TypeError / ValueError naming the argument. Returns
     `AttentionShape(B, Sq, Sk, Hq, Hkv, D)` (a tuple).
     """
-    _check_qkv(q, k, v, "[B, Sq, Hq, D]", "[B, Sk, Hkv, D]", dtypes)
-    B, Sq, Hq, D = (int(n) for n in q.shape)
-    Bk, Sk, Hkv, Dk = (int(n) for n in k.shape)
-    if Bk != B or Dk != D:
-        raise ValueError(f"k: expected shape [B, Sk, Hkv, D] with B == q's {B} and D == q's {D}, "
-                         f"got {tuple(k.shape)}")
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
-    _check_heads(Hq, Hkv, "q", "k")
+    B, Sq, Sk, Hq, Hkv, D = _check_dense_qkv(q, k, v, dtypes)
     _check_options(window, softcap, causal, softmax_scale, D)
     return AttentionShape(B, Sq, Sk, Hq, Hkv, D)
 
@@ -489,15 +495,7 @@ def check_sparse_args(q, k, v, indptr, indices, *, block_q, block_k, causal=Fals
     decrease and end at most at nnz, and the block ids a row lists must lie in [0, ceil(Sk / block_k)) with no
     duplicate in a row; reading them is a device-to-host copy (a sync) for GPU arrays. Returns `SparseShape`.
     """
-    _check_qkv(q, k, v, "[B, Sq, Hq, D]", "[B, Sk, Hkv, D]", dtypes)
-    B, Sq, Hq, D = (int(n) for n in q.shape)
-    Bk, Sk, Hkv, Dk = (int(n) for n in k.shape)
-    if Bk != B or Dk != D:
-        raise ValueError(f"k: expected shape [B, Sk, Hkv, D] with B == q's {B} and D == q's {D}, "
-                         f"got {tuple(k.shape)}")
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
-    _check_heads(Hq, Hkv, "q", "k")
+    B, Sq, Sk, Hq, Hkv, D = _check_dense_qkv(q, k, v, dtypes)
     block_q = _check_block("block_q", block_q, SPARSE_BLOCK_Q)
     block_k = _check_block("block_k", block_k, SPARSE_BLOCK_K)
     nqb, nkb = -(-Sq // block_q), -(-Sk // block_k)

@@ -116,6 +116,19 @@ _CANDIDATES = {
 }
 
 
+def score_transform(scale: float, softcap: float) -> tuple:
+    """(score_mode, scale_log2, cap_prescale) of the attention kernels' score transform (attention_fwd.cu,
+    attention_sparse.cu): mode 1 softcap, mode 2 a scale <= 0 applied as a prescale, mode 0 plain; scale_log2 > 0
+    always, as the kernels need."""
+    if softcap > 0:
+        return 1, softcap * _LOG2E, scale / softcap
+    if scale < 0:
+        return 2, -scale * _LOG2E, -1.0
+    if scale == 0:
+        return 2, 1.0, 0.0
+    return 0, scale * _LOG2E, 0.0
+
+
 def head_dim_bucket(D: int) -> int:
     """The compiled HEAD_DIM that runs a real head dim D (1..256)."""
     for hd in HEAD_DIMS:
@@ -298,15 +311,7 @@ class _Launch:
         self.head_dim = head_dim_bucket(D)
         # varlen lengths may be unread on the host (checked on the device): clamp against what no sequence exceeds
         left, right = _clamp_window(left, right, *((max_q, max_k) if cu_q is None else (MAX_SEQLEN, MAX_SEQLEN)))
-        # The kernel needs scale_log2 > 0 (see the score transform in attention_fwd.cu).
-        if softcap > 0:
-            mode, scale_log2, pre = 1, softcap * _LOG2E, scale / softcap
-        elif scale < 0:
-            mode, scale_log2, pre = 2, -scale * _LOG2E, -1.0
-        elif scale == 0:
-            mode, scale_log2, pre = 2, 1.0, 0.0
-        else:
-            mode, scale_log2, pre = 0, scale * _LOG2E, 0.0
+        mode, scale_log2, pre = score_transform(scale, softcap)
         ptrs = [q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr]
         self.vec = bool(D % 8 == 0 and all(p % 16 == 0 for p in ptrs))
         self.masked = left >= 0 or right >= 0

@@ -48,7 +48,6 @@ BLOCK_Q = _checks.SPARSE_BLOCK_Q
 BLOCK_K = _checks.SPARSE_BLOCK_K
 _BLOCK_N = (64, 32, 16)        # KV tile: the largest whose shared memory fits the device
 _SMEM_LIMITS = (232448, 166912, 101376)  # opt-in shared memory per block: sm_90, sm_80, sm_86 / sm_89
-_LOG2E = 1.4426950408889634
 # sm_90a: the (block_q, block_k) shapes the wgmma kernel runs, per head dim, as flash_attention configs
 _WG_TILES = {64: (_attn._wg(128, 1), _attn._wg(64, 1), _attn._wg(64)), 128: (_attn._wg(128), _attn._wg(64)),
              256: (_attn._wg(64),)}
@@ -206,15 +205,7 @@ def _sparse_gpu(q, k, v, indptr, indices, *, block_q, block_k, causal, softmax_s
         limits = _device.query_device()["limits"]
         bn = block_n(hd, shape.block_q, limits["smem_optin"])
         kern = rt.get_kernel(SOURCE, instance_name(q.dtype, hd, shape.block_q, bn, vec))
-        # scale_log2 > 0 always (the kernel's score transform, as in attention.py)
-        if softcap > 0:
-            mode, scale_log2, pre = 1, softcap * _LOG2E, scale / softcap
-        elif scale < 0:
-            mode, scale_log2, pre = 2, -scale * _LOG2E, -1.0
-        elif scale == 0:
-            mode, scale_log2, pre = 2, 1.0, 0.0
-        else:
-            mode, scale_log2, pre = 0, scale * _LOG2E, 0.0
+        mode, scale_log2, pre = _attn.score_transform(scale, softcap)
         null = np.uint64(0)
         i32 = np.int32
         args = (q, k, v, o, null if lse is None else lse, ptr_d, idx_d if idx_d.size else null,
