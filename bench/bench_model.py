@@ -276,7 +276,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="7B at batch 1 only, no 2048-token prefill")
     ap.add_argument("--json")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="plain launches in the decode graph (A/B against programmatic dependent launch)")
     a = ap.parse_args(argv)
+    if a.no_pdl:
+        from vbw_cupy.models import gpu
+        gpu._PDL = False
     rows, copy_gbs = run(a.quick)
     if a.json:
         with open(a.json, "w") as f:

@@ -40,6 +40,7 @@
 
 #include "mma.cuh"
 #include "errors.cuh"
+#include "pdl.cuh"
 
 namespace vbw_decode {
 
@@ -109,6 +110,7 @@ paged_decode(const T* __restrict__ q, const T* __restrict__ kc, const T* __restr
   const int b = blockIdx.z, split = blockIdx.x;
   const int g0 = ht * 16, gn = min(16, G - g0);
   const size_t orow0 = (size_t)b * Hq + (size_t)kvh * G + g0;   // first output row (b, head)
+  pdl_start();  // q and the cache are written by the kernels before (the model's decode step)
 
   // Q tile [16 heads][DP] (zero-padded): global loads issued before anything waits (they do not depend on
   // seq_lens), stored to shared memory once the K/V prologue is in flight
@@ -393,6 +395,7 @@ paged_decode_combine(const float* __restrict__ o_part, const float* __restrict__
   constexpr int MAXS = 256;
   __shared__ float sl[MAXS];
   __shared__ __align__(16) float red[4][256];
+  vbw::pdl_start();
   const int h = blockIdx.x, b = blockIdx.y;
   const int L = seq_lens[b];
   if (L < 1 || L > capacity) return;   // paged_decode wrote NaN rows and flagged it

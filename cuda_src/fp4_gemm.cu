@@ -61,6 +61,7 @@
 #include "mma.cuh"
 #include "fp4.cuh"
 #include "wgmma.cuh"
+#include "pdl.cuh"
 
 namespace vbw_fp4gemm {
 
@@ -379,6 +380,7 @@ fp4_gemm_mma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
   const int nkt = (katoms + KA - 1) / KA;
   const int kt0 = blockIdx.z * kt_per_split;
   const int nk = max(0, min(nkt, kt0 + kt_per_split) - kt0);
+  vbw::pdl_start();
 
   // Per-thread copy plan, fixed over the k-tiles (so the k-loop only adds kt offsets).
   constexpr int CPA = ATOM / 16, CPR = KA * CPA, WCH = (BR / 16) * CPR, WIT = (WCH + NT - 1) / NT;
@@ -735,14 +737,17 @@ fp4_gemm_mmv(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
 
   // STAGES - 1 k-tiles in flight for both operands: the activation ring in shared memory and the weights in
   // STAGES register buffers. The k-loop is unrolled by STAGES, so buffer and stage indices are static.
+  // The weights are constants, so their first k-tiles are requested before waiting on the kernel before this
+  // one (programmatic dependent launch, pdl.cuh); the activations and everything written come after.
   uint4 wq[STAGES][KA];
   uint2 sc[STAGES][KA];
 #pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < nk) load_w(wq[s], sc[s]);
+  vbw::pdl_start();
+#pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < nk) {
-      load_act(kt0 + s, s);
-      load_w(wq[s], sc[s]);
-    }
+    if (s < nk) load_act(kt0 + s, s);
     vbw::cp_async_commit();
   }
   for (int it0 = 0; it0 < nk; it0 += STAGES) {

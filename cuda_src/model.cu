@@ -23,6 +23,7 @@
 #include <cuda_bf16.h>
 #include "errors.cuh"
 #include "fp4.cuh"
+#include "pdl.cuh"
 
 namespace vbw_model {
 
@@ -37,6 +38,7 @@ __device__ __forceinline__ float nan_f() { return __int_as_float(0x7fc00000); }
 template <typename E>
 __global__ void __launch_bounds__(THREADS) embedding(const E* __restrict__ table, const int* __restrict__ ids,
                                                      float* __restrict__ out, int dim, int vocab, int* err) {
+  vbw::pdl_start();
   const int t = blockIdx.x;
   const int id = ids[t];
   float* o = out + (long long)t * dim;
@@ -71,6 +73,7 @@ template <typename D, typename O>
 __global__ void __launch_bounds__(NORM_THREADS) add_rmsnorm(float* __restrict__ x, const D* __restrict__ delta,
                                                             const float* __restrict__ w, O* __restrict__ out,
                                                             int dim, float eps) {
+  vbw::pdl_start();
   const long long base = (long long)blockIdx.x * dim;
   float vals[NORM_VALS];
   float ss = 0.f;
@@ -110,6 +113,7 @@ __global__ void __launch_bounds__(NORM_THREADS) add_rmsnorm(float* __restrict__ 
 // now) and seq_lens[b] += 1; an idle slot (a finished sequence) gets pos -1, stores nothing and keeps its length.
 __global__ void step_positions(int* __restrict__ seq_lens, const int* __restrict__ active, int* __restrict__ pos,
                                int batch) {
+  vbw::pdl_start();
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b < batch) {
     const int p = seq_lens[b];
@@ -130,6 +134,7 @@ __global__ void rope_store(const T* __restrict__ qkv, const int* __restrict__ po
                            T* __restrict__ v_cache, const int* __restrict__ block_table, int max_batch,
                            int max_blocks, int num_blocks, int block_size, int Hq, int Hkv, int D, int style,
                            int* err) {
+  vbw::pdl_start();
   const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half = D / 2;
   const int p = pos[t], s = slot[t];
   const bool pos_ok = (unsigned)p < (unsigned)max_pos && (unsigned)s < (unsigned)max_batch &&
@@ -179,6 +184,7 @@ __global__ void rope_store(const T* __restrict__ qkv, const int* __restrict__ po
 // gu [T, 2 * H] (gate then up, one fused GEMM) -> out [T, H] = silu(gate) * up, in float32.
 template <typename T>
 __global__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, int H, long long n) {
+  vbw::pdl_start();
   for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
     const long long t = e / H, c = e - t * H;
     const float g = to_float(gu[t * 2 * H + c]), u = to_float(gu[t * 2 * H + H + c]);
@@ -201,6 +207,7 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
 __global__ void __launch_bounds__(THREADS) sample_rows(const float* __restrict__ logits, int vocab,
                                                        float inv_temp, unsigned long long seed,
                                                        const int* __restrict__ pos, int* __restrict__ tokens) {
+  vbw::pdl_start();
   const int b = blockIdx.x;
   const float* row = logits + (long long)b * vocab;
   const unsigned long long key = mix64(seed ^ mix64(((unsigned long long)b << 32) | (unsigned)pos[b]));

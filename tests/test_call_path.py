@@ -372,3 +372,41 @@ def test_gpu_graph_time_ms_times_a_replayed_kernel():
     a = cp.empty(16 << 20, dtype=cp.float32)
     ms = _timing.graph_time_ms([lambda: a.fill(1.0)], target_ms=5.0, reps=3)
     assert 1e-3 < ms < 5.0 and float(a[-1]) == 1.0
+
+
+@pytest.mark.gpu
+def test_gpu_programmatic_launches_equal_plain_launches():
+    """Programmatic dependent launch (cuda_src/pdl.cuh; the model's decode graph uses it): a chain where each
+    kernel reads what the one before wrote (M = 1 GEMV -> paged attention -> GEMV ...), launched plainly,
+    as programmatic dependents, and as programmatic dependents in a CUDA graph, gives the same bits."""
+    import cupy as cp
+    from vbw_cupy import _device, _runtime as rt
+    rng = np.random.default_rng(12)
+    H, D = 32, 128
+    ws = [vc.quantize(cp.asarray(rng.standard_normal((H * D, H * D), dtype=np.float32) / 64), "nvfp4")
+          for _ in range(3)]
+    kc, vcache = (cp.asarray(rng.standard_normal((64, 16, 8, D), dtype=np.float32)).astype(cp.float16)
+                  for _ in range(2))
+    table = cp.asarray(rng.permutation(64)[:40].astype(np.int32).reshape(1, 40))
+    lens = cp.asarray(np.array([611], dtype=np.int32))
+    x0 = cp.asarray(rng.standard_normal((1, H * D), dtype=np.float32)).astype(cp.float16)
+
+    def chain():
+        x = x0
+        for w in ws:
+            x = vc.fp4_matmul(x, w)                          # M = 1: the decode GEMV (mmv)
+            x = paged.paged_attention(x.reshape(1, H, D), kc, vcache, table, lens).reshape(1, H * D)
+        return x
+
+    plain = chain().get()
+    if _device.device_arch() >= 90:
+        with rt.programmatic_launches():
+            assert rt.pdl_enabled()
+            assert rt.get_kernel("model.cu", "vbw_model::silu_mul<__half>").pdl
+            eager = chain().get()
+            g, res, s = _capture(chain)
+        _replay(g, s)
+        np.testing.assert_array_equal(eager, plain)
+        np.testing.assert_array_equal(res.get(), plain)
+    assert np.isfinite(plain).all()
+    vc.check_errors()

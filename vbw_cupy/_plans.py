@@ -122,7 +122,7 @@ class Launch:
     `__call__` in that order); other arrays (scratch, the error word) stay as packed. A Launch belongs to one
     stream's plan: two threads must not replay the same Launch at once (the driver copies the argument block
     when the launch is issued, so consecutive replays are safe)."""
-    __slots__ = ("fptr", "dims", "smem", "buf", "words", "params", "pptr", "slots", "empty", "driver")
+    __slots__ = ("fptr", "dims", "smem", "buf", "words", "params", "pptr", "slots", "empty", "driver", "pdl")
 
     def __init__(self, kernel, grid, block, args, dynamic=(), shared_mem: int = 0):
         from cupy_backends.cuda.api import driver
@@ -156,6 +156,7 @@ class Launch:
         self.pptr = int(self.params.ctypes.data)
         self.slots = tuple(where[i] for i in dynamic)
         self.fptr = kernel_ptr(kernel)
+        self.pdl = bool(getattr(kernel, "pdl", False))  # launched as a programmatic dependent when enabled
         self.dims = grid + block
         self.smem = int(shared_mem)
 
@@ -165,5 +166,8 @@ class Launch:
         w = self.words
         for i, p in zip(self.slots, ptrs):
             w[i] = p
+        if self.pdl and rt.pdl_enabled():
+            rt.launch_programmatic(self.fptr, self.dims, self.smem, stream_ptr, self.pptr)
+            return
         g0, g1, g2, b0, b1, b2 = self.dims
         self.driver.launchKernel(self.fptr, g0, g1, g2, b0, b1, b2, self.smem, stream_ptr, self.pptr, 0)

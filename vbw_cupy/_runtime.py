@@ -227,6 +227,7 @@ class CubinKernel:
 
     def __init__(self, cubin: bytes, name: str):
         self.cubin, self.name = cubin, name
+        self.pdl = False  # calls pdl_wait() before its dependent reads (get_kernel sets it from PDL_KERNELS)
         self._functions: dict = {}  # device id -> cupy.cuda.function.Function (which keeps its Module loaded)
 
     @property
@@ -277,6 +278,7 @@ def get_kernel(filename: str, name: str, extra_options: tuple[str, ...] = ()):
         from ._device import device_arch  # _device imports this module; raises for GPUs below sm_80
         cubin, lowered = _cached_cubin(filename, name, device_arch(dev), tuple(extra_options))
         fn = CubinKernel(cubin, lowered)
+        fn.pdl = device_arch(dev) >= 90 and name.startswith(PDL_KERNELS)
         fn.kernel  # load now: a bad image fails here, not at some later launch
         _modules[key] = fn
         return fn
@@ -407,16 +409,90 @@ def atomic_write(path: pathlib.Path, data: bytes, fsync: bool = False) -> None:
 
 
 def launch(kernel, grid, block, args, shared_mem: int = 0, stream=None) -> None:
-    """Launch with `shared_mem` bytes of dynamic shared memory, raising the 48 KB opt-in limit when needed."""
+    """Launch with `shared_mem` bytes of dynamic shared memory, raising the 48 KB opt-in limit when needed.
+    Inside `programmatic_launches()` a kernel of PDL_KERNELS is launched as a programmatic dependent."""
     grid = tuple(int(g) for g in grid)
     if min(grid) <= 0:
         return  # never launch an empty grid
+    if getattr(kernel, "pdl", False) and pdl_enabled():
+        from . import _plans
+        st = stream if stream is not None else cupy.cuda.get_current_stream()
+        _plans.Launch(kernel, grid, block, args, (), shared_mem)((), st.ptr)
+        return
     if shared_mem > 48 * 1024:
         cur = kernel.max_dynamic_shared_size_bytes
         if cur < shared_mem:
             kernel.max_dynamic_shared_size_bytes = int(shared_mem)
     kernel(grid, tuple(int(b) for b in block), args, shared_mem=int(shared_mem),
            stream=stream if stream is not None else cupy.cuda.get_current_stream())
+
+
+# ---- Programmatic dependent launch (sm_90+; cuda_src/pdl.cuh says what a kernel must do to take part).
+# A kernel launched with the attribute may start while the one before it in the stream is still running and
+# waits for it in pdl_wait(), so its launch and its weight loads overlap the previous kernel's tail. Used for
+# the model's decode graph, where ~300 short kernels run back to back; everywhere else launches are plain.
+#: kernels (names as given to get_kernel, by prefix) that call pdl_wait() before any dependent access
+PDL_KERNELS = ("vbw_model::", "vbw_fp4gemm::fp4_gemm_mmv<", "vbw_fp4gemm::fp4_gemm_mma<", "paged_decode<",
+               "paged_decode_combine<")
+_pdl_state = threading.local()
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+_launch_ex = None  # (cuLaunchKernelEx, config struct type, attribute struct type), False when unavailable
+
+
+class programmatic_launches:
+    """Context manager: launches of PDL_KERNELS in this thread use programmatic dependent launch (on a GPU
+    without it, or a driver without cuLaunchKernelEx, launches stay plain)."""
+
+    def __enter__(self):
+        self._prev = getattr(_pdl_state, "on", False)
+        _pdl_state.on = _launch_kernel_ex() is not None
+        return self
+
+    def __exit__(self, *exc):
+        _pdl_state.on = self._prev
+        return False
+
+
+def pdl_enabled() -> bool:
+    return getattr(_pdl_state, "on", False)
+
+
+def _launch_kernel_ex():
+    """The driver's cuLaunchKernelEx through ctypes (CuPy does not wrap it), or None where it is missing."""
+    global _launch_ex
+    if _launch_ex is None:
+        import ctypes
+
+        class Attr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+            _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+        class Config(ctypes.Structure):  # CUlaunchConfig
+            _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                        ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(Attr)), ("num_attrs", ctypes.c_uint)]
+        try:
+            fn = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1").cuLaunchKernelEx
+        except (OSError, AttributeError):
+            _launch_ex = False
+        else:
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            _launch_ex = (fn, Config, Attr)
+    return _launch_ex or None
+
+
+def launch_programmatic(fptr: int, dims, shared_mem: int, stream_ptr: int, params_ptr: int) -> None:
+    """cuLaunchKernelEx of the CUfunction `fptr` (grid + block `dims`, packed `params_ptr` as for
+    cuLaunchKernel) with programmatic stream serialization allowed."""
+    import ctypes
+    fn, Config, Attr = _launch_kernel_ex()
+    attr = Attr()
+    attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value[0] = 1
+    cfg = Config((ctypes.c_uint * 3)(*dims[:3]), (ctypes.c_uint * 3)(*dims[3:]), int(shared_mem), stream_ptr,
+                 ctypes.pointer(attr), 1)
+    err = fn(ctypes.byref(cfg), ctypes.c_void_p(fptr), ctypes.c_void_p(params_ptr), None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
 
 
 # ---- TMA tensor maps (Hopper): encoded on the host by the driver's cuTensorMapEncodeTiled, which CuPy does not

@@ -41,6 +41,9 @@ _THREADS = 256
 GPU_WEIGHT_FORMATS = ("fp16", "nvfp4", "mxfp4")
 _ACT = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 _NULL = np.uint64(0)  # a null pointer argument
+# The decode graph launches the kernels that allow it as programmatic dependents (cuda_src/pdl.cuh): each one's
+# launch and weight loads overlap the kernel before it. False: plain launches (A/B runs; read at capture).
+_PDL = True
 
 
 def kernel_instances() -> list[tuple[str, str]]:
@@ -373,7 +376,8 @@ class _Graph:
 
 def _capture(step, state) -> _Graph:
     """Run `step` once eagerly (it builds every plan and scratch buffer), put the arrays `state` back as they
-    were, capture `step` on a private stream and memory pool, and replay it once: the call is one step."""
+    were, capture `step` on a private stream and memory pool (its kernels as programmatic dependents when
+    _PDL), and replay it once: the call is one step."""
     cp = rt.require_cupy()
     saved = [a.copy() for a in state]
     cp.cuda.Device().synchronize()
@@ -386,7 +390,11 @@ def _capture(step, state) -> _Graph:
         stream.synchronize()
         stream.begin_capture()
         try:
-            step()
+            if _PDL:
+                with rt.programmatic_launches():
+                    step()
+            else:
+                step()
         finally:
             graph = stream.end_capture()
     g = _Graph(graph, stream, pool)
