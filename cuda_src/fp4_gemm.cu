@@ -380,7 +380,8 @@ fp4_gemm_mma(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
   const int nkt = (katoms + KA - 1) / KA;
   const int kt0 = blockIdx.z * kt_per_split;
   const int nk = max(0, min(nkt, kt0 + kt_per_split) - kt0);
-  vbw::pdl_start();
+  vbw::pdl_wait();
+  vbw::pdl_launch_dependents();
 
   // Per-thread copy plan, fixed over the k-tiles (so the k-loop only adds kt offsets).
   constexpr int CPA = ATOM / 16, CPR = KA * CPA, WCH = (BR / 16) * CPR, WIT = (WCH + NT - 1) / NT;
@@ -737,14 +738,28 @@ fp4_gemm_mmv(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
 
   // STAGES - 1 k-tiles in flight for both operands: the activation ring in shared memory and the weights in
   // STAGES register buffers. The k-loop is unrolled by STAGES, so buffer and stage indices are static.
-  // The weights are constants, so their first k-tiles are requested before waiting on the kernel before this
-  // one (programmatic dependent launch, pdl.cuh); the activations and everything written come after.
+  // The weights are constants, so they are requested before waiting on the kernel before this one
+  // (programmatic dependent launch, pdl.cuh): the warp's first L2_PREFETCH bytes-share of its slice into L2
+  // (the whole slice when the matrix is at most L2_PREFETCH bytes), its first k-tiles into registers. The
+  // activations and everything written come after the wait.
+#ifndef VBW_NO_L2_PREFETCH  // (A/B runs: gemm._EXTRA_OPTIONS)
+  if (lane == 0 && nk > 0 && rg_ok) {
+    constexpr long long L2_PREFETCH = 16ll << 20;
+    const long long total = (long long)n_rg * katoms * ATOM, slice = (long long)nk * KA * ATOM;
+    long long want = total <= L2_PREFETCH ? slice : slice * L2_PREFETCH / total;
+    want &= ~15ll;
+    const u8* p = wl - lane * 16;
+    for (long long off = 0; off < want; off += 32768)
+      vbw::prefetch_l2(p + off, (unsigned)min(32768ll, want - off));
+  }
+#endif
   uint4 wq[STAGES][KA];
   uint2 sc[STAGES][KA];
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
     if (s < nk) load_w(wq[s], sc[s]);
-  vbw::pdl_start();
+  vbw::pdl_wait();
+  vbw::pdl_launch_dependents();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < nk) load_act(kt0 + s, s);

@@ -25,10 +25,20 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// Both, in that order: the common start of a kernel that reads its inputs right away.
+// The start of a short kernel: let the next kernel launch (so that it can request its weights while this one
+// runs), then wait for the previous one. Safe for any chain: each kernel's pdl_wait returns only once the
+// kernel before it has finished, and that one finished only after its own wait had returned. The GEMMs wait
+// first and then launch their successor, so a chain never runs more than one kernel past a waiting GEMM.
 __device__ __forceinline__ void pdl_start() {
-  pdl_wait();
   pdl_launch_dependents();
+  pdl_wait();
+}
+
+// Ask the L2 for `bytes` bytes at `p` (16-byte aligned, a multiple of 16), without waiting (sm_90 bulk prefetch).
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
 }
 
 }  // namespace vbw
