@@ -738,21 +738,8 @@ fp4_gemm_mmv(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
 
   // STAGES - 1 k-tiles in flight for both operands: the activation ring in shared memory and the weights in
   // STAGES register buffers. The k-loop is unrolled by STAGES, so buffer and stage indices are static.
-  // The weights are constants, so they are requested before waiting on the kernel before this one
-  // (programmatic dependent launch, pdl.cuh): the warp's first L2_PREFETCH bytes-share of its slice into L2
-  // (the whole slice when the matrix is at most L2_PREFETCH bytes), its first k-tiles into registers. The
-  // activations and everything written come after the wait.
-#ifndef VBW_NO_L2_PREFETCH  // (A/B runs: gemm._EXTRA_OPTIONS)
-  if (lane == 0 && nk > 0 && rg_ok) {
-    constexpr long long L2_PREFETCH = 16ll << 20;
-    const long long total = (long long)n_rg * katoms * ATOM, slice = (long long)nk * KA * ATOM;
-    long long want = total <= L2_PREFETCH ? slice : slice * L2_PREFETCH / total;
-    want &= ~15ll;
-    const u8* p = wl - lane * 16;
-    for (long long off = 0; off < want; off += 32768)
-      vbw::prefetch_l2(p + off, (unsigned)min(32768ll, want - off));
-  }
-#endif
+  // The weights are constants, so their first k-tiles are requested before waiting on the kernel before this
+  // one (programmatic dependent launch, pdl.cuh); the activations and everything written come after.
   uint4 wq[STAGES][KA];
   uint2 sc[STAGES][KA];
 #pragma unroll

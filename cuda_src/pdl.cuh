@@ -34,11 +34,4 @@ __device__ __forceinline__ void pdl_start() {
   pdl_wait();
 }
 
-// Ask the L2 for `bytes` bytes at `p` (16-byte aligned, a multiple of 16), without waiting (sm_90 bulk prefetch).
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 }  // namespace vbw
