@@ -391,11 +391,15 @@ def test_gpu_programmatic_launches_equal_plain_launches():
     lens = cp.asarray(np.array([611], dtype=np.int32))
     x0 = cp.asarray(rng.standard_normal((1, H * D), dtype=np.float32)).astype(cp.float16)
 
+    keep = []  # every array a captured graph writes must outlive the graph
+
     def chain():
         x = x0
         for w in ws:
             x = vc.fp4_matmul(x, w)                          # M = 1: the decode GEMV (mmv)
+            keep.append(x)
             x = paged.paged_attention(x.reshape(1, H, D), kc, vcache, table, lens).reshape(1, H * D)
+            keep.append(x)
         return x
 
     plain = chain().get()
