@@ -8,6 +8,8 @@ host launch overhead counts only where it starves the GPU). Weights are rotated 
 than 2x the L2 (FP4 weights of 8192^2 are 36 MB and would otherwise stay in the 50 MB L2), the same for the
 peer's fp16 weights. TFLOP/s = 2 M N K / t; weight GB/s = bytes of the FP4 tensor (data + scales) / t.
 The epilogue variant adds bias + silu: fused in fp4_matmul, a CuPy elementwise kernel after cupy.matmul.
+--w4a4: the activations are an FP4Tensor (quantized once, outside the timing; the call's conversion of them
+to FP8 is timed), the peer the same cuBLAS fp16 product (its epilogue variant has no epilogue).
 """
 import math
 import sys
@@ -35,7 +37,7 @@ def _peer_epilogue(y, bias):
     return _silu_bias(y, bias)
 
 
-def setup(M, N, K, fmt="nvfp4", epilogue=False, seed=0):
+def setup(M, N, K, fmt="nvfp4", epilogue=False, seed=0, w4a4=False):
     rs = cp.random.RandomState(seed)
     w0 = quantize(rs.standard_normal((N, K), dtype=cp.float32), fmt)
     n_q = max(1, min(8, math.ceil(ROTATE_BYTES / w0.nbytes)))
@@ -47,6 +49,13 @@ def setup(M, N, K, fmt="nvfp4", epilogue=False, seed=0):
     a = rs.standard_normal((M, K), dtype=cp.float32).astype(cp.float16)
     bias = rs.standard_normal(N, dtype=cp.float32).astype(cp.float16) if epilogue else None
     act = "silu" if epilogue else None
+    if w4a4:  # activations given as an FP4Tensor of the weights' format (MXFP4: the FP8 tensor-core path)
+        bias = None if bias is None else bias.astype(cp.float32)
+        qa = quantize(a.astype(cp.float32), fmt)
+        ours = lambda i: gemm.fp4_matmul(qa, ws[i % n_q], bias, act)  # noqa: E731
+        for i in range(n_q):  # each weight copy's one-time conversion, before any timing
+            ours(i)
+        return ours, (lambda i: cp.matmul(a, wds[i % n_h].T)), (qa, ws[0], bias, act), w0.nbytes
     ours = lambda i: gemm.fp4_matmul(a, ws[i % n_q], bias, act)  # noqa: E731
     if epilogue:
         peer = lambda i: _peer_epilogue(cp.matmul(a, wds[i % n_h].T), bias)  # noqa: E731
@@ -62,17 +71,21 @@ def time_us(fn, inner=10, reps=15):
     return 1e3 * _timing.time_ms(lambda: fn(next(calls)), warmup=3, rep=reps, inner=inner)
 
 
-def measure(M, N, K, fmt="nvfp4", epilogue=False, check=True):
-    ours, peer, (a, w, bias, act), wbytes = setup(M, N, K, fmt, epilogue)
+def measure(M, N, K, fmt="nvfp4", epilogue=False, check=True, w4a4=False):
+    ours, peer, (a, w, bias, act), wbytes = setup(M, N, K, fmt, epilogue, w4a4=w4a4)
     t_ours = time_us(ours)
     t_peer = time_us(peer)
     row = {"M": M, "N": N, "K": K, "fmt": fmt, "epilogue": "bias+silu" if epilogue else "-",
            "ours_us": t_ours, "peer_us": t_peer, "ratio": t_peer / t_ours,
            "tflops": 2 * M * N * K / t_ours / 1e6, "peer_tflops": 2 * M * N * K / t_peer / 1e6,
-           "weight_GBs": wbytes / t_ours / 1e3, "config": gemm.chosen_config(a, w)}
+           "weight_GBs": wbytes / t_ours / 1e3,
+           "config": {"KIND": "fp8_mx" if "fp8_v1" in w._cache else "f32"} if w4a4 else gemm.chosen_config(a, w)}
+    if w4a4:
+        row["fmt"] = f"{fmt}A"
     if check:
         got = gemm.fp4_matmul(a, w, bias, act)
-        z = a.astype(cp.float64) @ dequantize(w).astype(cp.float64).T
+        a64 = dequantize(a).astype(cp.float64) if w4a4 else a.astype(cp.float64)
+        z = a64 @ dequantize(w).astype(cp.float64).T
         if epilogue:
             z += bias.astype(cp.float64)
             z = z / (1 + cp.exp(-z))
@@ -155,15 +168,19 @@ if __name__ == "__main__":
     p.add_argument("--fmt", default="nvfp4")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--diag", action="store_true", help="launch-overhead and per-config breakdown only")
+    p.add_argument("--w4a4", action="store_true", help="activations as an FP4Tensor of --fmt (mxfp4: FP8 tensor "
+                   "cores on Hopper), M = 4096 at the three shapes (issue 17's bars)")
     args = p.parse_args()
     if args.diag:
         diagnose()
         sys.exit(0)
     cases = [(m, 8192, 8192, False) for m in (1, 16, 4096)] if args.quick else CASES
+    if args.w4a4:
+        cases = [(4096, n, k, False) for n, k in NKS] + [(4096, 8192, 8192, True)]
     rows = []
     for m, n, k, e in cases:
         try:
-            rows.append(measure(m, n, k, args.fmt, e, check=not args.no_check))
+            rows.append(measure(m, n, k, args.fmt, e, check=not args.no_check, w4a4=args.w4a4))
         except Exception as exc:  # keep going: one failing shape must not hide the others
             print(f"M={m} N={n} K={k}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         cp.get_default_memory_pool().free_all_blocks()

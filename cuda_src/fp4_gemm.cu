@@ -62,6 +62,7 @@
 #include "fp4.cuh"
 #include "wgmma.cuh"
 #include "pdl.cuh"
+#include "gemm_epilogue.cuh"
 
 namespace vbw_fp4gemm {
 
@@ -160,33 +161,9 @@ __device__ __forceinline__ void split3(float x, u32& hi, u32& mid, u32& lo) {
   hi = bf16_bits(h); mid = bf16_bits(m); lo = bf16_bits(l);
 }
 
-// ---------------------------------------------------------------------------------------------- epilogue
-// flags: bits 0-2 activation (0 none, 1 relu, 2 gelu erf, 3 gelu tanh, 4 silu); bits 4-5 bias (0 none,
-// 1 f16, 2 bf16, 3 f32); bits 8-9 output (0 f16, 1 bf16, 2 f32).
-__device__ __forceinline__ float bias_at(const void* bias, int flags, int n) {
-  const int bk = (flags >> 4) & 3;
-  if (bk == 1) return __half2float(static_cast<const __half*>(bias)[n]);
-  if (bk == 2) return __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[n]);
-  if (bk == 3) return static_cast<const float*>(bias)[n];
-  return 0.f;
-}
-__device__ __forceinline__ float activate(float v, int flags) {
-  switch (flags & 7) {
-    case 1: return v < 0.f ? 0.f : v;  // NaN stays NaN
-    case 2: return 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
-    case 3: return 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-    case 4: return v / (1.f + expf(-v));
-    default: return v;
-  }
-}
-__device__ __noinline__ void store_out(void* out, const void* bias, int flags, int n, int m, int N, float v) {
-  v = activate(v + bias_at(bias, flags, n), flags);
-  const size_t idx = (size_t)m * (size_t)N + (size_t)n;
-  const int ok = (flags >> 8) & 3;
-  if (ok == 0) static_cast<__half*>(out)[idx] = __float2half_rn(v);
-  else if (ok == 1) static_cast<__nv_bfloat16*>(out)[idx] = __float2bfloat16_rn(v);
-  else static_cast<float*>(out)[idx] = v;
-}
+using vbw_gemm::activate;
+using vbw_gemm::bias_at;
+using vbw_gemm::store_out;
 
 // Split-K: write this CTA's partial, the last CTA of the tile sums all of them (fixed order) into acc.
 // Returns false for the CTAs that must stop. acc is a flat register array of NACC values per thread.

@@ -2,6 +2,8 @@
 //
 //   WgmmaSS<T, N, TB>::run(d, da, db, acc = 1)   d = A * B (acc = 0) or d += A * B, m64nNk16, A and B from
 //                                                shared memory
+//   WgmmaSS8<N>::run(d, da, db, acc = 1)          FP8: m64nNk32 e4m3 x e4m3, both operands K-major in shared
+//                                                memory (N = 128)
 //   WgmmaRS<T, N, TB>::run(d, a0..a3, db)        the same with A from registers (the m16n8k16 A fragment layout
 //                                                per warp: warp w of the warpgroup holds rows 16w..16w+15)
 //     T = __half / __nv_bfloat16, fp32 accumulators d[N / 2]; TB = 1 reads B MN-major (transposed: N contiguous)
@@ -20,6 +22,7 @@
 //                                                cuTensorMapEncodeTiled), passed as a __grid_constant__ parameter
 //   mbar_init / mbar_expect_tx / mbar_wait       mbarrier init (arrival count), arrive with an expected byte
 //                                                count, spin until the phase of the given parity completes
+//   mbar_arrive                                  a plain arrival (a consumer releasing a buffer)
 //   tma_load_4d / _2d(dst, map, bar, c0, ...)    one TMA box from global into shared memory (coordinates
 //                                                innermost first), completing `bar`'s transaction bytes
 //   bulk_load(dst, src, bytes, bar)              a plain contiguous bulk copy (no tensor map), same completion
@@ -74,8 +77,20 @@ using u64 = unsigned long long;
     }                                                                                                     \
   };
 
+// FP8: m64nNk32, e4m3 x e4m3 -> fp32, both operands K-major from shared memory (8-bit wgmma has no transpose).
+#define VBW_WGMMA_SS8(N, NACC, IA, IB, IP)                                                                \
+  template <> struct WgmmaSS8<N> {                                                                        \
+    static __device__ __forceinline__ void run(float (&d)[NACC], u64 da, u64 db, int acc = 1) {           \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                      \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" VBW_REGS_##N              \
+                   "}, %" #IA ", %" #IB ", p, 1, 1;\n}\n"                                                  \
+                   : VBW_ACC_##N : "l"(da), "l"(db), "r"(acc));                                         \
+    }                                                                                                     \
+  };
+
 template <typename T, int N, int TB = 0> struct WgmmaSS;
 template <typename T, int N, int TB = 0> struct WgmmaRS;
+template <int N> struct WgmmaSS8;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define VBW_WGMMA_ALL(TB)                                                                                 \
@@ -96,6 +111,7 @@ template <typename T, int N, int TB = 0> struct WgmmaRS;
 VBW_WGMMA_ALL(0)
 VBW_WGMMA_ALL(1)
 #undef VBW_WGMMA_ALL
+VBW_WGMMA_SS8(128, 64, 64, 65, 66)
 #endif
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -128,6 +144,9 @@ __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
 }
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   asm volatile("{\n.reg .pred p;\nVBW_MBAR_WAIT:\n"

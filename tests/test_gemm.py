@@ -408,3 +408,83 @@ def test_reference_matches_an_independent_computation(fmt, act):
     want = np.vectorize(f)(z).astype(np.float32)
     got = ref.fp4_matmul(a, w, bias, act, out_dtype=np.float32)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------ W4A4 MXFP4 on FP8 tensor cores
+def _hopper():
+    return _device.device_arch() == 90 and rt.have_tensor_maps()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rebase", [True, False])
+def test_mx_to_e4m3_is_exact(rebase):
+    """The FP8 path's operand conversion (cuda_src/fp8_gemm.cu, mx_to_e4m3): e4m3 bytes (times the row scale
+    when re-based) equal the dequantized MXFP4 values bit for bit, and rows past 13 binades are flagged."""
+    cp = rt.require_cupy()
+    rs = np.random.default_rng(5)
+    x = rs.standard_normal((70, 1000)).astype(np.float32)
+    x *= np.exp2(rs.integers(-6, 7, size=(70, 1))).astype(np.float32)      # row magnitudes
+    x[:, :500] *= np.float32(2.0 ** -5)                                     # blocks 5 binades apart in a row
+    x[3, 32:64] *= np.float32(2.0 ** -12)                                   # row 3: ~17 binades: does not fit
+    x[4] = 0.0                                                              # an all-zero row
+    w = quantize(cp.asarray(x), "mxfp4")
+    q, row_scale, bad, _ = gemm._mx_to_e4m3(w, 70, rebase)
+    vals = cp.asnumpy(q).view(ml_dtypes.float8_e4m3fn).astype(np.float64)[:, :1000]
+    want = ref.dequantize(w.to_cpu(), np.float64)
+    if not rebase:  # bare e2m1 values: the block scales stay apart
+        e = cp.asnumpy(w.scales).astype(np.int64) - 127
+        np.testing.assert_array_equal(vals, want / np.exp2(np.repeat(e, 32, axis=1)[:, :1000]))
+        return
+    bad = cp.asnumpy(bad)
+    assert bad.tolist() == [1 if r == 3 else 0 for r in range(70)]
+    rows = np.flatnonzero(bad == 0)
+    got = vals * cp.asnumpy(row_scale).astype(np.float64)[:, None]
+    np.testing.assert_array_equal(got[rows], want[rows])
+    assert float(row_scale[4]) == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(300, 520, 800), (1, 256, 4096), (1000, 1100, 4160), (4096, 2048, 2048)])
+@pytest.mark.parametrize("out_dtype", [np.float16, ml_dtypes.bfloat16])
+def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype):
+    """MXFP4 x MXFP4 (FP8 tensor cores on Hopper) within the bound, every output written (NaN-filled first),
+    with bias and SiLU; activation blocks whose scales span 2^-60..2^60 in one row (applied in float32)."""
+    cp = rt.require_cupy()
+    rs = cp.random.RandomState(M + N + K)
+    a = rs.standard_normal((M, K), dtype=cp.float32)
+    a *= cp.exp2(cp.asarray(np.random.default_rng(K).integers(-60, 61, size=(1, -(-K // 32)))).astype(cp.float32)
+                 ).repeat(32, axis=1)[:, :K]
+    qa = quantize(a, "mxfp4")
+    w = quantize(rs.standard_normal((N, K), dtype=cp.float32), "mxfp4")
+    bias = rs.standard_normal(N, dtype=cp.float32)
+    out = cp.full((M, N), np.nan, dtype=out_dtype)
+    got = gemm._w4a4_fp8(qa, w, bias, "silu", np.dtype(out_dtype), M, N, out=out)
+    if not _hopper():
+        assert got is None
+        got = gemm.fp4_matmul(qa, w, bias, "silu", out_dtype)
+    else:
+        assert got is out and w._cache["fp8_v1"] is not False
+        np.testing.assert_array_equal(gemm.fp4_matmul(qa, w, bias, "silu", out_dtype).get().view(np.uint16),
+                                      got.get().view(np.uint16))   # the public call takes this path
+    err, bound = _check(got, qa, w, bias=bias, act="silu")
+    assert err <= bound, (err, bound)
+
+
+@pytest.mark.gpu
+def test_w4a4_fp8_falls_back_for_wide_weight_rows_and_float32_output():
+    cp = rt.require_cupy()
+    rs = cp.random.RandomState(9)
+    wf = rs.standard_normal((256, 512), dtype=cp.float32)
+    wf[7, 64:96] *= 2.0 ** -20   # row 7's blocks span ~20 binades: not exact in e4m3 with one row scale
+    w = quantize(wf, "mxfp4")
+    qa = quantize(rs.standard_normal((64, 512), dtype=cp.float32), "mxfp4")
+    got = gemm.fp4_matmul(qa, w)
+    if _hopper():
+        assert w._cache["fp8_v1"] is False
+    err, bound = _check(got, qa, w)
+    assert err <= bound
+    w2 = quantize(rs.standard_normal((256, 512), dtype=cp.float32), "mxfp4")
+    got = gemm.fp4_matmul(qa, w2, out_dtype=np.float32)   # float32 output: the exact path
+    assert "fp8_v1" not in w2._cache
+    err, bound = _check(got, qa, w2, out_dtype=np.float32)
+    assert err <= bound

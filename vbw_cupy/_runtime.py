@@ -502,7 +502,7 @@ TENSOR_MAP_BYTES = 128
 NO_TENSOR_MAP = np.zeros(1, dtype=f"V{TENSOR_MAP_BYTES}")  # for a kernel's unused map parameter
 _TMAP_SWIZZLE_128B = 3
 _TMAP_L2_256B = 3
-_TMAP_UINT16 = 1
+_TMAP_UINT8, _TMAP_UINT16 = 0, 1  # CUtensorMapDataType
 _tmap_fn = None          # the driver function, False when it cannot be loaded
 _tmap_cache: dict = {}   # (ptr, dims, strides, box) -> map; forgotten all at once when full
 _TMAP_CACHE_MAX = 1024
@@ -531,12 +531,12 @@ def have_tensor_maps() -> bool:
     return bool(_tensor_map_encoder())
 
 
-def tensor_map_16bit(ptr: int, dims: tuple, strides: tuple, box: tuple):
-    """A tiled TMA map of a 16-bit tensor with the 128-byte swizzle: dims innermost first, strides (bytes) of
-    dims 1.., box the tile each copy moves (box[0] * 2 = 128 bytes, one swizzled row). Reads outside dims are
-    zero-filled. Returns a size-one V128 NumPy array (a kernel argument), or None where the driver cannot
-    encode it (no driver entry point, or arguments it rejects)."""
-    key = (ptr, dims, strides, box)
+def tensor_map(ptr: int, dims: tuple, strides: tuple, box: tuple, elem_bytes: int = 2):
+    """A tiled TMA map of a tensor of 16-bit (or, with elem_bytes=1, 8-bit) elements with the 128-byte swizzle:
+    dims innermost first, strides (bytes) of dims 1.., box the tile each copy moves (box[0] * elem_bytes = 128
+    bytes, one swizzled row). Reads outside dims are zero-filled. Returns a size-one V128 NumPy array (a kernel
+    argument), or None where the driver cannot encode it (no driver entry point, or arguments it rejects)."""
+    key = (ptr, dims, strides, box, elem_bytes)
     m = _tmap_cache.get(key)
     if m is not None:
         return m
@@ -548,7 +548,7 @@ def tensor_map_16bit(ptr: int, dims: tuple, strides: tuple, box: tuple):
     raw = np.zeros(TENSOR_MAP_BYTES + 64, dtype=np.uint8)
     off = (-raw.ctypes.data) % 64  # the driver wants the map 64-byte aligned
     out = raw[off:off + TENSOR_MAP_BYTES]
-    res = fn(out.ctypes.data, _TMAP_UINT16, rank, ptr, (ctypes.c_uint64 * rank)(*dims),
+    res = fn(out.ctypes.data, _TMAP_UINT16 if elem_bytes == 2 else _TMAP_UINT8, rank, ptr, (ctypes.c_uint64 * rank)(*dims),
              (ctypes.c_uint64 * (rank - 1))(*strides), (ctypes.c_uint32 * rank)(*box),
              (ctypes.c_uint32 * rank)(*([1] * rank)), 0, _TMAP_SWIZZLE_128B, _TMAP_L2_256B, 0)
     if res != 0:

@@ -404,7 +404,7 @@ def _map_args(q, k, v, boxes):
         Sk, Hkv = k.shape[1], k.shape[2]
 
     def tmap(x, S, H, rows):
-        return rt.tensor_map_16bit(x.data.ptr, (D, H, S, B), (2 * D, 2 * H * D, 2 * S * H * D), (64, 1, rows, 1))
+        return rt.tensor_map(x.data.ptr, (D, H, S, B), (2 * D, 2 * H * D, 2 * S * H * D), (64, 1, rows, 1))
 
     maps = (tmap(q, Sq, Hq, boxes[0]), tmap(k, Sk, Hkv, boxes[1]), tmap(v, Sk, Hkv, boxes[1]))
     return None if any(m is None for m in maps) else maps

@@ -7,7 +7,10 @@
 - ``a``: ``[..., K]`` float16 / bfloat16 (tensor-core operands of that type) or float32. float32 runs an
   exact split path (each value = three bfloat16 pieces, per-block partials summed in float64) so a float32
   output meets the bound of docs/accuracy.md; it is several times slower than the 16-bit paths. ``a`` may also be an FP4Tensor
-  (W4A4): it is dequantized to float32 (exact) and takes the float32 path; the output defaults to float16.
+  (W4A4; the output defaults to float16). MXFP4 x MXFP4 with a float16 / bfloat16 output on Hopper runs on the
+  FP8 tensor cores (``cuda_src/fp8_gemm.cu``: both operands as exact e4m3 values, block scales applied per 32 k
+  in float32; the weight is converted once and kept in ``w._cache``); other W4A4 cases, and weights with a row
+  whose live block scales span more than 2^13, dequantize ``a`` to float32 (exact) and take the float32 path.
 - ``w``: an FP4Tensor of logical shape ``[N, K]``. On first use the weight is re-laid out once for the kernel
   and kept in ``w._cache`` (as much memory again as ``w``); ``dequantize`` and the reference still see the
   layout of docs/formats.md.
@@ -253,6 +256,8 @@ def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
             for name in _FPP_TILES:
                 out.append((_SOURCE, _mma_name(T, blk, _FPP, TILES[name])))
         out.append((_SOURCE, _mma_name("float", blk, _FPP, F32_TILE)))
+    if hopper:
+        out += _fp8_instances()
     return out
 
 
@@ -413,7 +418,7 @@ _USE_TMA = True
 def _a_map(a2, rows: int):
     """The TMA map of a2 [M, lda] (K real columns; boxes of 64 columns x `rows` rows, 128-byte swizzle)."""
     M, lda = a2.shape
-    m = rt.tensor_map_16bit(a2.data.ptr, (lda, M), (2 * lda,), (64, rows))
+    m = rt.tensor_map(a2.data.ptr, (lda, M), (2 * lda,), (64, rows))
     if m is None:
         raise RuntimeError(f"fp4_matmul: the driver did not encode a TMA map for a {a2.shape} (ptr "
                            f"{a2.data.ptr:#x}); set vbw_cupy.gemm._USE_TMA = False")
@@ -601,6 +606,9 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
         rt.check_same_device(a=a, w=w.data, **({} if bias is None else {"bias": bias}))
     with dev:
         if a_fp4:
+            out = _w4a4_fp8(a, w, bias, activation, out_dtype, M, N) if _config is None else None
+            if out is not None:
+                return out.reshape(a_shape[:-1] + (N,))
             from .fp4 import dequantize
             a2 = dequantize(a, np.float32).reshape(M, K)
         else:
@@ -626,6 +634,79 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
             fast.put(_fast_key(a, bias_in, activation, None if out_dtype_arg is None else out_dtype_arg),
                      (plan, out.shape, out.dtype, dev.id))
         return out
+
+
+# ------------------------------------------------------------------------ W4A4 MXFP4 on FP8 tensor cores
+_FP8_SOURCE = "fp8_gemm.cu"
+_FP8_NS = "vbw_fp8gemm::"
+_FP8_BN, _FP8_STAGES = 128, 5
+_FP8_SMEM = _FP8_STAGES * (128 + _FP8_BN) * 128 + 1024 + 16 * _FP8_STAGES
+# MXFP4 x MXFP4 on sm_90 runs fp8_gemm.cu (False: the float32 path, for A/B runs)
+_W4A4_FP8 = True
+_NULL = np.uint64(0)
+
+
+def _fp8_instances() -> list[tuple[str, str]]:
+    return [(_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3<true>"), (_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3<false>"),
+            (_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{_FP8_BN}, {_FP8_STAGES}>")]
+
+
+def _mx_to_e4m3(t, rows: int, rebase: bool):
+    """An MXFP4 FP4Tensor viewed as [rows, K] -> its e4m3 bytes [rows, 32 * blocks], with `rebase` also the
+    float32 row scales and the per-row flags of rows that do not fit (cuda_src/fp8_gemm.cu, mx_to_e4m3)."""
+    cp = rt.cupy
+    nb = t.scales.shape[-1]
+    data = t.data.reshape(rows, nb * 16)
+    if not data.flags.c_contiguous or data.data.ptr % 16:
+        data = data.copy()
+    scales = rt.ensure_contiguous(t.scales.reshape(rows, nb))
+    q = cp.empty((rows, nb * 32), dtype=cp.uint8)
+    rs = cp.empty(rows, dtype=cp.float32) if rebase else None
+    bad = cp.empty(rows, dtype=cp.int32) if rebase else None
+    rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3<{'true' if rebase else 'false'}>"), (rows,),
+              (256,), (data, scales, np.int32(nb), q, _NULL if rs is None else rs, _NULL if bad is None else bad))
+    return q, rs, bad, scales
+
+
+def _fp8_weight(w, N: int):
+    """w's rows as re-based e4m3 bytes and their float32 scales (times the tensor scale), built once and kept
+    in w._cache; None when a row does not fit (one host sync, on first use)."""
+    hit = w._cache.get("fp8_v1")
+    if hit is None:
+        q, rs, bad, _ = _mx_to_e4m3(w, N, True)
+        hit = (q, rs * np.float32(w.global_scale)) if not bool(bad.any()) else False
+        w._cache["fp8_v1"] = hit
+    return hit or None
+
+
+def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
+    """out [M, N] for MXFP4 a and w on Hopper's FP8 tensor cores; None where that path does not apply. A
+    float32 output keeps the exact float32 path: the tensor core's sums of 32 products are not rounded to
+    float32 (its error, ~1e-5, is within the float16 / bfloat16 bounds only)."""
+    from ._device import device_arch
+    if not (_W4A4_FP8 and a.format == "mxfp4" and w.format == "mxfp4" and np.dtype(out_dtype).name != "float32"
+            and device_arch() == 90 and rt.have_tensor_maps()):
+        return None
+    wq = _fp8_weight(w, N)
+    if wq is None:
+        return None
+    w8, w_scale = wq
+    bias = None if bias is None else rt.ensure_contiguous(bias)
+    a8, _, _, a_scales = _mx_to_e4m3(a, M, False)
+    kp = w8.shape[1]
+    tm_a = rt.tensor_map(a8.data.ptr, (kp, M), (kp,), (128, 128), elem_bytes=1)
+    tm_w = rt.tensor_map(w8.data.ptr, (kp, N), (kp,), (128, _FP8_BN), elem_bytes=1)
+    if tm_a is None or tm_w is None:
+        return None
+    if out is None:
+        out = rt.cupy.empty((M, N), dtype=out_dtype)
+    bias_kind = 0 if bias is None else _BIAS_KIND[bias.dtype.name]
+    flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
+    tiles = rt.cdiv(M, 128) * rt.cdiv(N, _FP8_BN)
+    rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{_FP8_BN}, {_FP8_STAGES}>"), (tiles,), (384,),
+              (tm_a, tm_w, a_scales, w_scale, _NULL if bias is None else bias, out, np.int32(M), np.int32(N),
+               np.int32(kp // 32), np.int32(flags)), shared_mem=_FP8_SMEM)
+    return out
 
 
 # --------------------------------------------------------------------------------------------- selftest

@@ -1,0 +1,233 @@
+// fp8_gemm.cu: W4A4 MXFP4 GEMM on Hopper's FP8 tensor cores (issue 17, the "virtual Blackwell" path).
+//
+//   out[m, n] = act( sum_k a[m, k] * w[n, k] + bias[n] )        a [M, K] and w [N, K] MXFP4 (E2M1, E8M0 per 32 k)
+//
+// Exact scheme. Every E2M1 value is exact in FP8 e4m3, so both operands go to the tensor cores as e4m3 bytes:
+//   weights (once, mx_to_e4m3<true>, cached by gemm.py): row n's values become e2m1 * 2^(e_b - s_n), e_b the
+//     block's exponent and s_n = max_b e_b - 6, exact in e4m3 while every nonzero block of the row lies within
+//     13 binades of its largest (the row is flagged otherwise and gemm.py keeps the float32 path); the factor
+//     2^s_n (times the tensor scale) is applied in the epilogue.
+//   activations (per call, mx_to_e4m3<false>): bare e2m1 values; their block scales stay apart. Each k32 step's
+//     wgmma writes a fresh fp32 partial over one MXFP4 block, which is multiplied by the token's block scale and
+//     added to the fp32 accumulator: products by powers of two, exact; one FFMA per accumulator per 32 k.
+//   So the only roundings are the tensor core's within a 32-product partial and the fp32 additions.
+// Layout: A8 [M, Kp], W8 [N, Kp] e4m3 bytes, k contiguous (Kp = 32 * blocks), loaded by TMA as 128-byte swizzled
+//   rows of 128 k (one k-tile = 4 blocks), zero-filled past M, N and Kp; a_scales [M, blocks] E8M0 as in the
+//   FP4Tensor; w_scale [N] float32.
+// Tiling: fp8_gemm_mx<BN, STAGES>: CTA = 128 tokens x BN weight rows, 3 warpgroups. Warpgroup 0 is the producer
+//   (one thread issues both TMA boxes of a k-tile into a STAGES ring: a full and an empty mbarrier per buffer),
+//   warpgroups 1 and 2 the consumers (64 tokens each): per block j of the tile, wgmma m64nBNk32 from shared
+//   memory into one of two partial register sets (so block j + 1 runs while block j is scaled in), then the
+//   buffer is released. setmaxnreg moves registers from the producer to the consumers. One CTA per tile, 1-D
+//   grid, tiles in groups of 8 token tiles.
+// History: v1 (this file).
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include "mma.cuh"
+#include "fp4.cuh"
+#include "wgmma.cuh"
+#include "gemm_epilogue.cuh"
+
+namespace vbw_fp8gemm {
+
+using vbw::u32;
+using vbw::u64;
+typedef unsigned char u8;
+
+// The e4m3 code of E2M1 code c (sign in bit 3) times 2^d, d in [-7, 6]: exact (magnitudes 1 or 1.5 times 2^q
+// with q in [-8, 8]; q < -6 are e4m3 subnormals, units of 2^-9).
+__device__ __forceinline__ u32 e2m1_to_e4m3(u32 c, int d) {
+  const u32 mag = c & 7u, sign = (c & 8u) << 4;
+  if (mag == 0u) return sign;
+  const int p = mag == 1u ? -1 : (int)(mag >> 1) - 1;  // 0.5 = 1 x 2^-1; mag 2..7 = (1 + (mag & 1) / 2) x 2^(mag/2 - 1)
+  const u32 m = mag == 1u ? 0u : (mag & 1u);
+  const int q = p + d;
+  if (q >= -6) return sign | ((u32)(q + 7) << 3) | (m << 2);
+  return sign | ((2u + m) << (q + 8));
+}
+
+// One CTA (256 threads) per row r of an MXFP4 tensor: data [R, nb * 16] (element 2i in the low nibble of byte i),
+// scales [R, nb] E8M0 -> q [R, nb * 32] e4m3. REBASE: q = e2m1 * 2^(e_b - s_r), row_scale[r] = 2^s_r and
+// bad[r] = 1 when a nonzero block lies more than 13 binades below the row's largest or a block has the NaN scale
+// code (an all-zero row gets s_r = 0). Otherwise q = e2m1 (row_scale and bad unused).
+template <bool REBASE>
+__global__ void __launch_bounds__(256) mx_to_e4m3(const u8* __restrict__ data, const u8* __restrict__ scales, int nb,
+                                                  u8* __restrict__ q, float* __restrict__ row_scale,
+                                                  int* __restrict__ bad) {
+  const int r = blockIdx.x;
+  const u8* d = data + (size_t)r * nb * 16;
+  const u8* s = scales + (size_t)r * nb;
+  u8* o = q + (size_t)r * nb * 32;
+  int shift = 0;
+  if (REBASE) {
+    __shared__ int emax, emin, nanb;
+    if (threadIdx.x == 0) {
+      emax = -1000;
+      emin = 1000;
+      nanb = 0;
+    }
+    __syncthreads();
+    int lmax = -1000, lmin = 1000, lnan = 0;
+    for (int b = threadIdx.x; b < nb; b += 256) {
+      const uint4 v = *reinterpret_cast<const uint4*>(d + (size_t)b * 16);
+      const int code = s[b];
+      if (code == 255) {
+        lnan = 1;
+      } else if (((v.x | v.y | v.z | v.w) & 0x77777777u) != 0u) {
+        lmax = max(lmax, code - 127);
+        lmin = min(lmin, code - 127);
+      }
+    }
+#pragma unroll
+    for (int o2 = 16; o2 > 0; o2 >>= 1) {
+      lmax = max(lmax, __shfl_xor_sync(0xffffffffu, lmax, o2));
+      lmin = min(lmin, __shfl_xor_sync(0xffffffffu, lmin, o2));
+      lnan |= __shfl_xor_sync(0xffffffffu, lnan, o2);
+    }
+    if ((threadIdx.x & 31) == 0) {
+      atomicMax(&emax, lmax);
+      atomicMin(&emin, lmin);
+      atomicOr(&nanb, lnan);
+    }
+    __syncthreads();
+    shift = emax == -1000 ? 0 : emax - 6;
+    if (threadIdx.x == 0) {
+      row_scale[r] = ldexpf(1.f, shift);
+      bad[r] = (nanb || (emax != -1000 && emin < emax - 13)) ? 1 : 0;
+    }
+  }
+  for (int b = threadIdx.x; b < nb; b += 256) {
+    const uint4 v = *reinterpret_cast<const uint4*>(d + (size_t)b * 16);
+    const int dd = REBASE ? min(6, max(-7, (int)s[b] - 127 - shift)) : 0;  // clamped: a flagged row's values are unused
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+    u32 packed[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // the 4 nibbles of bytes 2h, 2h + 1 of word i -> one word of 4 e4m3 bytes
+        const u32 x = w[i] >> (16 * h);
+        packed[2 * i + h] = e2m1_to_e4m3(x & 15u, dd) | (e2m1_to_e4m3((x >> 4) & 15u, dd) << 8) |
+                            (e2m1_to_e4m3((x >> 8) & 15u, dd) << 16) | (e2m1_to_e4m3((x >> 12) & 15u, dd) << 24);
+      }
+    uint4* dst = reinterpret_cast<uint4*>(o + (size_t)b * 32);
+    dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+  }
+}
+
+// Token row m's scale of block b as a float (0 past the blocks, so zero-filled k multiplies to 0).
+__device__ __forceinline__ float block_scale(const u8* row, int b, int nb) {
+  return b < nb ? vbw::e8m0_decode(row[b]) : 0.f;
+}
+
+template <int BN, int STAGES>
+__global__ void __launch_bounds__(384, 1)
+fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ vbw::TmaDesc tm_w,
+            const u8* __restrict__ a_scales, const float* __restrict__ w_scale, const void* __restrict__ bias,
+            void* __restrict__ out, int M, int N, int nb, int flags) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(BN == 128, "BN: three register sets of BN / 2 accumulators (BN = 256 would not fit)");
+  constexpr int BM = 128, A_BYTES = BM * 128, W_BYTES = BN * 128, STAGE = A_BYTES + W_BYTES, NACC = BN / 2;
+  extern __shared__ __align__(128) u8 smem_raw[];
+  const u32 raw = vbw::smem_addr(smem_raw);
+  const u32 sbase = (raw + 1023u) & ~1023u;  // 128-byte swizzle atoms are 1024-byte aligned
+  const u32 full0 = sbase + STAGES * STAGE, empty0 = full0 + 8 * STAGES;
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const int nkt = (nb + 3) / 4;
+  // Tiles in groups of 8 token tiles (the Triton order): the CTAs running at once share few A and W tiles in L2.
+  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN, per_group = 8 * tiles_n;
+  const int grp = blockIdx.x / per_group, first_m = grp * 8, in_grp = blockIdx.x - grp * per_group;
+  const int gm = min(tiles_m - first_m, 8);
+  const int m0 = (first_m + in_grp % gm) * BM, n0 = (in_grp / gm) * BN;
+  if (tid == 0) {
+    for (int b = 0; b < STAGES; ++b) {
+      vbw::mbar_init(full0 + 8 * b, 1);
+      vbw::mbar_init(empty0 + 8 * b, 256);  // every consumer thread releases
+    }
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (tid == 0) {
+      for (int kt = 0; kt < nkt; ++kt) {
+        const int b = kt % STAGES;
+        if (kt >= STAGES) vbw::mbar_wait(empty0 + 8 * b, (u32)(kt / STAGES - 1) & 1u);
+        vbw::mbar_expect_tx(full0 + 8 * b, STAGE);
+        vbw::tma_load_2d(sbase + b * STAGE, &tm_a, full0 + 8 * b, kt * 128, m0);
+        vbw::tma_load_2d(sbase + b * STAGE + A_BYTES, &tm_w, full0 + 8 * b, kt * 128, n0);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int cw = wg - 1, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+  const int mr0 = m0 + cw * 64 + warp * 16 + g, mr1 = mr0 + 8;  // this thread's two token rows
+  const u8* sc0 = a_scales + (size_t)min(mr0, M - 1) * nb;
+  const u8* sc1 = a_scales + (size_t)min(mr1, M - 1) * nb;
+
+  float acc[NACC], pa[NACC], pb[NACC];
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+  auto scale_in = [&](const float (&p)[NACC], float f0, float f1) {
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[i] = fmaf(p[i], (i & 2) ? f1 : f0, acc[i]);
+  };
+
+  for (int kt = 0; kt < nkt; ++kt) {
+    const int b = kt % STAGES;
+    float f0[4], f1[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      f0[j] = block_scale(sc0, kt * 4 + j, nb);
+      f1[j] = block_scale(sc1, kt * 4 + j, nb);
+    }
+    vbw::mbar_wait(full0 + 8 * b, (u32)(kt / STAGES) & 1u);
+    const u32 sa = sbase + b * STAGE + cw * 64 * 128, sw = sbase + b * STAGE + A_BYTES;
+    // blocks 0, 1 in flight; then scale in 0 and issue 2, scale in 1 and issue 3, scale in 2, 3
+    vbw::wg_fence();
+    vbw::WgmmaSS8<BN>::run(pa, vbw::desc_sw128_k(sa), vbw::desc_sw128_k(sw), 0);
+    vbw::wg_commit();
+    vbw::WgmmaSS8<BN>::run(pb, vbw::desc_sw128_k(sa + 32), vbw::desc_sw128_k(sw + 32), 0);
+    vbw::wg_commit();
+    vbw::wg_wait<1>();
+    vbw::keep_acc(pa);
+    scale_in(pa, f0[0], f1[0]);
+    vbw::wg_fence();
+    vbw::WgmmaSS8<BN>::run(pa, vbw::desc_sw128_k(sa + 64), vbw::desc_sw128_k(sw + 64), 0);
+    vbw::wg_commit();
+    vbw::wg_wait<1>();
+    vbw::keep_acc(pb);
+    scale_in(pb, f0[1], f1[1]);
+    vbw::wg_fence();
+    vbw::WgmmaSS8<BN>::run(pb, vbw::desc_sw128_k(sa + 96), vbw::desc_sw128_k(sw + 96), 0);
+    vbw::wg_commit();
+    vbw::wg_wait<1>();
+    vbw::keep_acc(pa);
+    scale_in(pa, f0[2], f1[2]);
+    vbw::wg_wait<0>();
+    vbw::keep_acc(pb);
+    vbw::mbar_arrive(empty0 + 8 * b);  // this thread is done with the buffer
+    scale_in(pb, f0[3], f1[3]);
+  }
+
+  // Epilogue: accumulator acc[4i + e] is token row (e < 2 ? mr0 : mr1), weight row n0 + 8i + 2t + (e & 1).
+#pragma unroll 1
+  for (int i = 0; i < BN / 8; ++i) {
+    const int n = n0 + 8 * i + 2 * t;
+    if (n >= N) break;
+    const float s0 = w_scale[n], s1 = n + 1 < N ? w_scale[n + 1] : 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = h ? mr1 : mr0;
+      if (m >= M) continue;
+      vbw_gemm::store_out(out, bias, flags, n, m, N, acc[4 * i + 2 * h] * s0);
+      if (n + 1 < N) vbw_gemm::store_out(out, bias, flags, n + 1, m, N, acc[4 * i + 2 * h + 1] * s1);
+    }
+  }
+#else
+  __trap();  // Hopper only: gemm.py never launches it elsewhere
+#endif
+}
+
+}  // namespace vbw_fp8gemm

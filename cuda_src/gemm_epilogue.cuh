@@ -1,0 +1,37 @@
+// gemm_epilogue.cuh: the GEMM kernels' shared epilogue (fp4_gemm.cu, fp8_gemm.cu): bias, activation and the
+// output conversion of one element, selected at run time by a flags word that gemm.py builds.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace vbw_gemm {
+
+// flags: bits 0-2 activation (0 none, 1 relu, 2 gelu erf, 3 gelu tanh, 4 silu); bits 4-5 bias (0 none,
+// 1 f16, 2 bf16, 3 f32); bits 8-9 output (0 f16, 1 bf16, 2 f32).
+__device__ __forceinline__ float bias_at(const void* bias, int flags, int n) {
+  const int bk = (flags >> 4) & 3;
+  if (bk == 1) return __half2float(static_cast<const __half*>(bias)[n]);
+  if (bk == 2) return __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[n]);
+  if (bk == 3) return static_cast<const float*>(bias)[n];
+  return 0.f;
+}
+__device__ __forceinline__ float activate(float v, int flags) {
+  switch (flags & 7) {
+    case 1: return v < 0.f ? 0.f : v;  // NaN stays NaN
+    case 2: return 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
+    case 3: return 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    case 4: return v / (1.f + expf(-v));
+    default: return v;
+  }
+}
+__device__ __noinline__ void store_out(void* out, const void* bias, int flags, int n, int m, int N, float v) {
+  v = activate(v + bias_at(bias, flags, n), flags);
+  const size_t idx = (size_t)m * (size_t)N + (size_t)n;
+  const int ok = (flags >> 8) & 3;
+  if (ok == 0) static_cast<__half*>(out)[idx] = __float2half_rn(v);
+  else if (ok == 1) static_cast<__nv_bfloat16*>(out)[idx] = __float2bfloat16_rn(v);
+  else static_cast<float*>(out)[idx] = v;
+}
+
+}  // namespace vbw_gemm
