@@ -14,12 +14,13 @@
 // Layout: A8 [M, Kp], W8 [N, Kp] e4m3 bytes, k contiguous (Kp = 32 * blocks), loaded by TMA as 128-byte swizzled
 //   rows of 128 k (one k-tile = 4 blocks), zero-filled past M, N and Kp; a_scales [M, blocks] E8M0 as in the
 //   FP4Tensor; w_scale [N] float32.
-// Tiling: fp8_gemm_mx<BN, STAGES>: CTA = 128 tokens x BN weight rows, 3 warpgroups. Warpgroup 0 is the producer
-//   (one thread issues both TMA boxes of a k-tile into a STAGES ring: a full and an empty mbarrier per buffer),
-//   warpgroups 1 and 2 the consumers (64 tokens each): per block j of the tile, wgmma m64nBNk32 from shared
-//   memory into one of two partial register sets (so block j + 1 runs while block j is scaled in), then the
-//   buffer is released. setmaxnreg moves registers from the producer to the consumers. One CTA per tile, 1-D
-//   grid, tiles in groups of 8 token tiles.
+// Tiling: fp8_gemm_mx<BN, STAGES>: CTA = 128 tokens x BN weight rows, two warpgroups of 64 tokens each and
+//   nothing else (256 threads: 255 registers a thread; with a producer warp the register file is shared as
+//   if by 384 threads, 168 each, and the accumulators plus two partial sets, 192, spill). Thread 0 issues both
+//   TMA boxes of a k-tile into a STAGES ring (a full and an empty mbarrier per buffer), refilling the buffer of
+//   tile kt - 1 at the start of iteration kt. Per block j of a tile a warpgroup runs wgmma m64nBNk32 from
+//   shared memory into one of its two partial sets (block j + 1 runs while block j is scaled in), then
+//   releases the buffer. One CTA per tile, 1-D grid, tiles in groups of 8 token tiles.
 // History: v1 (this file).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -120,8 +121,15 @@ __device__ __forceinline__ float block_scale(const u8* row, int b, int nb) {
   return b < nb ? vbw::e8m0_decode(row[b]) : 0.f;
 }
 
+// acc += p * (the token row's block scale): rows g (f0) and g + 8 (f1) of the wgmma accumulator layout.
+template <int NACC>
+__device__ __forceinline__ void scale_in(float (&acc)[NACC], const float (&p)[NACC], float f0, float f1) {
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) acc[i] = fmaf(p[i], (i & 2) ? f1 : f0, acc[i]);
+}
+
 template <int BN, int STAGES>
-__global__ void __launch_bounds__(384, 1)
+__global__ void __launch_bounds__(256, 1)
 fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ vbw::TmaDesc tm_w,
             const u8* __restrict__ a_scales, const float* __restrict__ w_scale, const void* __restrict__ bias,
             void* __restrict__ out, int M, int N, int nb, int flags) {
@@ -147,21 +155,17 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   }
   __syncthreads();
 
-  if (wg == 0) {  // producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (tid == 0) {
-      for (int kt = 0; kt < nkt; ++kt) {
-        const int b = kt % STAGES;
-        if (kt >= STAGES) vbw::mbar_wait(empty0 + 8 * b, (u32)(kt / STAGES - 1) & 1u);
-        vbw::mbar_expect_tx(full0 + 8 * b, STAGE);
-        vbw::tma_load_2d(sbase + b * STAGE, &tm_a, full0 + 8 * b, kt * 128, m0);
-        vbw::tma_load_2d(sbase + b * STAGE + A_BYTES, &tm_w, full0 + 8 * b, kt * 128, n0);
-      }
-    }
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int cw = wg - 1, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+  // Thread 0 also loads: tiles 0 .. STAGES - 1 now, then at the start of iteration kt the tile kt - 1 + STAGES
+  // into the buffer tile kt - 1 used, once both warpgroups have released it.
+  auto load = [&](int kt) {
+    const int b = kt % STAGES;
+    vbw::mbar_expect_tx(full0 + 8 * b, STAGE);
+    vbw::tma_load_2d(sbase + b * STAGE, &tm_a, full0 + 8 * b, kt * 128, m0);
+    vbw::tma_load_2d(sbase + b * STAGE + A_BYTES, &tm_w, full0 + 8 * b, kt * 128, n0);
+  };
+  if (tid == 0)
+    for (int kt = 0; kt < min(STAGES, nkt); ++kt) load(kt);
+  const int cw = wg, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
   const int mr0 = m0 + cw * 64 + warp * 16 + g, mr1 = mr0 + 8;  // this thread's two token rows
   const u8* sc0 = a_scales + (size_t)min(mr0, M - 1) * nb;
   const u8* sc1 = a_scales + (size_t)min(mr1, M - 1) * nb;
@@ -169,13 +173,13 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   float acc[NACC], pa[NACC], pb[NACC];
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
-  auto scale_in = [&](const float (&p)[NACC], float f0, float f1) {
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) acc[i] = fmaf(p[i], (i & 2) ? f1 : f0, acc[i]);
-  };
 
   for (int kt = 0; kt < nkt; ++kt) {
     const int b = kt % STAGES;
+    if (tid == 0 && kt >= 1 && kt - 1 + STAGES < nkt) {
+      vbw::mbar_wait(empty0 + 8 * ((kt - 1) % STAGES), (u32)((kt - 1) / STAGES) & 1u);
+      load(kt - 1 + STAGES);
+    }
     float f0[4], f1[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -192,30 +196,30 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     vbw::wg_commit();
     vbw::wg_wait<1>();
     vbw::keep_acc(pa);
-    scale_in(pa, f0[0], f1[0]);
+    scale_in<NACC>(acc, pa, f0[0], f1[0]);
     vbw::wg_fence();
     vbw::WgmmaSS8<BN>::run(pa, vbw::desc_sw128_k(sa + 64), vbw::desc_sw128_k(sw + 64), 0);
     vbw::wg_commit();
     vbw::wg_wait<1>();
     vbw::keep_acc(pb);
-    scale_in(pb, f0[1], f1[1]);
+    scale_in<NACC>(acc, pb, f0[1], f1[1]);
     vbw::wg_fence();
     vbw::WgmmaSS8<BN>::run(pb, vbw::desc_sw128_k(sa + 96), vbw::desc_sw128_k(sw + 96), 0);
     vbw::wg_commit();
     vbw::wg_wait<1>();
     vbw::keep_acc(pa);
-    scale_in(pa, f0[2], f1[2]);
+    scale_in<NACC>(acc, pa, f0[2], f1[2]);
     vbw::wg_wait<0>();
     vbw::keep_acc(pb);
     vbw::mbar_arrive(empty0 + 8 * b);  // this thread is done with the buffer
-    scale_in(pb, f0[3], f1[3]);
+    scale_in<NACC>(acc, pb, f0[3], f1[3]);
   }
 
   // Epilogue: accumulator acc[4i + e] is token row (e < 2 ? mr0 : mr1), weight row n0 + 8i + 2t + (e & 1).
-#pragma unroll 1
+#pragma unroll  // (whole: a run-time index would put acc in local memory)
   for (int i = 0; i < BN / 8; ++i) {
     const int n = n0 + 8 * i + 2 * t;
-    if (n >= N) break;
+    if (n >= N) continue;
     const float s0 = w_scale[n], s1 = n + 1 < N ? w_scale[n + 1] : 0.f;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

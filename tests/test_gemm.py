@@ -448,11 +448,11 @@ def test_mx_to_e4m3_is_exact(rebase):
 @pytest.mark.parametrize("out_dtype", [np.float16, ml_dtypes.bfloat16])
 def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype):
     """MXFP4 x MXFP4 (FP8 tensor cores on Hopper) within the bound, every output written (NaN-filled first),
-    with bias and SiLU; activation blocks whose scales span 2^-60..2^60 in one row (applied in float32)."""
+    with bias and SiLU; activation blocks whose scales span 2^-24..2^4 in one row (applied in float32)."""
     cp = rt.require_cupy()
     rs = cp.random.RandomState(M + N + K)
     a = rs.standard_normal((M, K), dtype=cp.float32)
-    a *= cp.exp2(cp.asarray(np.random.default_rng(K).integers(-60, 61, size=(1, -(-K // 32)))).astype(cp.float32)
+    a *= cp.exp2(cp.asarray(np.random.default_rng(K).integers(-24, 5, size=(1, -(-K // 32)))).astype(cp.float32)
                  ).repeat(32, axis=1)[:, :K]
     qa = quantize(a, "mxfp4")
     w = quantize(rs.standard_normal((N, K), dtype=cp.float32), "mxfp4")

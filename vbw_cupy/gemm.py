@@ -703,7 +703,7 @@ def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
     bias_kind = 0 if bias is None else _BIAS_KIND[bias.dtype.name]
     flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
     tiles = rt.cdiv(M, 128) * rt.cdiv(N, _FP8_BN)
-    rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{_FP8_BN}, {_FP8_STAGES}>"), (tiles,), (384,),
+    rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{_FP8_BN}, {_FP8_STAGES}>"), (tiles,), (256,),
               (tm_a, tm_w, a_scales, w_scale, _NULL if bias is None else bias, out, np.int32(M), np.int32(N),
                np.int32(kp // 32), np.int32(flags)), shared_mem=_FP8_SMEM)
     return out
