@@ -47,81 +47,121 @@ __device__ __forceinline__ u32 e2m1_to_e4m3(u32 c, int d) {
   return sign | ((2u + m) << (q + 8));
 }
 
-// One CTA (256 threads) per row r of an MXFP4 tensor: data [R, nb * 16] (element 2i in the low nibble of byte i),
-// scales [R, nb] E8M0 -> q [R, nb * 32] e4m3. REBASE: q = e2m1 * 2^(e_b - s_r), row_scale[r] = 2^s_r and
-// bad[r] = 1 when a nonzero block lies more than 13 binades below the row's largest or a block has the NaN scale
-// code (an all-zero row gets s_r = 0). Otherwise q = e2m1 (row_scale and bad unused).
-template <bool REBASE>
-__global__ void __launch_bounds__(256) mx_to_e4m3(const u8* __restrict__ data, const u8* __restrict__ scales, int nb,
-                                                  u8* __restrict__ q, float* __restrict__ row_scale,
-                                                  int* __restrict__ bad) {
+// One block's 16 bytes of E2M1 pairs -> its 32 e4m3 bytes at dst (16-byte aligned), each value times 2^d.
+__device__ __forceinline__ void store_block(u8* dst, uint4 v, int d) {
+  const u32 w[4] = {v.x, v.y, v.z, v.w};
+  u32 packed[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the 4 nibbles of bytes 2h, 2h + 1 of word i -> one word of 4 e4m3 bytes
+      const u32 x = w[i] >> (16 * h);
+      packed[2 * i + h] = e2m1_to_e4m3(x & 15u, d) | (e2m1_to_e4m3((x >> 4) & 15u, d) << 8) |
+                          (e2m1_to_e4m3((x >> 8) & 15u, d) << 16) | (e2m1_to_e4m3((x >> 12) & 15u, d) << 24);
+    }
+  uint4* o = reinterpret_cast<uint4*>(dst);
+  o[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  o[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+}
+
+// The weights, once: one CTA (256 threads) per row r of an MXFP4 tensor, data [R, nb * 16] (element 2i in the low
+// nibble of byte i), scales [R, nb] E8M0 -> q [R, nb * 32] e4m3 = e2m1 * 2^(e_b - s_r), row_scale[r] = 2^s_r with
+// s_r = max e_b - 6 over the nonzero blocks (0 for an all-zero row), bad[r] = 1 when a nonzero block lies more
+// than 13 binades below the largest or a block has the NaN scale code (gemm.py then keeps the float32 path).
+__global__ void __launch_bounds__(256) mx_to_e4m3_rows(const u8* __restrict__ data, const u8* __restrict__ scales,
+                                                       int nb, u8* __restrict__ q, float* __restrict__ row_scale,
+                                                       int* __restrict__ bad) {
   const int r = blockIdx.x;
   const u8* d = data + (size_t)r * nb * 16;
   const u8* s = scales + (size_t)r * nb;
   u8* o = q + (size_t)r * nb * 32;
-  int shift = 0;
-  if (REBASE) {
-    __shared__ int emax, emin, nanb;
-    if (threadIdx.x == 0) {
-      emax = -1000;
-      emin = 1000;
-      nanb = 0;
+  __shared__ int emax, emin, nanb;
+  if (threadIdx.x == 0) {
+    emax = -1000;
+    emin = 1000;
+    nanb = 0;
+  }
+  __syncthreads();
+  int lmax = -1000, lmin = 1000, lnan = 0;
+  for (int b = threadIdx.x; b < nb; b += 256) {
+    const uint4 v = *reinterpret_cast<const uint4*>(d + (size_t)b * 16);
+    const int code = s[b];
+    if (code == 255) {
+      lnan = 1;
+    } else if (((v.x | v.y | v.z | v.w) & 0x77777777u) != 0u) {
+      lmax = max(lmax, code - 127);
+      lmin = min(lmin, code - 127);
     }
-    __syncthreads();
-    int lmax = -1000, lmin = 1000, lnan = 0;
-    for (int b = threadIdx.x; b < nb; b += 256) {
-      const uint4 v = *reinterpret_cast<const uint4*>(d + (size_t)b * 16);
-      const int code = s[b];
-      if (code == 255) {
-        lnan = 1;
-      } else if (((v.x | v.y | v.z | v.w) & 0x77777777u) != 0u) {
-        lmax = max(lmax, code - 127);
-        lmin = min(lmin, code - 127);
-      }
-    }
+  }
 #pragma unroll
-    for (int o2 = 16; o2 > 0; o2 >>= 1) {
-      lmax = max(lmax, __shfl_xor_sync(0xffffffffu, lmax, o2));
-      lmin = min(lmin, __shfl_xor_sync(0xffffffffu, lmin, o2));
-      lnan |= __shfl_xor_sync(0xffffffffu, lnan, o2);
-    }
-    if ((threadIdx.x & 31) == 0) {
-      atomicMax(&emax, lmax);
-      atomicMin(&emin, lmin);
-      atomicOr(&nanb, lnan);
-    }
-    __syncthreads();
-    shift = emax == -1000 ? 0 : emax - 6;
-    if (threadIdx.x == 0) {
-      row_scale[r] = ldexpf(1.f, shift);
-      bad[r] = (nanb || (emax != -1000 && emin < emax - 13)) ? 1 : 0;
-    }
+  for (int o2 = 16; o2 > 0; o2 >>= 1) {
+    lmax = max(lmax, __shfl_xor_sync(0xffffffffu, lmax, o2));
+    lmin = min(lmin, __shfl_xor_sync(0xffffffffu, lmin, o2));
+    lnan |= __shfl_xor_sync(0xffffffffu, lnan, o2);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomicMax(&emax, lmax);
+    atomicMin(&emin, lmin);
+    atomicOr(&nanb, lnan);
+  }
+  __syncthreads();
+  const int shift = emax == -1000 ? 0 : emax - 6;
+  if (threadIdx.x == 0) {
+    row_scale[r] = ldexpf(1.f, shift);
+    bad[r] = (nanb || (emax != -1000 && emin < emax - 13)) ? 1 : 0;
   }
   for (int b = threadIdx.x; b < nb; b += 256) {
     const uint4 v = *reinterpret_cast<const uint4*>(d + (size_t)b * 16);
-    const int dd = REBASE ? min(6, max(-7, (int)s[b] - 127 - shift)) : 0;  // clamped: a flagged row's values are unused
-    const u32 w[4] = {v.x, v.y, v.z, v.w};
-    u32 packed[8];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {  // the 4 nibbles of bytes 2h, 2h + 1 of word i -> one word of 4 e4m3 bytes
-        const u32 x = w[i] >> (16 * h);
-        packed[2 * i + h] = e2m1_to_e4m3(x & 15u, dd) | (e2m1_to_e4m3((x >> 4) & 15u, dd) << 8) |
-                            (e2m1_to_e4m3((x >> 8) & 15u, dd) << 16) | (e2m1_to_e4m3((x >> 12) & 15u, dd) << 24);
-      }
-    uint4* dst = reinterpret_cast<uint4*>(o + (size_t)b * 32);
-    dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    const int dd = min(6, max(-7, (int)s[b] - 127 - shift));  // clamped: a flagged row's values are unused
+    store_block(o + (size_t)b * 32, v, dd);
   }
 }
 
-// Token row m's scale of block b as a float (0 past the blocks, so zero-filled k multiplies to 0).
-__device__ __forceinline__ float block_scale(const u8* row, int b, int nb) {
-  return b < nb ? vbw::e8m0_decode(row[b]) : 0.f;
+// The activations, one thread per 128-k chunk (4 blocks) of row r (one CTA of 64 threads per row): a chunk whose
+// nonzero blocks lie within 13 binades of its largest is re-based to s = max e_b - 6 (q = e2m1 * 2^(e_b - s),
+// mult[r, b] = 2^s for its blocks); any other chunk (wider, or a NaN scale code) keeps bare e2m1 values with
+// mult[r, b] = the block's own scale, and row_bad[r] = 1: the GEMM then applies scales per 32 k in that row's
+// tile. mult [R, nb] float32, row_bad [R] int32.
+__global__ void __launch_bounds__(64) mx_to_e4m3_chunks(const u8* __restrict__ data, const u8* __restrict__ scales,
+                                                        int nb, u8* __restrict__ q, float* __restrict__ mult,
+                                                        int* __restrict__ row_bad) {
+  const int r = blockIdx.x, nc = (nb + 3) / 4;
+  const u8* d = data + (size_t)r * nb * 16;
+  const u8* s = scales + (size_t)r * nb;
+  u8* o = q + (size_t)r * nb * 32;
+  float* mu = mult + (size_t)r * nb;
+  int bad = 0;
+  for (int c = threadIdx.x; c < nc; c += 64) {
+    const int b0 = 4 * c, n = min(4, nb - b0);
+    uint4 v[4];
+    int code[4], emax = -1000, emin = 1000;
+    bool nan = false;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j >= n) break;
+      v[j] = *reinterpret_cast<const uint4*>(d + (size_t)(b0 + j) * 16);
+      code[j] = s[b0 + j];
+      nan |= code[j] == 255;
+      if (((v[j].x | v[j].y | v[j].z | v[j].w) & 0x77777777u) != 0u) {
+        emax = max(emax, code[j] - 127);
+        emin = min(emin, code[j] - 127);
+      }
+    }
+    const bool fits = !nan && emin >= emax - 13;  // (an all-zero chunk: emin > emax)
+    const int sc = emax == -1000 ? 0 : emax - 6;
+    bad |= !fits;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j >= n) break;
+      store_block(o + (size_t)(b0 + j) * 32, v[j], fits ? min(6, max(-7, code[j] - 127 - sc)) : 0);
+      mu[b0 + j] = fits ? ldexpf(1.f, sc) : vbw::e8m0_decode(code[j]);
+    }
+  }
+  bad = __syncthreads_or(bad);
+  if (threadIdx.x == 0) row_bad[r] = bad;
 }
 
-// acc += p * (the token row's block scale): rows g (f0) and g + 8 (f1) of the wgmma accumulator layout.
+// acc += p * (the token row's multiplier): rows g (f0) and g + 8 (f1) of the wgmma accumulator layout.
 template <int NACC>
 __device__ __forceinline__ void scale_in(float (&acc)[NACC], const float (&p)[NACC], float f0, float f1) {
 #pragma unroll
@@ -131,8 +171,8 @@ __device__ __forceinline__ void scale_in(float (&acc)[NACC], const float (&p)[NA
 template <int BN, int STAGES>
 __global__ void __launch_bounds__(256, 1)
 fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ vbw::TmaDesc tm_w,
-            const u8* __restrict__ a_scales, const float* __restrict__ w_scale, const void* __restrict__ bias,
-            void* __restrict__ out, int M, int N, int nb, int flags) {
+            const float* __restrict__ mult, const int* __restrict__ row_bad, const float* __restrict__ w_scale,
+            const void* __restrict__ bias, void* __restrict__ out, int M, int N, int nb, int flags) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(BN == 128, "BN: three register sets of BN / 2 accumulators (BN = 256 would not fit)");
   constexpr int BM = 128, A_BYTES = BM * 128, W_BYTES = BN * 128, STAGE = A_BYTES + W_BYTES, NACC = BN / 2;
@@ -150,69 +190,112 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   if (tid == 0) {
     for (int b = 0; b < STAGES; ++b) {
       vbw::mbar_init(full0 + 8 * b, 1);
-      vbw::mbar_init(empty0 + 8 * b, 256);  // every consumer thread releases
+      vbw::mbar_init(empty0 + 8 * b, 256);  // every thread releases
     }
   }
-  __syncthreads();
+  // a row of this tile with a chunk that could not be re-based: scales per 32 k (the slow path) for the tile
+  const int slow = __shfl_sync(0xffffffffu, __syncthreads_or(tid < BM && m0 + tid < M && row_bad[m0 + tid] != 0), 0);
 
-  // Thread 0 also loads: tiles 0 .. STAGES - 1 now, then at the start of iteration kt the tile kt - 1 + STAGES
-  // into the buffer tile kt - 1 used, once both warpgroups have released it.
+  // Thread 0 also loads: tiles 0 .. STAGES - 1 first, then tile j + STAGES into tile j's buffer once both
+  // warpgroups have released it (refill(j)).
   auto load = [&](int kt) {
     const int b = kt % STAGES;
     vbw::mbar_expect_tx(full0 + 8 * b, STAGE);
     vbw::tma_load_2d(sbase + b * STAGE, &tm_a, full0 + 8 * b, kt * 128, m0);
     vbw::tma_load_2d(sbase + b * STAGE + A_BYTES, &tm_w, full0 + 8 * b, kt * 128, n0);
   };
+  auto refill = [&](int j) {
+    if (tid == 0 && j + STAGES < nkt) {
+      vbw::mbar_wait(empty0 + 8 * (j % STAGES), (u32)(j / STAGES) & 1u);
+      load(j + STAGES);
+    }
+  };
   if (tid == 0)
     for (int kt = 0; kt < min(STAGES, nkt); ++kt) load(kt);
   const int cw = wg, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
   const int mr0 = m0 + cw * 64 + warp * 16 + g, mr1 = mr0 + 8;  // this thread's two token rows
-  const u8* sc0 = a_scales + (size_t)min(mr0, M - 1) * nb;
-  const u8* sc1 = a_scales + (size_t)min(mr1, M - 1) * nb;
+  const float* mu0 = mult + (size_t)min(mr0, M - 1) * nb;
+  const float* mu1 = mult + (size_t)min(mr1, M - 1) * nb;
+  auto mu = [&](const float* row, int b) { return b < nb ? row[b] : 0.f; };  // 0 past K: the zero-filled tail
 
   float acc[NACC], pa[NACC], pb[NACC];
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
 
-  for (int kt = 0; kt < nkt; ++kt) {
-    const int b = kt % STAGES;
-    if (tid == 0 && kt >= 1 && kt - 1 + STAGES < nkt) {
-      vbw::mbar_wait(empty0 + 8 * ((kt - 1) % STAGES), (u32)((kt - 1) / STAGES) & 1u);
-      load(kt - 1 + STAGES);
-    }
-    float f0[4], f1[4];
+  if (!slow) {
+    // One multiplier per row and k-tile: a tile's 4 wgmmas accumulate into a partial set that is then scaled into
+    // acc. Tiles go in pairs, one set each, so the first one is scaled in while the second one's wgmmas run. (A
+    // pipeline across pairs, each set read while the other's group is still in flight from the previous
+    // iteration, makes ptxas serialize every wgmma.)
+    auto issue = [&](int kt, float (&p)[NACC]) {
+      if (kt >= 2) refill(kt - 2);  // (tile kt - 1 is released only after tile kt's wgmmas are issued)
+      const int b = kt % STAGES;
+      vbw::mbar_wait(full0 + 8 * b, (u32)(kt / STAGES) & 1u);
+      const u32 sa = sbase + b * STAGE + cw * 64 * 128, sw = sbase + b * STAGE + A_BYTES;
+      vbw::wg_fence();
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      f0[j] = block_scale(sc0, kt * 4 + j, nb);
-      f1[j] = block_scale(sc1, kt * 4 + j, nb);
+      for (int j = 0; j < 4; ++j)
+        vbw::WgmmaSS8<BN>::run(p, vbw::desc_sw128_k(sa + 32 * j), vbw::desc_sw128_k(sw + 32 * j), j > 0);
+      vbw::wg_commit();
+    };
+    auto finish = [&](int kt, float (&p)[NACC], float f0, float f1) {  // after the wait for tile kt's group
+      vbw::keep_acc(p);
+      vbw::mbar_arrive(empty0 + 8 * (kt % STAGES));
+      scale_in<NACC>(acc, p, f0, f1);
+    };
+    for (int kt = 0; kt < nkt; kt += 2) {
+      const float fa0 = mu(mu0, 4 * kt), fa1 = mu(mu1, 4 * kt);
+      const float fb0 = mu(mu0, 4 * kt + 4), fb1 = mu(mu1, 4 * kt + 4);
+      issue(kt, pa);
+      if (kt + 1 < nkt) {
+        issue(kt + 1, pb);
+        vbw::wg_wait<1>();
+        finish(kt, pa, fa0, fa1);
+        vbw::wg_wait<0>();
+        finish(kt + 1, pb, fb0, fb1);
+      } else {
+        vbw::wg_wait<0>();
+        finish(kt, pa, fa0, fa1);
+      }
     }
-    vbw::mbar_wait(full0 + 8 * b, (u32)(kt / STAGES) & 1u);
-    const u32 sa = sbase + b * STAGE + cw * 64 * 128, sw = sbase + b * STAGE + A_BYTES;
-    // blocks 0, 1 in flight; then scale in 0 and issue 2, scale in 1 and issue 3, scale in 2, 3
-    vbw::wg_fence();
-    vbw::WgmmaSS8<BN>::run(pa, vbw::desc_sw128_k(sa), vbw::desc_sw128_k(sw), 0);
-    vbw::wg_commit();
-    vbw::WgmmaSS8<BN>::run(pb, vbw::desc_sw128_k(sa + 32), vbw::desc_sw128_k(sw + 32), 0);
-    vbw::wg_commit();
-    vbw::wg_wait<1>();
-    vbw::keep_acc(pa);
-    scale_in<NACC>(acc, pa, f0[0], f1[0]);
-    vbw::wg_fence();
-    vbw::WgmmaSS8<BN>::run(pa, vbw::desc_sw128_k(sa + 64), vbw::desc_sw128_k(sw + 64), 0);
-    vbw::wg_commit();
-    vbw::wg_wait<1>();
-    vbw::keep_acc(pb);
-    scale_in<NACC>(acc, pb, f0[1], f1[1]);
-    vbw::wg_fence();
-    vbw::WgmmaSS8<BN>::run(pb, vbw::desc_sw128_k(sa + 96), vbw::desc_sw128_k(sw + 96), 0);
-    vbw::wg_commit();
-    vbw::wg_wait<1>();
-    vbw::keep_acc(pa);
-    scale_in<NACC>(acc, pa, f0[2], f1[2]);
-    vbw::wg_wait<0>();
-    vbw::keep_acc(pb);
-    vbw::mbar_arrive(empty0 + 8 * b);  // this thread is done with the buffer
-    scale_in<NACC>(acc, pb, f0[3], f1[3]);
+  } else {
+    // Per block: each k32 wgmma writes a fresh partial (two sets: block j + 1 runs while block j is scaled in).
+    for (int kt = 0; kt < nkt; ++kt) {
+      const int b = kt % STAGES;
+      if (kt >= 1) refill(kt - 1);
+      float f0[4], f1[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        f0[j] = mu(mu0, kt * 4 + j);
+        f1[j] = mu(mu1, kt * 4 + j);
+      }
+      vbw::mbar_wait(full0 + 8 * b, (u32)(kt / STAGES) & 1u);
+      const u32 sa = sbase + b * STAGE + cw * 64 * 128, sw = sbase + b * STAGE + A_BYTES;
+      vbw::wg_fence();
+      vbw::WgmmaSS8<BN>::run(pa, vbw::desc_sw128_k(sa), vbw::desc_sw128_k(sw), 0);
+      vbw::wg_commit();
+      vbw::WgmmaSS8<BN>::run(pb, vbw::desc_sw128_k(sa + 32), vbw::desc_sw128_k(sw + 32), 0);
+      vbw::wg_commit();
+      vbw::wg_wait<1>();
+      vbw::keep_acc(pa);
+      scale_in<NACC>(acc, pa, f0[0], f1[0]);
+      vbw::wg_fence();
+      vbw::WgmmaSS8<BN>::run(pa, vbw::desc_sw128_k(sa + 64), vbw::desc_sw128_k(sw + 64), 0);
+      vbw::wg_commit();
+      vbw::wg_wait<1>();
+      vbw::keep_acc(pb);
+      scale_in<NACC>(acc, pb, f0[1], f1[1]);
+      vbw::wg_fence();
+      vbw::WgmmaSS8<BN>::run(pb, vbw::desc_sw128_k(sa + 96), vbw::desc_sw128_k(sw + 96), 0);
+      vbw::wg_commit();
+      vbw::wg_wait<1>();
+      vbw::keep_acc(pa);
+      scale_in<NACC>(acc, pa, f0[2], f1[2]);
+      vbw::wg_wait<0>();
+      vbw::keep_acc(pb);
+      vbw::mbar_arrive(empty0 + 8 * b);  // this thread is done with the buffer
+      scale_in<NACC>(acc, pb, f0[3], f1[3]);
+    }
   }
 
   // Epilogue: accumulator acc[4i + e] is token row (e < 2 ? mr0 : mr1), weight row n0 + 8i + 2t + (e & 1).

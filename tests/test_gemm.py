@@ -416,31 +416,32 @@ def _hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rebase", [True, False])
-def test_mx_to_e4m3_is_exact(rebase):
-    """The FP8 path's operand conversion (cuda_src/fp8_gemm.cu, mx_to_e4m3): e4m3 bytes (times the row scale
-    when re-based) equal the dequantized MXFP4 values bit for bit, and rows past 13 binades are flagged."""
+def test_fp8_operand_conversion_is_exact():
+    """The FP8 path's operands (cuda_src/fp8_gemm.cu): e4m3 bytes times their scales equal the dequantized MXFP4
+    values bit for bit. Weights: one scale per row, rows past 13 binades flagged. Activations: one scale per
+    128-k chunk where the chunk fits, else the blocks' own scales, and the row flagged."""
     cp = rt.require_cupy()
     rs = np.random.default_rng(5)
     x = rs.standard_normal((70, 1000)).astype(np.float32)
     x *= np.exp2(rs.integers(-6, 7, size=(70, 1))).astype(np.float32)      # row magnitudes
     x[:, :500] *= np.float32(2.0 ** -5)                                     # blocks 5 binades apart in a row
-    x[3, 32:64] *= np.float32(2.0 ** -12)                                   # row 3: ~17 binades: does not fit
+    x[3, 32:64] *= np.float32(2.0 ** -12)                                   # row 3: ~17 binades in one chunk
+    x[9, 700:732] *= np.float32(2.0 ** 16)                                  # row 9: likewise
     x[4] = 0.0                                                              # an all-zero row
     w = quantize(cp.asarray(x), "mxfp4")
-    q, row_scale, bad, _ = gemm._mx_to_e4m3(w, 70, rebase)
-    vals = cp.asnumpy(q).view(ml_dtypes.float8_e4m3fn).astype(np.float64)[:, :1000]
     want = ref.dequantize(w.to_cpu(), np.float64)
-    if not rebase:  # bare e2m1 values: the block scales stay apart
-        e = cp.asnumpy(w.scales).astype(np.int64) - 127
-        np.testing.assert_array_equal(vals, want / np.exp2(np.repeat(e, 32, axis=1)[:, :1000]))
-        return
-    bad = cp.asnumpy(bad)
-    assert bad.tolist() == [1 if r == 3 else 0 for r in range(70)]
-    rows = np.flatnonzero(bad == 0)
-    got = vals * cp.asnumpy(row_scale).astype(np.float64)[:, None]
-    np.testing.assert_array_equal(got[rows], want[rows])
+
+    def values(q):
+        return cp.asnumpy(q).view(ml_dtypes.float8_e4m3fn).astype(np.float64)[:, :1000]
+
+    q, row_scale, bad = gemm._fp8_rows(w, 70)
+    assert cp.asnumpy(bad).tolist() == [1 if r in (3, 9) else 0 for r in range(70)]
+    ok = np.setdiff1d(np.arange(70), [3, 9])
+    np.testing.assert_array_equal((values(q) * cp.asnumpy(row_scale)[:, None])[ok], want[ok])
     assert float(row_scale[4]) == 1.0
+    q, mult, row_bad = gemm._fp8_activations(w, 70)
+    assert cp.asnumpy(row_bad).tolist() == bad.get().tolist()
+    np.testing.assert_array_equal(values(q) * np.repeat(cp.asnumpy(mult), 32, axis=1)[:, :1000], want)
 
 
 @pytest.mark.gpu
@@ -448,12 +449,13 @@ def test_mx_to_e4m3_is_exact(rebase):
 @pytest.mark.parametrize("out_dtype", [np.float16, ml_dtypes.bfloat16])
 def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype):
     """MXFP4 x MXFP4 (FP8 tensor cores on Hopper) within the bound, every output written (NaN-filled first),
-    with bias and SiLU; activation blocks whose scales span 2^-24..2^4 in one row (applied in float32)."""
+    with bias and SiLU. Tokens 128..255 have blocks whose scales span 2^-24..2^4 within a 128-k chunk: their
+    tile takes the per-32 path, the others one scale per chunk."""
     cp = rt.require_cupy()
     rs = cp.random.RandomState(M + N + K)
     a = rs.standard_normal((M, K), dtype=cp.float32)
-    a *= cp.exp2(cp.asarray(np.random.default_rng(K).integers(-24, 5, size=(1, -(-K // 32)))).astype(cp.float32)
-                 ).repeat(32, axis=1)[:, :K]
+    a[128:256] *= cp.exp2(cp.asarray(np.random.default_rng(K).integers(-24, 5, size=(1, -(-K // 32))))
+                          .astype(cp.float32)).repeat(32, axis=1)[:, :K]   # token tile 1: the per-32 path
     qa = quantize(a, "mxfp4")
     w = quantize(rs.standard_normal((N, K), dtype=cp.float32), "mxfp4")
     bias = rs.standard_normal(N, dtype=cp.float32)

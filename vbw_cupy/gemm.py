@@ -8,9 +8,10 @@
   exact split path (each value = three bfloat16 pieces, per-block partials summed in float64) so a float32
   output meets the bound of docs/accuracy.md; it is several times slower than the 16-bit paths. ``a`` may also be an FP4Tensor
   (W4A4; the output defaults to float16). MXFP4 x MXFP4 with a float16 / bfloat16 output on Hopper runs on the
-  FP8 tensor cores (``cuda_src/fp8_gemm.cu``: both operands as exact e4m3 values, block scales applied per 32 k
-  in float32; the weight is converted once and kept in ``w._cache``); other W4A4 cases, and weights with a row
-  whose live block scales span more than 2^13, dequantize ``a`` to float32 (exact) and take the float32 path.
+  FP8 tensor cores (``cuda_src/fp8_gemm.cu``: both operands as exact e4m3 values re-based to a power-of-two
+  scale per weight row and per 128-k chunk of a token, the scales applied in float32; the weight is converted
+  once and kept in ``w._cache``); other W4A4 cases, and weights with a row whose live block scales span more
+  than 2^13, dequantize ``a`` to float32 (exact) and take the float32 path.
 - ``w``: an FP4Tensor of logical shape ``[N, K]``. On first use the weight is re-laid out once for the kernel
   and kept in ``w._cache`` (as much memory again as ``w``); ``dequantize`` and the reference still see the
   layout of docs/formats.md.
@@ -647,36 +648,54 @@ _NULL = np.uint64(0)
 
 
 def _fp8_instances() -> list[tuple[str, str]]:
-    return [(_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3<true>"), (_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3<false>"),
+    return [(_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3_rows"), (_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3_chunks"),
             (_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{_FP8_BN}, {_FP8_STAGES}>")]
 
 
-def _mx_to_e4m3(t, rows: int, rebase: bool):
-    """An MXFP4 FP4Tensor viewed as [rows, K] -> its e4m3 bytes [rows, 32 * blocks], with `rebase` also the
-    float32 row scales and the per-row flags of rows that do not fit (cuda_src/fp8_gemm.cu, mx_to_e4m3)."""
-    cp = rt.cupy
+def _mx_data(t, rows: int):
+    """An MXFP4 FP4Tensor's data [rows, 16 * blocks] (contiguous, 16-byte aligned) and scales [rows, blocks]."""
     nb = t.scales.shape[-1]
     data = t.data.reshape(rows, nb * 16)
     if not data.flags.c_contiguous or data.data.ptr % 16:
         data = data.copy()
-    scales = rt.ensure_contiguous(t.scales.reshape(rows, nb))
-    q = cp.empty((rows, nb * 32), dtype=cp.uint8)
-    rs = cp.empty(rows, dtype=cp.float32) if rebase else None
-    bad = cp.empty(rows, dtype=cp.int32) if rebase else None
-    rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3<{'true' if rebase else 'false'}>"), (rows,),
-              (256,), (data, scales, np.int32(nb), q, _NULL if rs is None else rs, _NULL if bad is None else bad))
-    return q, rs, bad, scales
+    return data, rt.ensure_contiguous(t.scales.reshape(rows, nb)), nb
 
 
 def _fp8_weight(w, N: int):
-    """w's rows as re-based e4m3 bytes and their float32 scales (times the tensor scale), built once and kept
-    in w._cache; None when a row does not fit (one host sync, on first use)."""
+    """w's rows as re-based e4m3 bytes [N, 32 * blocks] and their float32 scales (times the tensor scale), built
+    once and kept in w._cache; None when a row does not fit (one host sync, on first use)."""
     hit = w._cache.get("fp8_v1")
     if hit is None:
-        q, rs, bad, _ = _mx_to_e4m3(w, N, True)
+        q, rs, bad = _fp8_rows(w, N)
         hit = (q, rs * np.float32(w.global_scale)) if not bool(bad.any()) else False
         w._cache["fp8_v1"] = hit
     return hit or None
+
+
+def _fp8_rows(t, rows: int):
+    """e4m3 bytes [rows, 32 * blocks] re-based per row, the row scales and the rows that do not fit
+    (cuda_src/fp8_gemm.cu, mx_to_e4m3_rows)."""
+    cp = rt.cupy
+    data, scales, nb = _mx_data(t, rows)
+    q = cp.empty((rows, nb * 32), dtype=cp.uint8)
+    rs = cp.empty(rows, dtype=cp.float32)
+    bad = cp.empty(rows, dtype=cp.int32)
+    rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3_rows", _EXTRA_OPTIONS), (rows,), (256,),
+              (data, scales, np.int32(nb), q, rs, bad))
+    return q, rs, bad
+
+
+def _fp8_activations(a, M: int):
+    """a's e4m3 bytes [M, 32 * blocks] re-based per 128-k chunk where it fits, the float32 multiplier of every
+    block [M, blocks] and the rows with a chunk that did not fit [M] (cuda_src/fp8_gemm.cu, mx_to_e4m3_chunks)."""
+    cp = rt.cupy
+    data, scales, nb = _mx_data(a, M)
+    q = cp.empty((M, nb * 32), dtype=cp.uint8)
+    mult = cp.empty((M, nb), dtype=cp.float32)
+    row_bad = cp.empty(M, dtype=cp.int32)
+    rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3_chunks", _EXTRA_OPTIONS), (M,), (64,),
+              (data, scales, np.int32(nb), q, mult, row_bad))
+    return q, mult, row_bad
 
 
 def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
@@ -692,7 +711,7 @@ def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
         return None
     w8, w_scale = wq
     bias = None if bias is None else rt.ensure_contiguous(bias)
-    a8, _, _, a_scales = _mx_to_e4m3(a, M, False)
+    a8, mult, row_bad = _fp8_activations(a, M)
     kp = w8.shape[1]
     tm_a = rt.tensor_map(a8.data.ptr, (kp, M), (kp,), (128, 128), elem_bytes=1)
     tm_w = rt.tensor_map(w8.data.ptr, (kp, N), (kp,), (128, _FP8_BN), elem_bytes=1)
@@ -703,9 +722,10 @@ def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
     bias_kind = 0 if bias is None else _BIAS_KIND[bias.dtype.name]
     flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
     tiles = rt.cdiv(M, 128) * rt.cdiv(N, _FP8_BN)
-    rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{_FP8_BN}, {_FP8_STAGES}>"), (tiles,), (256,),
-              (tm_a, tm_w, a_scales, w_scale, _NULL if bias is None else bias, out, np.int32(M), np.int32(N),
-               np.int32(kp // 32), np.int32(flags)), shared_mem=_FP8_SMEM)
+    rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{_FP8_BN}, {_FP8_STAGES}>", _EXTRA_OPTIONS),
+              (tiles,), (256,), (tm_a, tm_w, mult, row_bad, w_scale, _NULL if bias is None else bias, out,
+                                 np.int32(M), np.int32(N), np.int32(kp // 32), np.int32(flags)),
+              shared_mem=_FP8_SMEM)
     return out
 
 
