@@ -18,7 +18,8 @@
 // outside the batch and block ids outside the cache are flagged in the error word (errors.cuh) and give NaN
 // rows; nothing is read or written through them.
 //
-// History: v1 (this file) measured inside the model's decode step; see notes/ for the per-kernel profile.
+// History: v1 measured inside the model's decode step; see notes/ for the per-kernel profile. v2: every kernel
+// starts with pdl_start() (pdl.cuh), so the decode graph launches them as programmatic dependents.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "errors.cuh"
