@@ -17,8 +17,8 @@
 // Tiling: fp8_gemm_mx<BN, STAGES>: CTA = 128 tokens x BN weight rows, two warpgroups of 64 tokens each and
 //   nothing else (256 threads: 255 registers a thread; with a producer warp the register file is shared as
 //   if by 384 threads, 168 each, and the accumulators plus two partial sets, 192, spill). Thread 0 issues both
-//   TMA boxes of a k-tile into a STAGES ring (a full and an empty mbarrier per buffer), refilling the buffer of
-//   tile kt - 1 at the start of iteration kt. Per block j of a tile a warpgroup runs wgmma m64nBNk32 from
+//   TMA boxes of a k-tile into a STAGES ring (a full and an empty mbarrier per buffer), issuing whatever buffers
+//   are free before each tile without waiting for the other warpgroup. Per block j of a tile a warpgroup runs wgmma m64nBNk32 from
 //   shared memory into one of its two partial sets (block j + 1 runs while block j is scaled in), then
 //   releases the buffer. One CTA per tile, 1-D grid, tiles in groups of 8 token tiles.
 // History (H100, M = 4096, TFLOP/s of the call including the activations' conversion; cuBLAS fp16 717-783 and
@@ -205,22 +205,28 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   // a row of this tile with a chunk that could not be re-based: scales per 32 k (the slow path) for the tile
   const int slow = __shfl_sync(0xffffffffu, __syncthreads_or(tid < BM && m0 + tid < M && row_bad[m0 + tid] != 0), 0);
 
-  // Thread 0 also loads: tiles 0 .. STAGES - 1 first, then tile j + STAGES into tile j's buffer once both
-  // warpgroups have released it (refill(j)).
+  // Thread 0 also loads: tiles 0 .. STAGES - 1 first; then before each tile it issues every further tile whose
+  // buffer both warpgroups have released, testing without waiting, and waits only for the tile needed now. (A
+  // blocking refill each tile tied the warpgroups together: both then wait and compute at the same moments.)
   auto load = [&](int kt) {
     const int b = kt % STAGES;
     vbw::mbar_expect_tx(full0 + 8 * b, STAGE);
     vbw::tma_load_2d(sbase + b * STAGE, &tm_a, full0 + 8 * b, kt * 128, m0);
     vbw::tma_load_2d(sbase + b * STAGE + A_BYTES, &tm_w, full0 + 8 * b, kt * 128, n0);
   };
-  auto refill = [&](int j) {
-    if (tid == 0 && j + STAGES < nkt) {
-      vbw::mbar_wait(empty0 + 8 * (j % STAGES), (u32)(j / STAGES) & 1u);
-      load(j + STAGES);
+  int next = min(STAGES, nkt);  // thread 0: tiles issued so far
+  auto pump = [&](int need) {
+    if (tid != 0) return;
+    while (next < nkt) {
+      const int j = next - STAGES;  // the tile that last used next's buffer
+      const u32 bar = empty0 + 8 * (j % STAGES), parity = (u32)(j / STAGES) & 1u;
+      if (next <= need) vbw::mbar_wait(bar, parity);
+      else if (!vbw::mbar_test(bar, parity)) break;
+      load(next++);
     }
   };
   if (tid == 0)
-    for (int kt = 0; kt < min(STAGES, nkt); ++kt) load(kt);
+    for (int kt = 0; kt < next; ++kt) load(kt);
   const int cw = wg, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
   const int mr0 = m0 + cw * 64 + warp * 16 + g, mr1 = mr0 + 8;  // this thread's two token rows
   const float* mu0 = mult + (size_t)min(mr0, M - 1) * nb;
@@ -237,7 +243,8 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     // pipeline across pairs, each set read while the other's group is still in flight from the previous
     // iteration, makes ptxas serialize every wgmma.)
     auto issue = [&](int kt, float (&p)[NACC]) {
-      if (kt >= 2) refill(kt - 2);  // (tile kt - 1 is released only after tile kt's wgmmas are issued)
+      pump(kt);
+      __syncwarp();
       const int b = kt % STAGES;
       vbw::mbar_wait(full0 + 8 * b, (u32)(kt / STAGES) & 1u);
       const u32 sa = sbase + b * STAGE + cw * 64 * 128, sw = sbase + b * STAGE + A_BYTES;
@@ -271,7 +278,8 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     // Per block: each k32 wgmma writes a fresh partial (two sets: block j + 1 runs while block j is scaled in).
     for (int kt = 0; kt < nkt; ++kt) {
       const int b = kt % STAGES;
-      if (kt >= 1) refill(kt - 1);
+      pump(kt);
+      __syncwarp();
       float f0[4], f1[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -307,18 +315,49 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     }
   }
 
-  // Epilogue: accumulator acc[4i + e] is token row (e < 2 ? mr0 : mr1), weight row n0 + 8i + 2t + (e & 1).
-#pragma unroll  // (whole: a run-time index would put acc in local memory)
-  for (int i = 0; i < BN / 8; ++i) {
-    const int n = n0 + 8 * i + 2 * t;
-    if (n >= N) continue;
-    const float s0 = w_scale[n], s1 = n + 1 < N ? w_scale[n + 1] : 0.f;
+  // Epilogue through the drained ring: accumulator acc[4i + e] is tile row cw * 64 + 16 warp + g + 8 (e >> 1),
+  // column 8i + 2t + (e & 1); the fp32 tile goes to shared memory, then each thread finishes 8 consecutive
+  // columns of a row (weight row scale, bias, activation) and writes them with one 16-byte store.
+  constexpr int LDT = BN + 4;
+  static_assert(BM * LDT * 4 <= STAGES * STAGE, "the fp32 tile fits the ring");
+  float* tile = reinterpret_cast<float*>(smem_raw + (sbase - raw));
+  __syncthreads();  // every warpgroup is past its last wgmma: the ring is free
+  {
+    const int r0 = cw * 64 + warp * 16 + g;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = h ? mr1 : mr0;
-      if (m >= M) continue;
-      vbw_gemm::store_out(out, bias, flags, n, m, N, acc[4 * i + 2 * h] * s0);
-      if (n + 1 < N) vbw_gemm::store_out(out, bias, flags, n + 1, m, N, acc[4 * i + 2 * h + 1] * s1);
+    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) tile[(r0 + 8 * (e >> 1)) * LDT + 8 * i + 2 * t + (e & 1)] = acc[4 * i + e];
+  }
+  __syncthreads();
+  const int ok = (flags >> 8) & 3, es = ok == 2 ? 4 : 2;
+  const bool vec = (N * es) % 16 == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;
+#pragma unroll 1
+  for (int c = tid; c < BM * BN / 8; c += 256) {
+    const int rr = c / (BN / 8), col = (c % (BN / 8)) * 8, m = m0 + rr, n = n0 + col;
+    if (m >= M || n >= N) continue;
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const bool in = n + e < N;
+      v[e] = in ? vbw_gemm::activate(tile[rr * LDT + col + e] * w_scale[n + e] + vbw_gemm::bias_at(bias, flags, n + e),
+                                     flags) : 0.f;
+    }
+    const size_t idx = (size_t)m * (size_t)N + (size_t)n;
+    if (vec && n + 8 <= N && ok != 2) {
+      u32 w[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        w[e] = ok == 0 ? vbw::pack2<__half>(v[2 * e], v[2 * e + 1]) : vbw::pack2<__nv_bfloat16>(v[2 * e], v[2 * e + 1]);
+      *reinterpret_cast<uint4*>(static_cast<u8*>(out) + idx * 2) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        if (n + e >= N) break;
+        if (ok == 0) static_cast<__half*>(out)[idx + e] = __float2half_rn(v[e]);
+        else if (ok == 1) static_cast<__nv_bfloat16*>(out)[idx + e] = __float2bfloat16_rn(v[e]);
+        else static_cast<float*>(out)[idx + e] = v[e];
+      }
     }
   }
 #else

@@ -22,7 +22,8 @@
 //                                                cuTensorMapEncodeTiled), passed as a __grid_constant__ parameter
 //   mbar_init / mbar_expect_tx / mbar_wait       mbarrier init (arrival count), arrive with an expected byte
 //                                                count, spin until the phase of the given parity completes
-//   mbar_arrive                                  a plain arrival (a consumer releasing a buffer)
+//   mbar_arrive / mbar_test                      a plain arrival (a consumer releasing a buffer); whether a
+//                                                phase has completed, without waiting
 //   tma_load_4d / _2d(dst, map, bar, c0, ...)    one TMA box from global into shared memory (coordinates
 //                                                innermost first), completing `bar`'s transaction bytes
 //   bulk_load(dst, src, bytes, bar)              a plain contiguous bulk copy (no tensor map), same completion
@@ -147,6 +148,12 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
 }
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_test(u32 bar, u32 parity) {  // has that phase completed? (no waiting)
+  u32 done;
+  asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done != 0u;
 }
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   asm volatile("{\n.reg .pred p;\nVBW_MBAR_WAIT:\n"
