@@ -183,7 +183,8 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
             const float* __restrict__ mult, const int* __restrict__ row_bad, const float* __restrict__ w_scale,
             const void* __restrict__ bias, void* __restrict__ out, int M, int N, int nb, int flags) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(BN == 128, "BN: three register sets of BN / 2 accumulators (BN = 256 would not fit)");
+  static_assert(BN == 128 || BN == 192, "BN");
+  constexpr bool TWO = BN == 128;  // two partial sets (BN = 192: one; three sets of 96 would not fit 255 registers)
   constexpr int BM = 128, A_BYTES = BM * 128, W_BYTES = BN * 128, STAGE = A_BYTES + W_BYTES, NACC = BN / 2;
   extern __shared__ __align__(128) u8 smem_raw[];
   const u32 raw = vbw::smem_addr(smem_raw);
@@ -220,7 +221,11 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     while (next < nkt) {
       const int j = next - STAGES;  // the tile that last used next's buffer
       const u32 bar = empty0 + 8 * (j % STAGES), parity = (u32)(j / STAGES) & 1u;
+#ifdef VBW_FP8_BLOCKING  // (A/B: wait for every refill, as v2)
+      if (next <= need + 3) vbw::mbar_wait(bar, parity);
+#else
       if (next <= need) vbw::mbar_wait(bar, parity);
+#endif
       else if (!vbw::mbar_test(bar, parity)) break;
       load(next++);
     }
@@ -259,6 +264,14 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
       vbw::mbar_arrive(empty0 + 8 * (kt % STAGES));
       scale_in<NACC>(acc, p, f0, f1);
     };
+    if constexpr (!TWO) {
+      for (int kt = 0; kt < nkt; ++kt) {
+        const float f0 = mu(mu0, 4 * kt), f1 = mu(mu1, 4 * kt);
+        issue(kt, pa);
+        vbw::wg_wait<0>();
+        finish(kt, pa, f0, f1);
+      }
+    } else
     for (int kt = 0; kt < nkt; kt += 2) {
       const float fa0 = mu(mu0, 4 * kt), fa1 = mu(mu1, 4 * kt);
       const float fb0 = mu(mu0, 4 * kt + 4), fb1 = mu(mu1, 4 * kt + 4);
@@ -288,6 +301,19 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
       }
       vbw::mbar_wait(full0 + 8 * b, (u32)(kt / STAGES) & 1u);
       const u32 sa = sbase + b * STAGE + cw * 64 * 128, sw = sbase + b * STAGE + A_BYTES;
+      if constexpr (!TWO) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          vbw::wg_fence();
+          vbw::WgmmaSS8<BN>::run(pa, vbw::desc_sw128_k(sa + 32 * j), vbw::desc_sw128_k(sw + 32 * j), 0);
+          vbw::wg_commit();
+          vbw::wg_wait<0>();
+          vbw::keep_acc(pa);
+          if (j == 3) vbw::mbar_arrive(empty0 + 8 * b);
+          scale_in<NACC>(acc, pa, f0[j], f1[j]);
+        }
+        continue;
+      }
       vbw::wg_fence();
       vbw::WgmmaSS8<BN>::run(pa, vbw::desc_sw128_k(sa), vbw::desc_sw128_k(sw), 0);
       vbw::wg_commit();
@@ -315,6 +341,22 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     }
   }
 
+#ifdef VBW_FP8_DIRECT_EPI  // (A/B: v2's per-element epilogue)
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i) {
+    const int n = n0 + 8 * i + 2 * t;
+    if (n >= N) continue;
+    const float s0 = w_scale[n], s1 = n + 1 < N ? w_scale[n + 1] : 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = h ? mr1 : mr0;
+      if (m >= M) continue;
+      vbw_gemm::store_out(out, bias, flags, n, m, N, acc[4 * i + 2 * h] * s0);
+      if (n + 1 < N) vbw_gemm::store_out(out, bias, flags, n + 1, m, N, acc[4 * i + 2 * h + 1] * s1);
+    }
+  }
+  return;
+#endif
   // Epilogue through the drained ring: accumulator acc[4i + e] is tile row cw * 64 + 16 warp + g + 8 (e >> 1),
   // column 8i + 2t + (e & 1); the fp32 tile goes to shared memory, then each thread finishes 8 consecutive
   // columns of a row (weight row scale, bias, activation) and writes them with one 16-byte store.

@@ -3,7 +3,7 @@
 //   WgmmaSS<T, N, TB>::run(d, da, db, acc = 1)   d = A * B (acc = 0) or d += A * B, m64nNk16, A and B from
 //                                                shared memory
 //   WgmmaSS8<N>::run(d, da, db, acc = 1)          FP8: m64nNk32 e4m3 x e4m3, both operands K-major in shared
-//                                                memory (N = 128)
+//                                                memory (N = 128, 192)
 //   WgmmaRS<T, N, TB>::run(d, a0..a3, db)        the same with A from registers (the m16n8k16 A fragment layout
 //                                                per warp: warp w of the warpgroup holds rows 16w..16w+15)
 //     T = __half / __nv_bfloat16, fp32 accumulators d[N / 2]; TB = 1 reads B MN-major (transposed: N contiguous)
@@ -113,6 +113,7 @@ VBW_WGMMA_ALL(0)
 VBW_WGMMA_ALL(1)
 #undef VBW_WGMMA_ALL
 VBW_WGMMA_SS8(128, 64, 64, 65, 66)
+VBW_WGMMA_SS8(192, 96, 96, 97, 98)
 #endif
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

@@ -448,11 +448,13 @@ def test_fp8_operand_conversion_is_exact():
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", [(300, 520, 800), (1, 256, 4096), (1000, 1100, 4160), (4096, 2048, 2048)])
 @pytest.mark.parametrize("out_dtype", [np.float16, ml_dtypes.bfloat16])
-def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype):
+@pytest.mark.parametrize("bn", gemm._FP8_TILES)
+def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype, bn, monkeypatch):
     """MXFP4 x MXFP4 (FP8 tensor cores on Hopper) within the bound, every output written (NaN-filled first),
     with bias and SiLU. Tokens 128..255 have blocks whose scales span 2^-24..2^4 within a 128-k chunk: their
     tile takes the per-32 path, the others one scale per chunk."""
     cp = rt.require_cupy()
+    monkeypatch.setattr(gemm, "_FP8_BN", bn)
     rs = cp.random.RandomState(M + N + K)
     a = rs.standard_normal((M, K), dtype=cp.float32)
     a[128:256] *= cp.exp2(cp.asarray(np.random.default_rng(K).integers(-24, 5, size=(1, -(-K // 32))))

@@ -640,8 +640,12 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
 # ------------------------------------------------------------------------ W4A4 MXFP4 on FP8 tensor cores
 _FP8_SOURCE = "fp8_gemm.cu"
 _FP8_NS = "vbw_fp8gemm::"
-_FP8_BN, _FP8_STAGES = 128, 5
-_FP8_SMEM = _FP8_STAGES * (128 + _FP8_BN) * 128 + 1024 + 16 * _FP8_STAGES
+_FP8_BN, _FP8_STAGES = 128, 5   # weight rows a CTA (128 or 192; 192 keeps one partial set), ring depth
+_FP8_TILES = (128, 192)
+
+
+def _fp8_smem(bn: int) -> int:
+    return _FP8_STAGES * (128 + bn) * 128 + 1024 + 16 * _FP8_STAGES
 # MXFP4 x MXFP4 on sm_90 runs fp8_gemm.cu (False: the float32 path, for A/B runs)
 _W4A4_FP8 = True
 _NULL = np.uint64(0)
@@ -649,7 +653,7 @@ _NULL = np.uint64(0)
 
 def _fp8_instances() -> list[tuple[str, str]]:
     return [(_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3_rows"), (_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3_chunks"),
-            (_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{_FP8_BN}, {_FP8_STAGES}>")]
+            *[(_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{bn}, {_FP8_STAGES}>") for bn in _FP8_TILES]]
 
 
 def _mx_data(t, rows: int):
@@ -714,18 +718,19 @@ def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
     a8, mult, row_bad = _fp8_activations(a, M)
     kp = w8.shape[1]
     tm_a = rt.tensor_map(a8.data.ptr, (kp, M), (kp,), (128, 128), elem_bytes=1)
-    tm_w = rt.tensor_map(w8.data.ptr, (kp, N), (kp,), (128, _FP8_BN), elem_bytes=1)
+    bn = _FP8_BN
+    tm_w = rt.tensor_map(w8.data.ptr, (kp, N), (kp,), (128, bn), elem_bytes=1)
     if tm_a is None or tm_w is None:
         return None
     if out is None:
         out = rt.cupy.empty((M, N), dtype=out_dtype)
     bias_kind = 0 if bias is None else _BIAS_KIND[bias.dtype.name]
     flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
-    tiles = rt.cdiv(M, 128) * rt.cdiv(N, _FP8_BN)
-    rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{_FP8_BN}, {_FP8_STAGES}>", _EXTRA_OPTIONS),
+    tiles = rt.cdiv(M, 128) * rt.cdiv(N, bn)
+    rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{bn}, {_FP8_STAGES}>", _EXTRA_OPTIONS),
               (tiles,), (256,), (tm_a, tm_w, mult, row_bad, w_scale, _NULL if bias is None else bias, out,
                                  np.int32(M), np.int32(N), np.int32(kp // 32), np.int32(flags)),
-              shared_mem=_FP8_SMEM)
+              shared_mem=_fp8_smem(bn))
     return out
 
 
