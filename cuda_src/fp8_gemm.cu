@@ -12,15 +12,17 @@
 //     added to the fp32 accumulator: products by powers of two, exact; one FFMA per accumulator per 32 k.
 //   So the only roundings are the tensor core's within a 32-product partial and the fp32 additions.
 // Layout: A8 [M, Kp], W8 [N, Kp] e4m3 bytes, k contiguous (Kp = 32 * blocks), loaded by TMA as 128-byte swizzled
-//   rows of 128 k (one k-tile = 4 blocks), zero-filled past M, N and Kp; a_scales [M, blocks] E8M0 as in the
-//   FP4Tensor; w_scale [N] float32.
-// Tiling: fp8_gemm_mx<BN, STAGES>: CTA = 128 tokens x BN weight rows, two warpgroups of 64 tokens each and
-//   nothing else (256 threads: 255 registers a thread; with a producer warp the register file is shared as
-//   if by 384 threads, 168 each, and the accumulators plus two partial sets, 192, spill). Thread 0 issues both
-//   TMA boxes of a k-tile into a STAGES ring (a full and an empty mbarrier per buffer), issuing whatever buffers
-//   are free before each tile without waiting for the other warpgroup. Per block j of a tile a warpgroup runs wgmma m64nBNk32 from
-//   shared memory into one of its two partial sets (block j + 1 runs while block j is scaled in), then
-//   releases the buffer. One CTA per tile, 1-D grid, tiles in groups of 8 token tiles.
+//   rows of 128 k (one k-tile = 4 blocks), zero-filled past M, N and Kp; mult [M, blocks] float32 (the scale of
+//   each of a token's blocks: 2^s of its chunk, or the block's own), row_bad [M]; w_scale [N] float32.
+// Tiling: fp8_gemm_mx<BN, STAGES>: CTA = 128 tokens x BN weight rows (BN = 192 by default; 128 keeps two partial
+//   sets), two warpgroups of 64 tokens each and nothing else: 256 threads may use 255 registers (a producer
+//   warp makes the register file count 384 threads, 168 each, and the accumulators spill). Thread 0 issues both
+//   TMA boxes of a k-tile into a STAGES ring (a full and an empty mbarrier per buffer) whenever a buffer is
+//   free, without waiting for the other warpgroup unless the tile is needed now. Per k-tile a warpgroup runs 4
+//   wgmma m64nBNk32 from shared memory into a partial set and scales it into the accumulators (BN = 128: tiles
+//   in pairs, the first scaled in while the second runs); a tile with a row_bad token scales per block instead.
+//   Epilogue through the drained ring, 16-byte stores. One CTA per tile, 1-D grid, tiles in groups of 8 token
+//   tiles.
 // History (H100, M = 4096, TFLOP/s of the call including the activations' conversion; cuBLAS fp16 717-783 and
 // torch's FP8 _scaled_mm 1341-1395 in the same runs):
 //   v1 one scale per 32 k (a fresh wgmma partial per block, scaled in with one FFMA per accumulator): 8192^2
@@ -29,8 +31,11 @@
 //   v2 activations re-based per 128-k chunk, one FFMA per 128 MACs: 8192^2 652-681 (0.90x cuBLAS fp16),
 //      14336x4096 526 (0.67x), 4096x14336 704 (0.95x), bias + SiLU 506 (the per-element epilogue); a tile
 //      with a chunk that does not fit (per-32 path) 462. W4A16 on the dequantized activations: 721.
-//   Next: 128 x 256 tiles (two consumer warpgroups of 64 x 256 need a third register set per warpgroup today:
-//   promote through shared memory or with BM = 64 per warpgroup and n256), a staged epilogue, persistent CTAs.
+//   v3 thread 0 issues the free buffers without waiting (a blocking refill tied the two warpgroups together),
+//      staged epilogue with 16-byte stores: +2-3% and +7-18% in one run (A/B switches VBW_FP8_BLOCKING,
+//      VBW_FP8_DIRECT_EPI). BN = 192 with one partial set: +9-15% over BN = 128 in one run; that run (a slower
+//      lease): 8192^2 624-636 (0.83-0.86x cuBLAS fp16), 14336x4096 535-544 (0.75x), 4096x14336 580-591 (0.79x).
+//   Next (notes/kernel-history.md): wider tiles, persistent CTAs overlapping the epilogue, TMA multicast.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"

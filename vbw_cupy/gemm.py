@@ -640,7 +640,7 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
 # ------------------------------------------------------------------------ W4A4 MXFP4 on FP8 tensor cores
 _FP8_SOURCE = "fp8_gemm.cu"
 _FP8_NS = "vbw_fp8gemm::"
-_FP8_BN, _FP8_STAGES = 128, 5   # weight rows a CTA (128 or 192; 192 keeps one partial set), ring depth
+_FP8_BN, _FP8_STAGES = 192, 5   # weight rows a CTA (128 or 192: 192 measured 9-15% faster), ring depth
 _FP8_TILES = (128, 192)
 
 
