@@ -47,6 +47,8 @@
 //   v5 (H100) TMA loads of Q, K, V, STAGES K/V slots: D=64 1.07-1.39x, D=128 1.12-1.60x, D=256 1.16-1.95x
 //      (239-556 TFLOP/s); vs cuDNN 0.66-0.93x.
 //   The SPARSE instance of attn_fwd_wg (block_sparse_attention) came after v5; the dense instances are unchanged.
+//   SPARSE: Q's TMA load issued before the block list is read (H100, S = 16k, D = 128, 10% of the blocks, one
+//   run: 0.131-0.133x the dense time vs 0.145x with Q after the list; switch VBW_SPARSE_LATE_Q).
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks
@@ -446,6 +448,24 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   // The CTA's key tiles by ordinal i = 0 .. cnt - 1: dense, n_hi - 1 down to n_lo; sparse, the listed blocks.
   int cnt = n_hi - n_lo;
   const int* sp_list = nullptr;
+  // The TMA mbarriers follow the K/V slots: [0] Q, [1 + s] K of slot s, [1 + STAGES + s] V of slot s.
+  const u32 bar = sK + 2 * STAGES * KV_BYTES;
+#ifdef VBW_SPARSE_LATE_Q  // (A/B: Q after the list, as the dense path)
+  constexpr bool EARLY_Q = false;
+#else
+  constexpr bool EARLY_Q = SPARSE && TMA;
+#endif
+  if constexpr (EARLY_Q) {
+    // Q does not depend on the block list: its load is issued before the list is read, so the two latencies
+    // overlap (dense layout only). Every way out below waits for it first (a CTA must not exit, nor reuse Q's
+    // buffer, under a pending copy).
+    if (tid == 0) {
+      for (int i = 0; i < 1 + 2 * STAGES; ++i) mbar_init(bar + 8 * i, 1);
+      mbar_expect_tx(bar, Q_BYTES);
+#pragma unroll
+      for (int p = 0; p < HEAD_DIM / 64; ++p) tma_load_4d(sQ + p * BLOCK_M * 128, &tm_q, bar, p * 64, cta.h, cta.m0, cta.b);
+    }
+  }
   if constexpr (SPARSE) {
     const long long pat = (long long)cta.b * (heads / group) + cta.h / group;
     const int* ip = sp_indptr + pat * sp_ptr_stride;
@@ -464,7 +484,8 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
         list[i] = id;
       }
     sp_list = list;
-    if (__syncthreads_or(bad)) {
+    if (__syncthreads_or(bad)) {  // (also: thread 0's mbarrier initialization is seen by all from here on)
+      if constexpr (EARLY_Q) mbar_wait(bar, 0);
       if (tid == 0) vbw_err::flag(err, vbw_err::SPARSE_INDICES, qb);
       const unsigned short nan = (unsigned short)vbw::pack2<T>(__int_as_float(0x7fc00000), 0.f);  // T's NaN bits
       unsigned short* o16 = reinterpret_cast<unsigned short*>(o + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d);
@@ -491,9 +512,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     // Tile ordinal i lives in slot i % STAGES (K at kslot(i), its V KV_BYTES after), as that slot's fill number
     // i / STAGES. The lambdas below take ordinals; tile(i) is the key tile's index.
     auto kslot = [&](int i) -> u32 { return sK + ((u32)i % STAGES) * (2 * KV_BYTES); };
-    // TMA: mbarriers after the K/V slots: [0] Q, [1 + s] K of slot s, [1 + STAGES + s] V of slot s; a fill
-    // completes its barrier's phase of parity (fill number) & 1.
-    const u32 bar = sK + 2 * STAGES * KV_BYTES;
+    // TMA: a fill completes its barrier's phase of parity (fill number) & 1.
     auto kbar = [&](int i) -> u32 { return bar + 8 + 8 * ((u32)i % STAGES); };
     auto vbar = [&](int i) -> u32 { return kbar(i) + 8 * STAGES; };
     auto phase = [&](int i) -> u32 { return ((u32)i / STAGES) & 1u; };
@@ -635,10 +654,12 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
 
     int n = 0;  // the ordinal of the tile in hand
     if constexpr (TMA) {
-      if (threadIdx.x == 0)
-        for (int i = 0; i < 1 + 2 * STAGES; ++i) mbar_init(bar + 8 * i, 1);
-      __syncthreads();  // the barriers are initialized before anyone waits on them
-      tma_tile(sQ, &tm_q, bar, BLOCK_M, cta.h, (cu_q != nullptr ? (int)cta.q_start : 0) + cta.m0);
+      if constexpr (!EARLY_Q) {  // (else issued above, before the list)
+        if (threadIdx.x == 0)
+          for (int i = 0; i < 1 + 2 * STAGES; ++i) mbar_init(bar + 8 * i, 1);
+        __syncthreads();  // the barriers are initialized before anyone waits on them
+        tma_tile(sQ, &tm_q, bar, BLOCK_M, cta.h, (cu_q != nullptr ? (int)cta.q_start : 0) + cta.m0);
+      }
     } else {
       vbw_attn::load_tile_sw<BLOCK_M, HEAD_DIM, NT>(sQ, q + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d,
                                                     q_rs, rows_q, d);
@@ -740,6 +761,9 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
         step(pa1, pa0, n++);
       }
     }
+  }
+  if constexpr (EARLY_Q) {
+    if (cnt == 0) mbar_wait(bar, 0);  // an empty list: Q's copy lands before its buffer stages O
   }
 
   // Epilogue: normalize, LSE, stage this warpgroup's O rows in its own (swizzled) rows of Q's buffer (no other
