@@ -821,26 +821,7 @@ __device__ __forceinline__ void wg_finish(float (&acc)[NACC], void* __restrict__
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] = activate(v[e] + bv[e], flags);
-    const size_t idx = (size_t)(m0 + rr) * (size_t)N + (size_t)n0;
-    if (vec && ok == 2) {
-      float4* o = reinterpret_cast<float4*>(static_cast<float*>(out) + idx);
-      o[0] = make_float4(v[0], v[1], v[2], v[3]);
-      o[1] = make_float4(v[4], v[5], v[6], v[7]);
-    } else if (vec) {
-      u32 w[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        w[e] = ok == 0 ? vbw::pack2<__half>(v[2 * e], v[2 * e + 1]) : vbw::pack2<__nv_bfloat16>(v[2 * e], v[2 * e + 1]);
-      *reinterpret_cast<uint4*>(static_cast<u8*>(out) + idx * 2) = make_uint4(w[0], w[1], w[2], w[3]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        if (n0 + e >= N) break;
-        if (ok == 0) static_cast<__half*>(out)[idx + e] = __float2half_rn(v[e]);
-        else if (ok == 1) static_cast<__nv_bfloat16*>(out)[idx + e] = __float2bfloat16_rn(v[e]);
-        else static_cast<float*>(out)[idx + e] = v[e];
-      }
-    }
+    vbw_gemm::store8(out, (size_t)(m0 + rr) * (size_t)N + (size_t)n0, v, N - n0, flags, vec);
   }
 }
 

@@ -390,22 +390,7 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
       v[e] = in ? vbw_gemm::activate(tile[rr * LDT + col + e] * w_scale[n + e] + vbw_gemm::bias_at(bias, flags, n + e),
                                      flags) : 0.f;
     }
-    const size_t idx = (size_t)m * (size_t)N + (size_t)n;
-    if (vec && n + 8 <= N && ok != 2) {
-      u32 w[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        w[e] = ok == 0 ? vbw::pack2<__half>(v[2 * e], v[2 * e + 1]) : vbw::pack2<__nv_bfloat16>(v[2 * e], v[2 * e + 1]);
-      *reinterpret_cast<uint4*>(static_cast<u8*>(out) + idx * 2) = make_uint4(w[0], w[1], w[2], w[3]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        if (n + e >= N) break;
-        if (ok == 0) static_cast<__half*>(out)[idx + e] = __float2half_rn(v[e]);
-        else if (ok == 1) static_cast<__nv_bfloat16*>(out)[idx + e] = __float2bfloat16_rn(v[e]);
-        else static_cast<float*>(out)[idx + e] = v[e];
-      }
-    }
+    vbw_gemm::store8(out, (size_t)m * (size_t)N + (size_t)n, v, N - n, flags, vec && n + 8 <= N);
   }
 #else
   __trap();  // Hopper only: gemm.py never launches it elsewhere
