@@ -62,17 +62,33 @@ __device__ __forceinline__ u32 e2m1_to_e4m3(u32 c, int d) {
 }
 
 // One block's 16 bytes of E2M1 pairs -> its 32 e4m3 bytes at dst (16-byte aligned), each value times 2^d.
+// For d in [-5, 6] every result is a normal e4m3 number, whose exponent field is the bare value's plus d: four
+// nibbles at a time, the bare codes come from a byte permutation (the nibble's magnitude bits are its selector),
+// d * 8 is added to the nonzero bytes and the signs are moved to bit 7. Other d go one value at a time.
 __device__ __forceinline__ void store_block(u8* dst, uint4 v, int d) {
   const u32 w[4] = {v.x, v.y, v.z, v.w};
   u32 packed[8];
+  if (d >= -5) {
+    const u32 d8 = 0x01010101u * (u32)((d * 8) & 0xff);
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // the 4 nibbles of bytes 2h, 2h + 1 of word i -> one word of 4 e4m3 bytes
-      const u32 x = w[i] >> (16 * h);
-      packed[2 * i + h] = e2m1_to_e4m3(x & 15u, d) | (e2m1_to_e4m3((x >> 4) & 15u, d) << 8) |
-                          (e2m1_to_e4m3((x >> 8) & 15u, d) << 16) | (e2m1_to_e4m3((x >> 12) & 15u, d) << 24);
-    }
+      for (int h = 0; h < 2; ++h) {
+        const u32 x = (w[i] >> (16 * h)) & 0xffffu;  // elements 8i + 4h .. + 3, a nibble each
+        const u32 base = __byte_perm(0x3c383000u, 0x4c484440u, x & 0x7777u);  // e4m3 of 0, 0.5, 1, ... 6
+        const u32 sign = ((x & 0x8u) << 4) | ((x & 0x80u) << 8) | ((x & 0x800u) << 12) | ((x & 0x8000u) << 16);
+        packed[2 * i + h] = __vadd4(base, __vcmpne4(base, 0u) & d8) | sign;
+      }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // the 4 nibbles of bytes 2h, 2h + 1 of word i -> one word of 4 e4m3 bytes
+        const u32 x = w[i] >> (16 * h);
+        packed[2 * i + h] = e2m1_to_e4m3(x & 15u, d) | (e2m1_to_e4m3((x >> 4) & 15u, d) << 8) |
+                            (e2m1_to_e4m3((x >> 8) & 15u, d) << 16) | (e2m1_to_e4m3((x >> 12) & 15u, d) << 24);
+      }
+  }
   uint4* o = reinterpret_cast<uint4*>(dst);
   o[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   o[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
