@@ -107,3 +107,27 @@ def test_bench_without_a_gpu_says_nothing_was_measured(monkeypatch, capsys):
     assert cli.main(["bench"]) == cli.EXIT_REFERENCE_ONLY
     assert "nothing was measured" in capsys.readouterr().err
     assert cli.main(["bench", "--", "-h"]) == 0   # pytest's help is not a benchmark run
+
+
+def test_cold_start_scripts_name_real_ops():
+    """selftest --cold: every op's first-call script is valid Python calling public API that exists."""
+    import ast
+    from vbw_cupy import _coldstart
+    for op, (setup, call) in _coldstart.OPS.items():
+        tree = ast.parse(_coldstart._script(setup, call))
+        names = {n.attr for n in ast.walk(tree)
+                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "vc"}
+        assert names, op
+        for name in names:
+            assert hasattr(vbw_cupy, name), (op, name)
+
+
+@pytest.mark.gpu
+def test_cold_start_first_call_is_timed_in_a_fresh_process(tmp_path):
+    """One op through selftest --cold's path: an empty cache costs more than the warm disk cache it fills."""
+    from vbw_cupy import _coldstart
+    op = "quantize nvfp4 4096x4096"
+    cold = _coldstart.first_call_s(op, str(tmp_path))
+    warm = _coldstart.first_call_s(op, str(tmp_path))
+    assert 0 < warm < cold, (warm, cold)
+    assert any(tmp_path.rglob("*.cubin")), "the first process left no kernel in the cache"

@@ -144,6 +144,8 @@ def cmd_selftest(args) -> int:
         ok = all(r["ok"] for r in rows)
         print(f"reference path {'within bounds' if ok else 'FAILED'}; no GPU kernel was checked "
               f"(exit status {EXIT_REFERENCE_ONLY if ok else 1})")
+        if getattr(args, "cold", False):
+            print("--cold: first-call times need a GPU; none were measured")
         return EXIT_REFERENCE_ONLY if ok else 1
     cp = rt.require_cupy()
     dev = cp.cuda.Device().id
@@ -165,6 +167,10 @@ def cmd_selftest(args) -> int:
             failed += not r["ok"]
     print_table(rows)
     print(f"{len(rows) - failed}/{len(rows)} rows within bounds")
+    if getattr(args, "cold", False):
+        from . import _coldstart
+        cold = _coldstart.measure(progress=lambda m: print(m, file=sys.stderr, flush=True))
+        _coldstart.print_rows(cold)
     return 1 if failed else 0
 
 
@@ -342,10 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name, help, description, **kw):
         return sub.add_parser(name, help=help, description=description, **kw)
 
-    add("selftest", "every kernel against the float64 reference, with timings against its peer",
-        "Run every operation at real sizes on the GPU against the float64 reference and print a table of "
-        "error, bound, time and the time of a peer measured in the same run. Without a usable GPU it checks "
-        "the NumPy reference path instead and says so.", epilog=SELFTEST_EXIT_CODES)
+    st = add("selftest", "every kernel against the float64 reference, with timings against its peer",
+             "Run every operation at real sizes on the GPU against the float64 reference and print a table of "
+             "error, bound, time and the time of a peer measured in the same run. Without a usable GPU it checks "
+             "the NumPy reference path instead and says so.", epilog=SELFTEST_EXIT_CODES)
+    st.add_argument("--cold", action="store_true", help="also time each op's first call in fresh processes: on an "
+                    "empty cache (compiling and tuning) and on the warm disk cache (a minute or two)")
     add("info", "device, architecture, NVRTC version, tuning cache",
         "Print the version, the CUDA sources and their hash, the cache directory, CuPy / NVRTC / CUDA headers, "
         "the device (name, sm_XX, SMs, memory) and what the autotune cache holds.")
