@@ -265,52 +265,6 @@ __device__ __forceinline__ int sir_code(u32 code, int c) {
   return (eb << 3) | (int)mant;
 }
 
-// The range of a weight's live block scales, for gemm.py's choice of mode (one thread per block): out[0] / out[1]
-// the largest / smallest floor(log2(scale)) over blocks with a nonzero value and a positive scale, out[2] = 1 when
-// any scale is NaN (MXFP4 255; NVFP4 0x7F and up: NaN or negative), out[3] = 1 when any block is live. out comes
-// in as {INT_MIN, INT_MAX, 0, 0}. data [N, Dk] bytes (Dk = blocks * BLK / 2), scales [N, Sk = blocks].
-template <int BLK>
-__global__ void __launch_bounds__(256) fp4_scale_range(const u8* __restrict__ data, const u8* __restrict__ scales,
-                                                       int N, int Dk, int Sk, int* __restrict__ out) {
-  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  int emax = -2147483647 - 1, emin = 2147483647, bad = 0, live = 0;
-  if (idx < (long long)N * Sk) {
-    const long long row = idx / Sk, blk = idx - row * Sk;
-    const u32 code = scales[idx];
-    const u8* d = data + row * Dk + blk * (BLK / 2);
-    u32 nz = 0u;
-#pragma unroll
-    for (int i = 0; i < BLK / 2; i += 4) nz |= *reinterpret_cast<const u32*>(d + i);  // 4-byte aligned
-    int e;
-    if (BLK == 32) {
-      bad = code == 255u;
-      e = (int)code - 127;
-    } else {
-      bad = code >= 0x7Fu;
-      const int ef = (int)(code >> 3), m = (int)(code & 7u);
-      e = ef > 0 ? ef - 7 : (31 - __clz(m)) - 9;  // E4M3: normal 2^(ef - 7) * 1.m, subnormal m * 2^-9
-      nz = code == 0u ? 0u : nz;                   // a zero scale makes the block dead
-    }
-    live = !bad && (nz & 0x77777777u) != 0u;
-    if (live) emax = emin = e;
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    emax = max(emax, __shfl_xor_sync(0xffffffffu, emax, o));
-    emin = min(emin, __shfl_xor_sync(0xffffffffu, emin, o));
-    bad |= __shfl_xor_sync(0xffffffffu, bad, o);
-    live |= __shfl_xor_sync(0xffffffffu, live, o);
-  }
-  if ((threadIdx.x & 31) == 0) {
-    if (live) {
-      atomicMax(out, emax);
-      atomicMin(out + 1, emin);
-      atomicOr(out + 3, 1);
-    }
-    if (bad) atomicOr(out + 2, 1);
-  }
-}
-
 template <int BLK, int MODE>
 __global__ void fp4_gemm_prepare(const u8* __restrict__ data, const u8* __restrict__ scales, u8* __restrict__ Wp,
                                  int N, int Dk, int Sk, int katoms, int n_rg, int cshift) {

@@ -243,7 +243,6 @@ def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
     hopper = arch in (None, 90)
     out = []
     for blk in (16, 32):
-        out.append((_SOURCE, f"{_NS}fp4_scale_range<{blk}>"))
         for mode in (_SIR, _FPP):
             out.append((_SOURCE, f"{_NS}fp4_gemm_prepare<{blk}, {mode}>"))
         for T in ("__half", "__nv_bfloat16"):
@@ -266,25 +265,34 @@ def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------------------------------- weights
 def _scale_info(w):
     """(c, fp16_ok, bf16_ok): c = floor(log2(largest live block scale)) - 1; *_ok: every live block's
-    scale * 2^-c has a code for the scale-in-register mode of that dtype (see fp4_gemm.cu). One kernel
-    (fp4_scale_range) and one read of 4 ints: a chain of CuPy reductions cost ~0.4 s in a new process."""
+    scale * 2^-c has a code for the scale-in-register mode of that dtype (see fp4_gemm.cu)."""
     cp = rt.require_cupy()
     key = "gemm_v1_info"
     if key in w._cache:
         return w._cache[key]
     N, blk = w.shape[0], w.block_size
-    data = rt.ensure_contiguous(w.data.reshape(N, -1))
-    scales = rt.ensure_contiguous(w.scales.reshape(N, -1))
-    out = cp.array([-2**31, 2**31 - 1, 0, 0], dtype=cp.int32)
-    total = N * scales.shape[1]
-    rt.launch(rt.get_kernel(_SOURCE, f"{_NS}fp4_scale_range<{blk}>"), (rt.cdiv(total, 256),), (256,),
-              (data, scales, np.int32(N), np.int32(data.shape[1]), np.int32(scales.shape[1]), out))
-    emax, emin, bad, live = (int(v) for v in out.get())
-    if bad:  # MXFP4 NaN blocks, NVFP4 NaN or negative scales: only the fp32-partial mode
-        info = (0, False, False)
-    elif not live:
+    sc = w.scales.reshape(N, -1)
+    live = ((w.data.reshape(N, sc.shape[1], blk // 2) & 0x77) != 0).any(axis=2)
+    if w.format == "mxfp4":
+        if bool((sc == 255).any()):
+            info = (0, False, False)
+            w._cache[key] = info
+            return info
+        e = sc.astype(cp.int32) - 127
+    else:
+        if bool((sc >= 0x7F).any()):  # NaN (0x7F, 0xFF) or negative E4M3 scales: only the fp32-partial mode
+            info = (0, False, False)
+            w._cache[key] = info
+            return info
+        lut = cp.asarray(ref.e4m3_decode(np.arange(256)).astype(np.float32))
+        s = lut[sc]
+        live &= s > 0
+        e = cp.frexp(cp.where(s > 0, s, 1).astype(cp.float32))[1].astype(cp.int32) - 1
+    if not bool(live.any()):
         info = (0, True, True)
     else:
+        emax = int(cp.where(live, e, -10**6).max())
+        emin = int(cp.where(live, e, 10**6).min())
         c = emax - 1
         info = (c, emin - c >= -13, emin - c >= -29)
     w._cache[key] = info
