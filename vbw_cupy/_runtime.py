@@ -441,15 +441,26 @@ _launch_ex = None  # (cuLaunchKernelEx, config struct type, attribute struct typ
 
 class programmatic_launches:
     """Context manager: launches of PDL_KERNELS in this thread use programmatic dependent launch (on a GPU
-    without it, or a driver without cuLaunchKernelEx, launches stay plain)."""
+    without it, a driver older than CUDA 12.3 or one without cuLaunchKernelEx, launches stay plain)."""
 
     def __enter__(self):
         self._prev = getattr(_pdl_state, "on", False)
-        _pdl_state.on = _launch_kernel_ex() is not None
+        _pdl_state.on = _pdl_driver_ok() and _launch_kernel_ex() is not None
         return self
 
     def __exit__(self, *exc):
         _pdl_state.on = self._prev
+        return False
+
+
+_PDL_MIN_DRIVER = 12030  # programmatic launches inside a captured graph need a CUDA 12.3 driver or newer
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_driver_ok() -> bool:
+    try:
+        return int(cupy.cuda.runtime.driverGetVersion()) >= _PDL_MIN_DRIVER
+    except Exception:
         return False
 
 
