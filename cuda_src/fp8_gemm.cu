@@ -10,7 +10,9 @@
 //   activations (per call, mx_to_e4m3<false>): bare e2m1 values; their block scales stay apart. Each k32 step's
 //     wgmma writes a fresh fp32 partial over one MXFP4 block, which is multiplied by the token's block scale and
 //     added to the fp32 accumulator: products by powers of two, exact; one FFMA per accumulator per 32 k.
-//   So the only roundings are the tensor core's within a 32-product partial and the fp32 additions.
+//   So the roundings are the tensor core's within a k-tile's partial (4 chained wgmmas: 128 products; its FP8
+//   accumulation keeps ~14 bits, hence one fp32 promotion per tile, as DeepGEMM does) and the fp32 additions.
+//   The fp32 accumulator holds result / 2^s_n: gemm.py keeps weights with 2^s_n past 2^+-64 off this path.
 // Layout: A8 [M, Kp], W8 [N, Kp] e4m3 bytes, k contiguous (Kp = 32 * blocks), loaded by TMA as 128-byte swizzled
 //   rows of 128 k (one k-tile = 4 blocks), zero-filled past M, N and Kp; mult [M, blocks] float32 (the scale of
 //   each of a token's blocks: 2^s of its chunk, or the block's own), row_bad [M]; w_scale [N] float32.
@@ -205,6 +207,7 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
             const void* __restrict__ bias, void* __restrict__ out, int M, int N, int nb, int flags) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(BN == 128 || BN == 192, "BN");
+  static_assert(STAGES >= 2, "STAGES: thread 0 waits for the release of tile kt - 2 at most");
   constexpr bool TWO = BN == 128;  // two partial sets (BN = 192: one; three sets of 96 would not fit 255 registers)
   constexpr int BM = 128, A_BYTES = BM * 128, W_BYTES = BN * 128, STAGE = A_BYTES + W_BYTES, NACC = BN / 2;
   extern __shared__ __align__(128) u8 smem_raw[];

@@ -131,3 +131,27 @@ def test_cold_start_first_call_is_timed_in_a_fresh_process(tmp_path):
     warm = _coldstart.first_call_s(op, str(tmp_path))
     assert 0 < warm < cold, (warm, cold)
     assert any(tmp_path.rglob("*.cubin")), "the first process left no kernel in the cache"
+
+
+def test_cold_start_reports_a_failed_op_and_goes_on(monkeypatch, capsys):
+    """A first-call process that fails or times out is a 'failed' row; the other ops are still measured."""
+    import subprocess
+    from vbw_cupy import _coldstart
+
+    def fake(op, cache_dir, autotune=True, timeout=600.0):
+        assert "vbw_cupy_cold_" in cache_dir
+        if op.startswith("fp4_matmul"):
+            raise RuntimeError(f"{op}: the first-call process failed:\nValueError: boom")
+        if op.startswith("paged"):
+            raise subprocess.TimeoutExpired("python", timeout)
+        return 0.5
+    monkeypatch.setattr(_coldstart, "first_call_s", fake)
+    rows = _coldstart.measure(progress=lambda m: None)
+    assert [r["op"] for r in rows] == list(_coldstart.OPS)
+    by = {r["op"]: r for r in rows}
+    assert by["quantize nvfp4 4096x4096"]["cold_s"] == 0.5 and not by["quantize nvfp4 4096x4096"]["ok"]  # warm 0.5 > 0.1
+    assert by["fp4_matmul M=16 4096x4096"]["error"] == "ValueError: boom"
+    assert "timed out" in by["paged_attention B=8 ctx 2048"]["error"]
+    _coldstart.print_rows(rows)
+    out = capsys.readouterr().out
+    assert "failed" in out and "OVER" in out

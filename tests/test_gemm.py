@@ -446,7 +446,8 @@ def test_fp8_operand_conversion_is_exact():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K", [(300, 520, 800), (1, 256, 4096), (1000, 1100, 4160), (4096, 2048, 2048)])
+@pytest.mark.parametrize("M,N,K", [(300, 520, 800), (1, 256, 4096), (1000, 1100, 4160), (4096, 2048, 2048),
+                                   (256, 384, 14336)])
 @pytest.mark.parametrize("out_dtype", [np.float16, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("bn", gemm._FP8_TILES)
 def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype, bn, monkeypatch):
@@ -487,6 +488,12 @@ def test_w4a4_fp8_falls_back_for_wide_weight_rows_and_float32_output():
     if _hopper():
         assert w._cache["fp8_v1"] is False
     err, bound = _check(got, qa, w)
+    assert err <= bound
+    tiny = quantize(rs.standard_normal((256, 512), dtype=cp.float32) * 2.0 ** -100, "mxfp4")  # row scales < 2^-64
+    got = gemm.fp4_matmul(qa, tiny, out_dtype=ml_dtypes.bfloat16)
+    if _hopper():
+        assert tiny._cache["fp8_v1"] is False
+    err, bound = _check(got, qa, tiny)
     assert err <= bound
     w2 = quantize(rs.standard_normal((256, 512), dtype=cp.float32), "mxfp4")
     got = gemm.fp4_matmul(qa, w2, out_dtype=np.float32)   # float32 output: the exact path

@@ -4,7 +4,8 @@ Each op's first call runs in a fresh Python process, its inputs made before the 
 compile is not counted) and the clock stopped after a device synchronize: once on an empty cache directory
 (every kernel the call needs compiled, its tuning run: autotuning on), once more in another fresh process on
 the cache the first one filled (the disk cache loaded, nothing compiled or tuned). Each op gets its own
-temporary VBW_CUPY_CACHE_DIR, so the user's own caches are neither read nor changed. Bars (H100): <= 3 s on the empty cache, <= 0.1 s with the warm disk cache.
+temporary VBW_CUPY_CACHE_DIR (and CUPY_CACHE_DIR), so the user's own caches are neither read nor changed. The
+bars are targets, reported as "OVER" when missed; they do not change selftest's exit status. Bars (H100): <= 3 s on the empty cache, <= 0.1 s with the warm disk cache.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def _script(setup: str, call: str) -> str:
 def first_call_s(op: str, cache_dir: str, autotune: bool = True, timeout: float = 600.0) -> float:
     """Seconds of `op`'s first call in a fresh process with VBW_CUPY_CACHE_DIR = cache_dir."""
     setup, call = OPS[op]
-    env = dict(os.environ, VBW_CUPY_CACHE_DIR=cache_dir, VBW_CUPY_AUTOTUNE="1" if autotune else "0")
+    env = dict(os.environ, VBW_CUPY_CACHE_DIR=cache_dir, VBW_CUPY_AUTOTUNE="1" if autotune else "0",
+               CUPY_CACHE_DIR=os.path.join(cache_dir, "cupy"))  # CuPy's own kernels start cold too
     res = subprocess.run([sys.executable, "-c", _script(setup, call)], env=env, capture_output=True, text=True,
                          timeout=timeout)
     if res.returncode != 0:
@@ -63,15 +65,24 @@ def measure(ops=None, progress=print) -> list[dict]:
     rows = []
     for op in ops or OPS:
         progress(f"cold start: {op} ...")
-        with tempfile.TemporaryDirectory(prefix="vbw_cupy_cold_") as d:  # an empty cache for each op
-            cold = first_call_s(op, d)
-            warm = first_call_s(op, d)
-        rows.append({"op": op, "cold_s": cold, "warm_s": warm, "ok": cold <= COLD_BAR_S and warm <= WARM_BAR_S})
+        row = {"op": op, "cold_s": None, "warm_s": None, "ok": False, "error": None}
+        try:
+            with tempfile.TemporaryDirectory(prefix="vbw_cupy_cold_") as d:  # an empty cache for each op
+                row["cold_s"] = first_call_s(op, d)
+                row["warm_s"] = first_call_s(op, d)
+            row["ok"] = row["cold_s"] <= COLD_BAR_S and row["warm_s"] <= WARM_BAR_S
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # one op's failure must not hide the others
+            row["error"] = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        rows.append(row)
     return rows
 
 
-def print_rows(rows, out=sys.stdout) -> None:
+def print_rows(rows, out=None) -> None:
+    out = out or sys.stdout
     print(f"{'first call of':40} {'empty cache s':>13} {'warm disk s':>11}  (bars: <= {COLD_BAR_S:g} s empty with "
           f"autotuning, <= {WARM_BAR_S:g} s warm)", file=out)
     for r in rows:
-        print(f"{r['op']:40} {r['cold_s']:13.2f} {r['warm_s']:11.3f}  {'ok' if r['ok'] else 'OVER'}", file=out)
+        if r.get("error"):
+            print(f"{r['op']:40} {'failed':>13} {'':>11}  {r['error']}", file=out)
+        else:
+            print(f"{r['op']:40} {r['cold_s']:13.2f} {r['warm_s']:11.3f}  {'ok' if r['ok'] else 'OVER'}", file=out)

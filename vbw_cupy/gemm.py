@@ -11,7 +11,8 @@
   FP8 tensor cores (``cuda_src/fp8_gemm.cu``: both operands as exact e4m3 values re-based to a power-of-two
   scale per weight row and per 128-k chunk of a token, the scales applied in float32; the weight is converted
   once and kept in ``w._cache``); other W4A4 cases, and weights with a row whose live block scales span more
-  than 2^13, dequantize ``a`` to float32 (exact) and take the float32 path.
+  than 2^13 or lie past 2^+-64, dequantize ``a`` to float32 (exact) and take the float32 path. (bfloat16
+  results beyond 2^64 or below 2^-62 in magnitude can lose bits there: the accumulator holds result / 2^s.)
 - ``w``: an FP4Tensor of logical shape ``[N, K]``. On first use the weight is re-laid out once for the kernel
   and kept in ``w._cache`` (as much memory again as ``w``); ``dequantize`` and the reference still see the
   layout of docs/formats.md.
@@ -671,7 +672,11 @@ def _fp8_weight(w, N: int):
     hit = w._cache.get("fp8_v1")
     if hit is None:
         q, rs, bad = _fp8_rows(w, N)
-        hit = (q, rs * np.float32(w.global_scale)) if not bool(bad.any()) else False
+        # The kernel's fp32 accumulator holds the result / 2^s_n (the row scale is applied last): row scales
+        # within 2^+-64 keep every float16 result, and bfloat16 ones between 2^-62 and 2^64, clear of fp32's
+        # overflow and underflow; other weights keep the float32 path.
+        extreme = (rs < np.float32(2.0 ** -64)) | (rs > np.float32(2.0 ** 64))
+        hit = (q, rs * np.float32(w.global_scale)) if not bool(((bad != 0) | extreme).any()) else False
         w._cache["fp8_v1"] = hit
     return hit or None
 
