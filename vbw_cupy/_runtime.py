@@ -511,6 +511,7 @@ def launch_programmatic(fptr: int, dims, shared_mem: int, stream_ptr: int, param
 # NumPy array of dtype V128 is passed by value by CuPy's launcher).
 TENSOR_MAP_BYTES = 128
 NO_TENSOR_MAP = np.zeros(1, dtype=f"V{TENSOR_MAP_BYTES}")  # for a kernel's unused map parameter
+NULL = np.uint64(0)  # a null pointer kernel argument (an optional array left out)
 _TMAP_SWIZZLE_128B = 3
 _TMAP_L2_256B = 3
 _TMAP_UINT8, _TMAP_UINT16 = 0, 1  # CUtensorMapDataType

@@ -315,9 +315,8 @@ class _Launch:
         ptrs = [q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr]
         self.vec = bool(D % 8 == 0 and all(p % 16 == 0 for p in ptrs))
         self.masked = left >= 0 or right >= 0
-        null = np.uint64(0)
-        self.head_args = (q, k, v, o, null if lse is None else lse, null if cu_q is None else cu_q,
-                          null if cu_k is None else cu_k, np.int32(B), np.int32(seqlen_q), np.int32(seqlen_k),
+        self.head_args = (q, k, v, o, rt.NULL if lse is None else lse, rt.NULL if cu_q is None else cu_q,
+                          rt.NULL if cu_k is None else cu_k, np.int32(B), np.int32(seqlen_q), np.int32(seqlen_k),
                           np.int32(Hq), np.int32(Hq // Hkv), np.int32(D))
         self.tail_args = (np.float32(scale_log2), np.int32(mode), np.float32(pre), np.int32(left),
                           np.int32(right), np.int64(Hq * D), np.int64(Hkv * D), np.int64(lse_stride_h),
@@ -325,7 +324,7 @@ class _Launch:
         # the wgmma kernel's block-sparse arguments (indptr, indices, their pattern strides, nnz, key blocks):
         # `sparse` from vbw_cupy.sparse, or none for a dense launch
         self.sparse = bool(sparse)
-        self.sparse_args = tuple(sparse) or (null, null, np.int64(0), np.int64(0), np.int32(0), np.int32(0))
+        self.sparse_args = tuple(sparse) or (rt.NULL, rt.NULL, np.int64(0), np.int64(0), np.int32(0), np.int32(0))
         self.sparse_smem = 4 * int(sparse[-1]) if sparse else 0   # the CTA's staged block ids (n_k_blocks ints)
         # CTA order: sections of (b, h) pairs whose K and V (max_k keys each) fit in half of L2.
         kv_bytes = 2 * max_k * D * q.dtype.itemsize
@@ -519,9 +518,8 @@ def _flash_fast(key, q, k, v, return_lse):
             return None
     o = cp.empty(q.shape, dtype=q.dtype)
     lse = cp.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=cp.float32) if return_lse else None
-    null = np.uint64(0)
     if launch is None:
-        args = (q, k, v, o, null if lse is None else lse, null, null) + scalars + maps
+        args = (q, k, v, o, rt.NULL if lse is None else lse, rt.NULL, rt.NULL) + scalars + maps
         if _plans.kernel_ptr(kern) is None:  # no driver handle: CuPy's kernel call
             kern(grid, block, args, shared_mem=smem)
             return (o, lse) if lse is not None else o

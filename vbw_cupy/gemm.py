@@ -649,7 +649,6 @@ def _fp8_smem(bn: int) -> int:
     return _FP8_STAGES * (128 + bn) * 128 + 1024 + 16 * _FP8_STAGES
 # MXFP4 x MXFP4 on sm_90 runs fp8_gemm.cu (False: the float32 path, for A/B runs)
 _W4A4_FP8 = True
-_NULL = np.uint64(0)
 
 
 def _fp8_instances() -> list[tuple[str, str]]:
@@ -733,7 +732,7 @@ def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
     flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
     tiles = rt.cdiv(M, 128) * rt.cdiv(N, bn)
     rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{bn}, {_FP8_STAGES}>", _EXTRA_OPTIONS),
-              (tiles,), (256,), (tm_a, tm_w, mult, row_bad, w_scale, _NULL if bias is None else bias, out,
+              (tiles,), (256,), (tm_a, tm_w, mult, row_bad, w_scale, rt.NULL if bias is None else bias, out,
                                  np.int32(M), np.int32(N), np.int32(kp // 32), np.int32(flags)),
               shared_mem=_fp8_smem(bn))
     return out

@@ -195,7 +195,7 @@ def _sparse_gpu(q, k, v, indptr, indices, *, block_q, block_k, causal, softmax_s
         wg = _wg_config(q, k, v, o, shape.block_q, shape.block_k, causal, Sq, Sk, shape.n_k_blocks)
         if wg is not None:
             per = shape.patterns > 1
-            sp = (ptr_d, idx_d if idx_d.size else np.uint64(0), np.int64(shape.n_q_blocks + 1 if per else 0),
+            sp = (ptr_d, idx_d if idx_d.size else rt.NULL, np.int64(shape.n_q_blocks + 1 if per else 0),
                   np.int64(shape.nnz if per else 0), np.int32(shape.nnz), np.int32(shape.n_k_blocks))
             launch = _attn._Launch(q, k, v, o, lse, None, None, B, Sq, Sk, Sq, Sk, Hq, Hkv, D, scale, -1,
                                    0 if causal else -1, softcap, Sq, sparse=sp)
@@ -206,9 +206,8 @@ def _sparse_gpu(q, k, v, indptr, indices, *, block_q, block_k, causal, softmax_s
         bn = block_n(hd, shape.block_q, limits["smem_optin"])
         kern = rt.get_kernel(SOURCE, instance_name(q.dtype, hd, shape.block_q, bn, vec))
         mode, scale_log2, pre = _attn.score_transform(scale, softcap)
-        null = np.uint64(0)
         i32 = np.int32
-        args = (q, k, v, o, null if lse is None else lse, ptr_d, idx_d if idx_d.size else null,
+        args = (q, k, v, o, rt.NULL if lse is None else lse, ptr_d, idx_d if idx_d.size else rt.NULL,
                 i32(Sq), i32(Sk), i32(Hq), i32(Hq // Hkv), i32(Hkv), i32(D), i32(shape.n_q_blocks),
                 i32(shape.n_k_blocks), i32(shape.nnz), i32(shape.patterns > 1), i32(int(math.log2(shape.block_k))),
                 i32(causal), np.float32(scale_log2), i32(mode), np.float32(pre), np.int64(Hq * D), np.int64(Hkv * D),

@@ -40,7 +40,6 @@ _THREADS = 256
 #: weight storage on the GPU: dense float16 (cuBLAS) or FP4 (fp4_matmul)
 GPU_WEIGHT_FORMATS = ("fp16", "nvfp4", "mxfp4")
 _ACT = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
-_NULL = np.uint64(0)  # a null pointer argument
 # The decode graph launches the kernels that allow it as programmatic dependents (cuda_src/pdl.cuh): each one's
 # launch and weight loads overlap the kernel before it. False: plain launches (A/B runs; read at capture).
 _PDL = True
@@ -174,7 +173,7 @@ class LlamaGPU:
         cp = rt.cupy
         out = cp.empty(x.shape, dtype=self.act_dtype)
         rt.launch(_kernel(f"add_rmsnorm<{self._t}, {self._t}>"), (x.shape[0],), (1024,),
-                  (x, _NULL if delta is None else delta, w, out, np.int32(x.shape[1]), np.float32(self.config.norm_eps)))
+                  (x, rt.NULL if delta is None else delta, w, out, np.int32(x.shape[1]), np.float32(self.config.norm_eps)))
         return out
 
     def _embed(self, ids):
@@ -193,8 +192,8 @@ class LlamaGPU:
         v = cp.empty((T, c.n_kv_heads, D), dtype=self.act_dtype) if packed_kv else None
         bt = cache.block_table
         rt.launch(_kernel(f"rope_store<{self._t}>"), (T, c.n_heads + c.n_kv_heads), (D // 2,),
-                  (qkv, pos, slots, self.rope, np.int32(c.seq_len), q, _NULL if k is None else k,
-                   _NULL if v is None else v, cache.k[layer], cache.v[layer], bt,
+                  (qkv, pos, slots, self.rope, np.int32(c.seq_len), q, rt.NULL if k is None else k,
+                   rt.NULL if v is None else v, cache.k[layer], cache.v[layer], bt,
                    np.int32(bt.shape[0]), np.int32(bt.shape[1]), np.int32(cache.num_blocks),
                    np.int32(cache.block_size), np.int32(c.n_heads), np.int32(c.n_kv_heads), np.int32(D),
                    np.int32(0 if c.rope_style == "adjacent" else 1), _errors.buffer(cp.cuda.Device().id)))
