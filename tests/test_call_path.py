@@ -415,21 +415,3 @@ def test_gpu_programmatic_launches_equal_plain_launches():
     assert np.isfinite(plain).all()
     vc.check_errors()
 
-
-@pytest.mark.parametrize("driver,want", [(12020, False), (12030, True), (13000, True)])
-def test_programmatic_launches_need_a_cuda_12_3_driver(monkeypatch, driver, want):
-    """Older drivers cannot capture programmatic launches into a graph: the model's capture stays plain there."""
-    import types
-    from vbw_cupy import _runtime as rt
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
-        driverGetVersion=lambda: driver)))
-    monkeypatch.setattr(rt, "cupy", fake)
-    monkeypatch.setattr(rt, "_launch_kernel_ex", lambda: ("fn", "Config", "Attr"))
-    rt._pdl_driver_ok.cache_clear()
-    try:
-        assert not rt.pdl_enabled()
-        with rt.programmatic_launches():
-            assert rt.pdl_enabled() is want
-        assert not rt.pdl_enabled()
-    finally:
-        rt._pdl_driver_ok.cache_clear()

@@ -525,3 +525,18 @@ def test_ctype_memo():
     for _ in range(2):
         with pytest.raises(TypeError, match="no CUDA type"):
             rt.ctype(np.int32)
+
+
+@pytest.mark.parametrize("driver,want", [(12020, False), (12030, True), (13000, True)])
+def test_programmatic_launches_need_a_cuda_12_3_driver(monkeypatch, driver, want):
+    """Older drivers cannot capture programmatic launches into a graph: the model's capture stays plain there."""
+    monkeypatch.setattr(rt, "_driver_version", lambda: driver)
+    monkeypatch.setattr(rt, "_launch_kernel_ex", lambda: ("fn", "Config", "Attr"))
+    rt._pdl_driver_ok.cache_clear()
+    try:
+        assert not rt.pdl_enabled()
+        with rt.programmatic_launches():
+            assert rt.pdl_enabled() is want
+        assert not rt.pdl_enabled()
+    finally:
+        rt._pdl_driver_ok.cache_clear()

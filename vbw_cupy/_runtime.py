@@ -456,12 +456,17 @@ class programmatic_launches:
 _PDL_MIN_DRIVER = 12030  # programmatic launches inside a captured graph need a CUDA 12.3 driver or newer
 
 
+def _driver_version() -> int:
+    """The CUDA driver's version (12030 for 12.3), 0 where it cannot be asked."""
+    try:
+        return int(cupy.cuda.runtime.driverGetVersion())
+    except Exception:
+        return 0
+
+
 @functools.lru_cache(maxsize=None)
 def _pdl_driver_ok() -> bool:
-    try:
-        return int(cupy.cuda.runtime.driverGetVersion()) >= _PDL_MIN_DRIVER
-    except Exception:
-        return False
+    return _driver_version() >= _PDL_MIN_DRIVER
 
 
 def pdl_enabled() -> bool:
