@@ -293,15 +293,21 @@ def _to_host(x):
     return np.asarray(x)
 
 
-def _check_cu_seqlens(name, cu, total, tokens_name):
-    cu = _to_host(cu).astype(np.int64)
-    if cu[0] != 0:
-        raise ValueError(f"{name}: expected offsets starting at 0, got {int(cu[0])} first")
-    steps = np.diff(cu)
+def _check_offsets(name, offs, position="index", where=""):
+    """Host int64 offsets `offs` start at 0 and never decrease; the message names `position` (what an index of
+    offs is) and ends with `where` (which of several rows)."""
+    if offs[0] != 0:
+        raise ValueError(f"{name}: expected offsets starting at 0, got {int(offs[0])} first{where}")
+    steps = np.diff(offs)
     if (steps < 0).any():
         at = int(np.argmax(steps < 0))
-        raise ValueError(f"{name}: expected non-decreasing offsets, got {int(cu[at])} then {int(cu[at + 1])} "
-                         f"at index {at}")
+        raise ValueError(f"{name}: expected non-decreasing offsets, got {int(offs[at])} then {int(offs[at + 1])} "
+                         f"at {position} {at}{where}")
+
+
+def _check_cu_seqlens(name, cu, total, tokens_name):
+    cu = _to_host(cu).astype(np.int64)
+    _check_offsets(name, cu)
     if cu[-1] != total:
         raise ValueError(f"{name}: expected the last offset to equal {tokens_name}'s packed length {total}, "
                          f"got {int(cu[-1])}")
@@ -544,13 +550,7 @@ def check_sparse_values(indptr, indices, n_k_blocks):
     where = (lambda p: "" if ptr.shape[0] == 1 else f" of pattern {np.unravel_index(p, indptr.shape[:-1])}")
     for p in range(ptr.shape[0]):
         row = ptr[p]
-        if row[0] != 0:
-            raise ValueError(f"indptr: expected offsets starting at 0, got {int(row[0])}{where(p)}")
-        steps = np.diff(row)
-        if (steps < 0).any():
-            at = int(np.argmax(steps < 0))
-            raise ValueError(f"indptr: expected non-decreasing offsets, got {int(row[at])} then {int(row[at + 1])} "
-                             f"at query block {at}{where(p)}")
+        _check_offsets("indptr", row, "query block", where(p))
         if row[-1] > nnz:
             raise ValueError(f"indptr: expected offsets up to the length of indices ({nnz}), got {int(row[-1])}"
                              f"{where(p)}")
