@@ -48,7 +48,7 @@
 //      (239-556 TFLOP/s); vs cuDNN 0.66-0.93x.
 //   The SPARSE instance of attn_fwd_wg (block_sparse_attention) came after v5; the dense instances are unchanged.
 //   SPARSE: Q's TMA load issued before the block list is read (H100, S = 16k, D = 128, 10% of the blocks, one
-//   run: 0.131-0.133x the dense time vs 0.145x with Q after the list; switch VBW_SPARSE_LATE_Q).
+//   run: 0.131-0.133x the dense time vs 0.145x with Q after the list).
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks
@@ -450,11 +450,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const int* sp_list = nullptr;
   // The TMA mbarriers follow the K/V slots: [0] Q, [1 + s] K of slot s, [1 + STAGES + s] V of slot s.
   const u32 bar = sK + 2 * STAGES * KV_BYTES;
-#ifdef VBW_SPARSE_LATE_Q  // (A/B: Q after the list, as the dense path)
-  constexpr bool EARLY_Q = false;
-#else
   constexpr bool EARLY_Q = SPARSE && TMA;
-#endif
   if constexpr (EARLY_Q) {
     // Q does not depend on the block list: its load is issued before the list is read, so the two latencies
     // overlap (dense layout only). Every way out below waits for it first (a CTA must not exit, nor reuse Q's

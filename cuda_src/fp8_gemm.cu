@@ -34,8 +34,8 @@
 //      14336x4096 526 (0.67x), 4096x14336 704 (0.95x), bias + SiLU 506 (the per-element epilogue); a tile
 //      with a chunk that does not fit (per-32 path) 462. W4A16 on the dequantized activations: 721.
 //   v3 thread 0 issues the free buffers without waiting (a blocking refill tied the two warpgroups together),
-//      staged epilogue with 16-byte stores: +2-3% and +7-18% in one run (A/B switches VBW_FP8_BLOCKING,
-//      VBW_FP8_DIRECT_EPI). BN = 192 with one partial set: +9-15% over BN = 128 in one run; that run (a slower
+//      staged epilogue with 16-byte stores: +2-3% and +7-18% in one run (A/B by compile switches, since
+//      removed). BN = 192 with one partial set: +9-15% over BN = 128 in one run; that run (a slower
 //      lease): 8192^2 624-636 (0.83-0.86x cuBLAS fp16), 14336x4096 535-544 (0.75x), 4096x14336 580-591 (0.79x).
 //   Next (notes/kernel-history.md): wider tiles, persistent CTAs overlapping the epilogue, TMA multicast.
 #include <cuda_fp16.h>
@@ -245,11 +245,7 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     while (next < nkt) {
       const int j = next - STAGES;  // the tile that last used next's buffer
       const u32 bar = empty0 + 8 * (j % STAGES), parity = (u32)(j / STAGES) & 1u;
-#ifdef VBW_FP8_BLOCKING  // (A/B: wait for every refill, as v2)
-      if (next <= need + 3) vbw::mbar_wait(bar, parity);
-#else
       if (next <= need) vbw::mbar_wait(bar, parity);
-#endif
       else if (!vbw::mbar_test(bar, parity)) break;
       load(next++);
     }
@@ -365,22 +361,6 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     }
   }
 
-#ifdef VBW_FP8_DIRECT_EPI  // (A/B: v2's per-element epilogue)
-#pragma unroll
-  for (int i = 0; i < BN / 8; ++i) {
-    const int n = n0 + 8 * i + 2 * t;
-    if (n >= N) continue;
-    const float s0 = w_scale[n], s1 = n + 1 < N ? w_scale[n + 1] : 0.f;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = h ? mr1 : mr0;
-      if (m >= M) continue;
-      vbw_gemm::store_out(out, bias, flags, n, m, N, acc[4 * i + 2 * h] * s0);
-      if (n + 1 < N) vbw_gemm::store_out(out, bias, flags, n + 1, m, N, acc[4 * i + 2 * h + 1] * s1);
-    }
-  }
-  return;
-#endif
   // Epilogue through the drained ring: accumulator acc[4i + e] is tile row cw * 64 + 16 warp + g + 8 (e >> 1),
   // column 8i + 2t + (e & 1); the fp32 tile goes to shared memory, then each thread finishes 8 consecutive
   // columns of a row (weight row scale, bias, activation) and writes them with one 16-byte store.
