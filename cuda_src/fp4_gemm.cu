@@ -311,6 +311,47 @@ __global__ void fp4_gemm_prepare(const u8* __restrict__ data, const u8* __restri
   }
 }
 
+// Scale range of a weight, for gemm._scale_info (once per weight): out[0] = max, out[1] = min of
+// floor(log2(block scale)) over the live blocks (a nonzero E2M1 code and, NVFP4, a positive scale), out[2] = 1
+// if any block scale (live or not) is NaN (MXFP4 255; NVFP4 0x7F / 0xFF) or negative (NVFP4 >= 0x80).
+// data: [nblocks][BLK / 2] bytes, scales: [nblocks], both contiguous. out starts at {-2^30, 2^30, 0}.
+template <int BLK>
+__global__ void fp4_scale_range(const u8* __restrict__ data, const u8* __restrict__ scales, long long nblocks,
+                                int* __restrict__ out) {
+  int emax = -(1 << 30), emin = 1 << 30, bad = 0;
+  for (long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x; b < nblocks;
+       b += (long long)gridDim.x * blockDim.x) {
+    const u32 sc = scales[b];
+    int e = 0;
+    bool pos = true;
+    if (BLK == 32) {
+      bad |= sc == 255u;
+      e = (int)sc - 127;
+    } else {
+      bad |= sc >= 0x7Fu;
+      const int ex = (int)(sc >> 3) & 15, m = (int)(sc & 7u);
+      pos = sc != 0u && sc < 0x7Fu;
+      e = ex ? ex - 7 : (m >= 4 ? -7 : m >= 2 ? -8 : -9);  // subnormal m * 2^-9
+    }
+    bool live = false;
+    const u8* p = data + b * (BLK / 2);
+#pragma unroll
+    for (int i = 0; i < BLK / 2; ++i) live |= (p[i] & 0x77u) != 0u;
+    if (live && pos) {
+      emax = max(emax, e);
+      emin = min(emin, e);
+    }
+  }
+  emax = __reduce_max_sync(0xffffffffu, emax);
+  emin = __reduce_min_sync(0xffffffffu, emin);
+  bad = __reduce_or_sync(0xffffffffu, (unsigned)bad);
+  if ((threadIdx.x & 31) == 0) {
+    atomicMax(out, emax);
+    atomicMin(out + 1, emin);
+    if (bad) atomicOr(out + 2, 1);
+  }
+}
+
 // A thread's share of one pipeline stage's weight copies (16 bytes each; CPR per 16-row group, CPA per
 // atom): the byte offset of each copy without the k-tile, its atom within the stage, and a bit per copy
 // that lies inside the weight. Fixed over the k-tiles, so the k-loop only adds the tile's offset.

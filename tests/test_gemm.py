@@ -311,6 +311,58 @@ def test_fp32_partial_mode_for_wide_scale_ranges():
                 assert err <= bound, (fmt, dtype, cfg, err, bound)
 
 
+def _scale_info_host(data, scales, fmt, blk):
+    """gemm._scale_info's answer from NumPy: (c, fp16_ok, bf16_ok)."""
+    sc = scales.reshape(-1)
+    live = ((data.reshape(sc.size, blk // 2) & 0x77) != 0).any(axis=1)
+    if fmt == "mxfp4":
+        if (sc == 255).any():
+            return 0, False, False
+        e = sc.astype(np.int64) - 127
+    else:
+        if (sc >= 0x7F).any():
+            return 0, False, False
+        s = sc.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        live &= s > 0
+        e = np.floor(np.log2(np.where(s > 0, s, 1))).astype(np.int64)
+    if not live.any():
+        return 0, True, True
+    c = int(e[live].max()) - 1
+    emin = int(e[live].min())
+    return c, emin - c >= -13, emin - c >= -29
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_scale_info_kernel_matches_host(fmt):
+    """fp4_scale_range over hand-built weights: every legal scale code (E4M3 subnormals included), dead blocks
+    (all-zero codes, or only the sign bits), dead blocks with extreme scales, NaN / negative codes."""
+    cp = rt.require_cupy()
+    blk = 16 if fmt == "nvfp4" else 32
+    rng = np.random.default_rng(11)
+    N, K = 77, 40 * blk
+    for case in range(6):
+        data = rng.integers(0, 256, (N, K // 2), dtype=np.uint8)
+        hi = 0x7F if fmt == "nvfp4" else 255
+        scales = rng.integers(0, hi, (N, K // blk), dtype=np.uint8)
+        if case == 1:  # a narrow range
+            scales = rng.integers(100, 104, (N, K // blk), dtype=np.uint8)
+        if case >= 2:  # dead blocks, some holding the extreme codes that must not count
+            dead = rng.random((N, K // blk)) < 0.5
+            d3 = data.reshape(N, K // blk, blk // 2)
+            d3[dead] = np.where(rng.random(d3[dead].shape) < 0.5, 0x88, 0).astype(np.uint8)
+            scales[dead & (rng.random(dead.shape) < 0.5)] = 1
+            scales[dead & (rng.random(dead.shape) < 0.3)] = hi - 1
+        if case == 3:
+            data[:] = 0x80
+        if case == 4:
+            scales[rng.integers(N), rng.integers(K // blk)] = 0xFF if fmt == "mxfp4" else rng.choice([0x7F, 0x93, 0xFF])
+        if case == 5 and fmt == "nvfp4":
+            scales = rng.integers(0, 8, (N, K // blk), dtype=np.uint8)  # zero and subnormal scales only
+        w = FP4Tensor(cp.asarray(data), cp.asarray(scales), 1.0, fmt, (N, K))
+        assert gemm._scale_info(w) == _scale_info_host(data, scales, fmt, blk), (fmt, case)
+
+
 @pytest.mark.gpu
 def test_mxfp4_nan_block_propagates():
     cp = rt.require_cupy()

@@ -246,6 +246,7 @@ def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
     for blk in (16, 32):
         for mode in (_SIR, _FPP):
             out.append((_SOURCE, f"{_NS}fp4_gemm_prepare<{blk}, {mode}>"))
+        out.append((_SOURCE, f"{_NS}fp4_scale_range<{blk}>"))
         for T in ("__half", "__nv_bfloat16"):
             for name, cfg in TILES.items():
                 if cfg["KIND"] in _WG and not hopper:
@@ -266,34 +267,25 @@ def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------------------------------- weights
 def _scale_info(w):
     """(c, fp16_ok, bf16_ok): c = floor(log2(largest live block scale)) - 1; *_ok: every live block's
-    scale * 2^-c has a code for the scale-in-register mode of that dtype (see fp4_gemm.cu)."""
+    scale * 2^-c has a code for the scale-in-register mode of that dtype (see fp4_gemm.cu). One kernel
+    (fp4_scale_range) and one 12-byte copy, once per weight."""
     cp = rt.require_cupy()
     key = "gemm_v1_info"
     if key in w._cache:
         return w._cache[key]
-    N, blk = w.shape[0], w.block_size
-    sc = w.scales.reshape(N, -1)
-    live = ((w.data.reshape(N, sc.shape[1], blk // 2) & 0x77) != 0).any(axis=2)
-    if w.format == "mxfp4":
-        if bool((sc == 255).any()):
-            info = (0, False, False)
-            w._cache[key] = info
-            return info
-        e = sc.astype(cp.int32) - 127
-    else:
-        if bool((sc >= 0x7F).any()):  # NaN (0x7F, 0xFF) or negative E4M3 scales: only the fp32-partial mode
-            info = (0, False, False)
-            w._cache[key] = info
-            return info
-        lut = cp.asarray(ref.e4m3_decode(np.arange(256)).astype(np.float32))
-        s = lut[sc]
-        live &= s > 0
-        e = cp.frexp(cp.where(s > 0, s, 1).astype(cp.float32))[1].astype(cp.int32) - 1
-    if not bool(live.any()):
+    nblocks = w.scales.size
+    out = cp.array([-(1 << 30), 1 << 30, 0], dtype=cp.int32)
+    if nblocks:
+        threads = 256
+        grid = min(rt.cdiv(nblocks, threads), 4096)
+        rt.launch(rt.get_kernel(_SOURCE, f"{_NS}fp4_scale_range<{w.block_size}>"), (grid,), (threads,),
+                  (w.data, w.scales, np.int64(nblocks), out))  # both dense (FP4Tensor)
+    emax, emin, bad = (int(v) for v in out.get())
+    if bad:  # NaN or negative block scales: only the fp32-partial mode
+        info = (0, False, False)
+    elif emax < emin:  # no live block
         info = (0, True, True)
     else:
-        emax = int(cp.where(live, e, -10**6).max())
-        emin = int(cp.where(live, e, 10**6).min())
         c = emax - 1
         info = (c, emin - c >= -13, emin - c >= -29)
     w._cache[key] = info
