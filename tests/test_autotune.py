@@ -383,6 +383,7 @@ def test_gpu_probe_tuning_beats_default_and_is_reused(tmp_path, monkeypatch):
     n_cands = len(at.get("autotune_probe").candidates)  # the sweep, plus the confirmation when a non-default wins
     assert s["tuned"] == 1 and s["timer_calls"] in (n_cands, n_cands + 2 * at.CONFIRM_ROUNDS), s
     assert s["failed"] == 0
+    assert s["compiled"] == len(at.kernel_instances())  # every candidate compiled up front, together
     assert tune_s < 60, tune_s                       # includes NVRTC compiles of 20 instances
     cp.testing.assert_allclose(y, 2.0 * x + 1.0, rtol=1e-6)   # every element written, correct
     default = at.default_config("autotune_probe")
@@ -423,6 +424,51 @@ def test_gpu_unlaunchable_candidate_is_unusable_not_a_crash(tmp_path, monkeypatc
         cp.testing.assert_allclose(y, 2.0 * x + 1.0, rtol=1e-6)
     finally:
         at._registry.pop("autotune_probe_bad", None)
+
+
+def test_candidates_compile_together_before_timing(env, monkeypatch):
+    """pick runs each candidate once under rt.collecting(), compiles what they asked for in one compile_many
+    call, and goes again for kernels a run reaches only after its first (here: a second kernel per config),
+    before the first timed launch; a candidate that fails otherwise is left to the timing."""
+    from vbw_cupy import _runtime as rt
+    compiled, batches = set(), []
+
+    def kernel(name):
+        if rt._collect.__dict__.get("on") and name not in compiled:
+            raise rt.NeedsCompile(("probe.cu", name, 90, ()))
+
+    def run(c):
+        if c["BM"] == 256:
+            raise RuntimeError("cudaErrorLaunchOutOfResources")  # never compiles anything
+        kernel(f"main<{c['BM']}, {c['W']}>")
+        kernel("reduce")
+
+    def compile_many(jobs, desc):
+        assert not env.calls, "compiled after timing began"
+        batches.append(sorted(j[1] for j in jobs))
+        compiled.update(j[1] for j in jobs)
+        return []
+
+    monkeypatch.setattr(rt, "compile_many", compile_many)
+    at.pick("t_fake", {"M": 64, "K": 128}, "float16", run)
+    fitting = [c for c in CANDS if c["BM"] * c["W"] * 256 <= FAKE_DEVICE["limits"]["smem_optin"] and c["BM"] != 256]
+    assert batches == [sorted(f"main<{c['BM']}, {c['W']}>" for c in fitting), ["reduce"]]
+    assert at.stats()["compiled"] == len(fitting) + 1 and at.stats()["failed"] >= 1
+
+
+def test_candidate_compile_stops_when_nothing_is_kept(env, monkeypatch):
+    """A cache that cannot keep what was compiled (a read-only directory) asks for the same kernels again: the
+    rounds stop there and the timing compiles them."""
+    from vbw_cupy import _runtime as rt
+    batches = []
+
+    def run(c):
+        if rt._collect.__dict__.get("on"):
+            raise rt.NeedsCompile(("probe.cu", "k", 90, ()))
+
+    monkeypatch.setattr(rt, "compile_many", lambda jobs, desc: batches.append(jobs) or [])
+    at.pick("t_fake", {"M": 64, "K": 128}, "float16", run)
+    assert len(batches) == 1 and env.calls
 
 
 def test_cached_config_this_version_does_not_declare_is_retuned(env):

@@ -20,6 +20,7 @@ directory that cannot be used (a file in its place, read-only) means no disk cac
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -264,7 +265,8 @@ class CubinKernel:
 
 def get_kernel(filename: str, name: str, extra_options: tuple[str, ...] = ()):
     """The kernel `name` (a template instance such as ``"quantize_mx<__half>"``) from cuda_src/<filename>,
-    compiled for the current device and cached in memory and on disk."""
+    compiled for the current device and cached in memory and on disk. Inside ``collecting()``, a kernel in
+    neither cache raises NeedsCompile instead of compiling."""
     cp = require_cupy()
     dev = cp.cuda.Device().id
     key = (dev, filename, name, tuple(extra_options))
@@ -276,12 +278,41 @@ def get_kernel(filename: str, name: str, extra_options: tuple[str, ...] = ()):
         if fn is not None:
             return fn
         from ._device import device_arch  # _device imports this module; raises for GPUs below sm_80
-        cubin, lowered = _cached_cubin(filename, name, device_arch(dev), tuple(extra_options))
-        fn = CubinKernel(cubin, lowered)
-        fn.pdl = device_arch(dev) >= 90 and name.startswith(PDL_KERNELS)
+        arch = device_arch(dev)
+        job = (filename, name, arch, tuple(extra_options))
+        got = _cached_cubin(*job, compile=not getattr(_collect, "on", False))
+        if got is None:
+            raise NeedsCompile(job)
+        fn = CubinKernel(*got)
+        fn.pdl = arch >= 90 and name.startswith(PDL_KERNELS)
         fn.kernel  # load now: a bad image fails here, not at some later launch
         _modules[key] = fn
         return fn
+
+
+class NeedsCompile(Exception):
+    """Raised by get_kernel inside ``collecting()`` for a kernel that is not compiled yet; ``job`` is
+    (filename, instance, arch, options), what ``compile_many`` takes."""
+
+    def __init__(self, job):
+        super().__init__(f"{job[1]} ({job[0]}, sm_{job[2]}) is not compiled yet")
+        self.job = job
+
+
+_collect = threading.local()
+
+
+@contextlib.contextmanager
+def collecting():
+    """Within this block (this thread), get_kernel loads what is cached and raises NeedsCompile for anything
+    else: the autotuner runs each candidate once this way to learn which kernels it needs, then compiles them
+    all at once with compile_many."""
+    before = getattr(_collect, "on", False)
+    _collect.on = True
+    try:
+        yield
+    finally:
+        _collect.on = before
 
 
 def kernel_cache_dir() -> pathlib.Path | None:
@@ -327,8 +358,10 @@ def read_cached_cubin(cubin_path: pathlib.Path, name_path: pathlib.Path) -> tupl
     return cubin, lowered, ""
 
 
-def _cached_cubin(filename, name, arch, extra_options) -> tuple[bytes, str]:
-    """(cubin, lowered name) from the disk cache, or compiled and stored there."""
+def _cached_cubin(filename, name, arch, extra_options, compile: bool = True,
+                  notice: bool = True) -> tuple[bytes, str] | None:
+    """(cubin, lowered name) from the disk cache, or compiled and stored there (None without `compile`).
+    `notice`: say on stderr when a compile takes longer than 2 s."""
     d = kernel_cache_dir()
     if d is not None:
         dkey = _disk_key(filename, name, arch, extra_options)
@@ -339,7 +372,10 @@ def _cached_cubin(filename, name, arch, extra_options) -> tuple[bytes, str]:
         if why:
             warn_once(f"bad:{cubin_path}", f"vbw_cupy: the cached kernel {cubin_path} ({name}, sm_{arch}) is "
                                            f"unusable: {why}; recompiling it")
-    with _progress.notice(f"compiling {name} ({filename}, sm_{arch}; `vbw-cupy warmup` compiles ahead of time)"):
+    if not compile:
+        return None
+    with (_progress.notice(f"compiling {name} ({filename}, sm_{arch}; `vbw-cupy warmup` compiles ahead of time)")
+          if notice else contextlib.nullcontext()):
         cubin, lowered_map = compile_cubin(filename, [name], arch, extra_options)
     lowered = lowered_map[name]
     if d is not None:
@@ -352,40 +388,49 @@ def _cached_cubin(filename, name, arch, extra_options) -> tuple[bytes, str]:
     return cubin, lowered
 
 
-def _precompile_one(job):
+def _compile_one(job):
     filename, name, arch, extra = job
-    t0 = time.perf_counter()
     try:
-        _cached_cubin(filename, name, arch, extra)
-        return name, time.perf_counter() - t0, None
-    except Exception as e:  # reported by precompile(), never fatal there
-        return name, time.perf_counter() - t0, f"{type(e).__name__}: {str(e)[:2000]}"
+        _cached_cubin(filename, name, arch, extra, notice=False)
+        return name, None
+    except Exception as e:  # reported by the caller, never fatal there
+        return name, f"{type(e).__name__}: {str(e)[:2000]}"
+
+
+def compile_many(jobs, desc: str = "compiling", workers: int | None = None, progress: bool = True
+                 ) -> list[tuple[str, str]]:
+    """Compile (filename, instance, arch, options) jobs into the disk cache on a pool of threads (NVRTC
+    releases the GIL, so they run in parallel; no processes, so nothing is re-imported and a user's script
+    needs no ``__main__`` guard). Returns [(instance, error)] for failures. With `progress`, a bar on stderr
+    once it has taken 2 s."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+    jobs = sorted(set(jobs))
+    if not jobs:
+        return []
+    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs), 16))
+    with ThreadPoolExecutor(workers, thread_name_prefix="vbw_cupy-nvrtc") as ex:
+        done = as_completed([ex.submit(_compile_one, j) for j in jobs])
+        if progress:
+            done = _progress.bar(done, len(jobs), desc)
+        res = [f.result() for f in done]
+    return sorted((n, e) for n, e in res if e)
 
 
 def precompile(instances, arch: int | None = None, extra_options: tuple[str, ...] = (), workers: int | None = None,
                progress: bool = True) -> list[tuple[str, str]]:
-    """Compile (filename, instance) pairs into the disk cache in parallel processes, so later
-    get_kernel calls load instead of compiling one at a time. Returns [(instance, error)] for failures.
-    Needs no GPU when `arch` is given. With `progress`, a bar on stderr once it has taken 2 s (tqdm's, or plain
-    lines without tqdm) and a summary line at the end."""
-    import multiprocessing as mp
+    """Compile (filename, instance) pairs into the disk cache in parallel (compile_many), so later get_kernel
+    calls load instead of compiling one at a time. Returns [(instance, error)] for failures. Needs no GPU
+    when `arch` is given. With `progress`, a bar on stderr once it has taken 2 s and a summary line."""
     from ._device import device_arch  # _device imports this module
     arch = device_arch() if arch is None else arch
     jobs = sorted({(f, n, arch, tuple(extra_options)) for f, n in instances})
-    t0 = time.perf_counter()
-    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs), 16))
     if not jobs:
         return []
-    with mp.get_context("spawn").Pool(workers) as pool:
-        res = pool.imap_unordered(_precompile_one, jobs)
-        if progress:
-            res = _progress.bar(res, len(jobs), f"compiling for sm_{arch}")
-        res = list(res)
-    bad = sorted((n, e) for n, _, e in res if e)
+    t0 = time.perf_counter()
+    bad = compile_many(jobs, f"compiling for sm_{arch}", workers=workers, progress=progress)
     if progress:
         print(f"precompiled {len(jobs) - len(bad)}/{len(jobs)} kernel instances for sm_{arch} in "
-              f"{time.perf_counter() - t0:.1f} s ({workers} processes)" +
-              "".join(f"\n  FAILED {n}: {e}" for n, e in bad), flush=True)
+              f"{time.perf_counter() - t0:.1f} s" + "".join(f"\n  FAILED {n}: {e}" for n, e in bad), flush=True)
     return bad
 
 

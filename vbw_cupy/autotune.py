@@ -28,9 +28,10 @@ caller's own arrays::
 - ``VBW_CUPY_AUTOTUNE=0``: the per-arch default (``default_config``); nothing is ever timed.
 - a cache hit: memory first, then ``$VBW_CUPY_CACHE_DIR/autotune.json`` (re-read on every memory miss, so a
   key another process tuned meanwhile is reused).
-- otherwise (``VBW_CUPY_AUTOTUNE=1``, the default) it tunes: every candidate that passes ``fits`` (plus the
-  default, always timed first) is run with CUDA events on the current stream: one warm-up launch (this is
-  where NVRTC compiles the instance), then the median of 3..50 timed launches, with a scratch buffer of twice
+- otherwise (``VBW_CUPY_AUTOTUNE=1``, the default) it tunes: first the kernels of every candidate that passes
+  ``fits`` are compiled together on parallel threads (``_compile_candidates``: each candidate runs once under
+  ``rt.collecting()``, which names the kernels it needs without compiling them); then each candidate (the
+  default, always timed first) is run with CUDA events on the current stream: one warm-up launch, then the median of 3..50 timed launches, with a scratch buffer of twice
   the device's L2 written before every timed launch (outside the timed interval) so no config wins from a warm
   L2 (a Tunable with ``warm_l2=True`` is timed instead on WARM_INNER back-to-back launches per sample, the
   steady state of repeated calls). Repetitions are capped by measured time: tuning one key costs about
@@ -40,6 +41,8 @@ caller's own arrays::
   While the current stream is capturing a CUDA graph, a miss returns the default without timing.
 
 Rules for the ``run`` closure (kernel authors, read this):
+- it must let ``rt.NeedsCompile`` through (no bare ``except Exception`` around its launches): that is how the
+  tuner learns which kernels to compile before timing;
 - it must be idempotent: it runs many times, so it must not accumulate into its output (zero it inside
   ``run`` if the kernel accumulates, e.g. split-K with atomics) and must not modify its inputs;
 - any exception it raises (NVRTC ``CompileError``, ``cudaErrorLaunchOutOfResources``, too many threads,
@@ -276,7 +279,8 @@ _picked: dict[tuple, dict] = {}
 _MAX_PICKED = 4096
 # Bumped whenever a stored config may change: launch-plan caches in the op modules include it in their keys.
 _generation = 0
-_stats = {"timer_calls": 0, "tuned": 0, "memory_hits": 0, "disk_hits": 0, "defaults": 0, "failed": 0}
+_stats = {"timer_calls": 0, "tuned": 0, "memory_hits": 0, "disk_hits": 0, "defaults": 0, "failed": 0,
+          "compiled": 0}
 
 
 def cache_path() -> pathlib.Path:
@@ -285,7 +289,7 @@ def cache_path() -> pathlib.Path:
 
 def stats() -> dict:
     """Counters since import / reset(): timer_calls, tuned (keys), memory_hits, disk_hits, defaults, failed
-    (candidates scored unusable)."""
+    (candidates scored unusable), compiled (kernels compiled in parallel before timing)."""
     return dict(_stats)
 
 
@@ -469,6 +473,37 @@ def _unique(cfgs) -> list[dict]:
     return out
 
 
+def _sticky_error(t: Tunable, cfg: dict, e: BaseException) -> RuntimeError:
+    return RuntimeError(f"vbw_cupy.autotune: {t.name} config {cfg} hit a sticky CUDA error ({e}); the CUDA context "
+                        "is lost and this process cannot launch kernels any more. The kernel must handle every "
+                        "candidate it lists (or prune it in fits).")
+
+
+def _compile_candidates(t: Tunable, run, cands) -> None:
+    """Compile the kernels of all candidates at once, on parallel threads, before they are timed one by one:
+    each candidate runs once under rt.collecting() (cached kernels load and launch; the first one not compiled
+    stops the run with NeedsCompile), what was asked for is compiled together (rt.compile_many), and again
+    for kernels a run reaches only after another (a layout kernel before the GEMM, a split-K reduction
+    after it), at most 4 rounds. Any other error is left to the timing, which scores the candidate."""
+    tried: set = set()
+    for _ in range(4):
+        need = set()
+        for c in cands:
+            try:
+                with rt.collecting():
+                    run(c)
+            except rt.NeedsCompile as e:
+                need.add(e.job)
+            except Exception as e:
+                if _is_sticky(e):
+                    raise _sticky_error(t, c, e) from e
+        if need <= tried:  # nothing new (or a cache that cannot keep them: the timing compiles those)
+            return
+        tried |= need
+        _stats["compiled"] += len(need)
+        rt.compile_many(need, f"compiling {len(need)} kernels to tune {t.name}")
+
+
 def _tune_key(t: Tunable, run, dev: dict) -> dict:
     """Time the default and every fitting candidate; return the cache entry (config, ms, default, ...)."""
     default = default_config(t.name, dev["arch"])
@@ -481,6 +516,7 @@ def _tune_key(t: Tunable, run, dev: dict) -> dict:
             ok = False
         if ok:
             cands.append(c)
+    _compile_candidates(t, run, cands)
     per = _budget_s() / max(1, len(cands))
     best, best_ms, default_ms, results = None, math.inf, None, []
     for c in cands:
@@ -492,9 +528,7 @@ def _tune_key(t: Tunable, run, dev: dict) -> dict:
                 raise ValueError(f"timer returned {ms!r}")
         except Exception as e:  # unusable candidate; sticky CUDA errors cannot be survived
             if _is_sticky(e):
-                raise RuntimeError(f"vbw_cupy.autotune: {t.name} config {c} hit a sticky CUDA error ({e}); the "
-                                   "CUDA context is lost and this process cannot launch kernels any more. "
-                                   "The kernel must handle every candidate it lists (or prune it in fits).") from e
+                raise _sticky_error(t, c, e) from e
             _stats["failed"] += 1
             results.append((c, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]))
             continue
