@@ -127,9 +127,10 @@ def test_cold_start_first_call_is_timed_in_a_fresh_process(tmp_path):
     """One op through selftest --cold's path: an empty cache costs more than the warm disk cache it fills."""
     from vbw_cupy import _coldstart
     op = "quantize nvfp4 4096x4096"
-    cold = _coldstart.first_call_s(op, str(tmp_path))
-    warm = _coldstart.first_call_s(op, str(tmp_path))
+    cold, stats = _coldstart.first_call_s(op, str(tmp_path))
+    warm = _coldstart.first_call_s(op, str(tmp_path))[0]
     assert 0 < warm < cold, (warm, cold)
+    assert stats["tuned"] == 0 and stats["compile_s"] == 0.0  # quantize has nothing to tune
     assert any(tmp_path.rglob("*.cubin")), "the first process left no kernel in the cache"
 
 
@@ -144,7 +145,7 @@ def test_cold_start_reports_a_failed_op_and_goes_on(monkeypatch, capsys):
             raise RuntimeError(f"{op}: the first-call process failed:\nValueError: boom")
         if op.startswith("paged"):
             raise subprocess.TimeoutExpired("python", timeout)
-        return 0.5
+        return 0.5, {"compile_s": 0.25, "timing_s": 0.125}
     monkeypatch.setattr(_coldstart, "first_call_s", fake)
     rows = _coldstart.measure(progress=lambda m: None)
     assert [r["op"] for r in rows] == list(_coldstart.OPS)
@@ -154,4 +155,4 @@ def test_cold_start_reports_a_failed_op_and_goes_on(monkeypatch, capsys):
     assert "timed out" in by["paged_attention B=8 ctx 2048"]["error"]
     _coldstart.print_rows(rows)
     out = capsys.readouterr().out
-    assert "failed" in out and "OVER" in out
+    assert "failed" in out and "OVER" in out and "0.25     0.12" in out

@@ -45,11 +45,13 @@ OPS = {
 
 def _script(setup: str, call: str) -> str:
     return (_PRELUDE + setup + "\ncp.cuda.Device().synchronize()\nt0 = time.perf_counter()\n" + call +
-            "\ncp.cuda.Device().synchronize()\nprint(json.dumps(time.perf_counter() - t0))\n")
+            "\ncp.cuda.Device().synchronize()\ndt = time.perf_counter() - t0\n"
+            "from vbw_cupy import autotune\nprint(json.dumps([dt, autotune.stats()]))\n")
 
 
-def first_call_s(op: str, cache_dir: str, autotune: bool = True, timeout: float = 600.0) -> float:
-    """Seconds of `op`'s first call in a fresh process with VBW_CUPY_CACHE_DIR = cache_dir."""
+def first_call_s(op: str, cache_dir: str, autotune: bool = True, timeout: float = 600.0) -> tuple[float, dict]:
+    """Seconds of `op`'s first call in a fresh process with VBW_CUPY_CACHE_DIR = cache_dir, and the autotuner's
+    counters (autotune.stats()) after it."""
     setup, call = OPS[op]
     env = dict(os.environ, VBW_CUPY_CACHE_DIR=cache_dir, VBW_CUPY_AUTOTUNE="1" if autotune else "0",
                CUPY_CACHE_DIR=os.path.join(cache_dir, "cupy"))  # CuPy's own kernels start cold too
@@ -57,7 +59,8 @@ def first_call_s(op: str, cache_dir: str, autotune: bool = True, timeout: float 
                          timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"{op}: the first-call process failed:\n{res.stderr[-2000:]}")
-    return float(json.loads(res.stdout.strip().splitlines()[-1]))
+    dt, stats = json.loads(res.stdout.strip().splitlines()[-1])
+    return float(dt), stats
 
 
 def measure(ops=None, progress=print) -> list[dict]:
@@ -65,11 +68,13 @@ def measure(ops=None, progress=print) -> list[dict]:
     rows = []
     for op in ops or OPS:
         progress(f"cold start: {op} ...")
-        row = {"op": op, "cold_s": None, "warm_s": None, "ok": False, "error": None}
+        row = {"op": op, "cold_s": None, "warm_s": None, "ok": False, "error": None, "compile_s": None,
+               "timing_s": None}
         try:
             with tempfile.TemporaryDirectory(prefix="vbw_cupy_cold_") as d:  # an empty cache for each op
-                row["cold_s"] = first_call_s(op, d)
-                row["warm_s"] = first_call_s(op, d)
+                row["cold_s"], st = first_call_s(op, d)
+                row["compile_s"], row["timing_s"] = st["compile_s"], st["timing_s"]
+                row["warm_s"] = first_call_s(op, d)[0]
             row["ok"] = row["cold_s"] <= COLD_BAR_S and row["warm_s"] <= WARM_BAR_S
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # one op's failure must not hide the others
             row["error"] = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
@@ -79,10 +84,11 @@ def measure(ops=None, progress=print) -> list[dict]:
 
 def print_rows(rows, out=None) -> None:
     out = out or sys.stdout
-    print(f"{'first call of':40} {'empty cache s':>13} {'warm disk s':>11}  (bars: <= {COLD_BAR_S:g} s empty with "
-          f"autotuning, <= {WARM_BAR_S:g} s warm)", file=out)
+    print(f"{'first call of':40} {'empty cache s':>13} {'(tuner compile':>14} {'timing)':>8} {'warm disk s':>11}  "
+          f"(bars: <= {COLD_BAR_S:g} s empty with autotuning, <= {WARM_BAR_S:g} s warm)", file=out)
     for r in rows:
         if r.get("error"):
             print(f"{r['op']:40} {'failed':>13} {'':>11}  {r['error']}", file=out)
         else:
-            print(f"{r['op']:40} {r['cold_s']:13.2f} {r['warm_s']:11.3f}  {'ok' if r['ok'] else 'OVER'}", file=out)
+            print(f"{r['op']:40} {r['cold_s']:13.2f} {r['compile_s']:14.2f} {r['timing_s']:8.2f} {r['warm_s']:11.3f}  "
+                  f"{'ok' if r['ok'] else 'OVER'}", file=out)

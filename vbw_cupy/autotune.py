@@ -280,7 +280,7 @@ _MAX_PICKED = 4096
 # Bumped whenever a stored config may change: launch-plan caches in the op modules include it in their keys.
 _generation = 0
 _stats = {"timer_calls": 0, "tuned": 0, "memory_hits": 0, "disk_hits": 0, "defaults": 0, "failed": 0,
-          "compiled": 0}
+          "compiled": 0, "compile_s": 0.0, "timing_s": 0.0}
 
 
 def cache_path() -> pathlib.Path:
@@ -289,7 +289,8 @@ def cache_path() -> pathlib.Path:
 
 def stats() -> dict:
     """Counters since import / reset(): timer_calls, tuned (keys), memory_hits, disk_hits, defaults, failed
-    (candidates scored unusable), compiled (kernels compiled in parallel before timing)."""
+    (candidates scored unusable), compiled (kernels compiled in parallel before timing), compile_s and
+    timing_s (seconds spent compiling candidates, and running them for timing, while tuning)."""
     return dict(_stats)
 
 
@@ -302,7 +303,7 @@ def reset() -> None:
         _picked.clear()
         rt.forget_warnings()
         for k in _stats:
-            _stats[k] = 0
+            _stats[k] = type(_stats[k])()
 
 
 
@@ -516,7 +517,10 @@ def _tune_key(t: Tunable, run, dev: dict) -> dict:
             ok = False
         if ok:
             cands.append(c)
+    t0 = time.perf_counter()
     _compile_candidates(t, run, cands)
+    t1 = time.perf_counter()
+    _stats["compile_s"] += t1 - t0
     per = _budget_s() / max(1, len(cands))
     best, best_ms, default_ms, results = None, math.inf, None, []
     for c in cands:
@@ -539,6 +543,7 @@ def _tune_key(t: Tunable, run, dev: dict) -> dict:
             best, best_ms = c, ms
     if best is not None and best != default and default_ms is not None:
         best, best_ms, default_ms = _confirm(run, default, best, per, flush=not t.warm_l2)
+    _stats["timing_s"] += time.perf_counter() - t1
     return {"kernel": t.name, "config": best, "ms": best_ms if best is not None else None,
             "default": default, "default_ms": default_ms, "tried": len(cands),
             "failed": sum(1 for r in results if r[1] is None), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
