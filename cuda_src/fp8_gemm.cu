@@ -17,14 +17,14 @@
 //   rows of 128 k (one k-tile = 4 blocks), zero-filled past M, N and Kp; mult [M, blocks] float32 (the scale of
 //   each of a token's blocks: 2^s of its chunk, or the block's own), row_bad [M]; w_scale [N] float32.
 // Tiling: fp8_gemm_mx<BN, STAGES>: CTA = 128 tokens x BN weight rows (BN = 192 by default; 128 keeps two partial
-//   sets), two warpgroups of 64 tokens each and nothing else: 256 threads may use 255 registers (a producer
-//   warp makes the register file count 384 threads, 168 each, and the accumulators spill). Thread 0 issues both
-//   TMA boxes of a k-tile into a STAGES ring (a full and an empty mbarrier per buffer) whenever a buffer is
-//   free, without waiting for the other warpgroup unless the tile is needed now. Per k-tile a warpgroup runs 4
+//   sets), 384 threads: a producer warpgroup (setmaxnreg down to 40 registers; one thread issues both TMA boxes
+//   of each k-tile into a STAGES ring as soon as the buffer's empty mbarrier says all 8 consumer warps released
+//   it) and two consumer warpgroups of 64 tokens each (setmaxnreg up to 232). Per k-tile a warpgroup runs 4
 //   wgmma m64nBNk32 from shared memory into a partial set and scales it into the accumulators (BN = 128: tiles
-//   in pairs, the first scaled in while the second runs); a tile with a row_bad token scales per block instead.
-//   Epilogue through the drained ring, 16-byte stores. One CTA per tile, 1-D grid, tiles in groups of 8 token
-//   tiles.
+//   in pairs, the first scaled in while the second runs); the token multipliers of a k-tile are loaded one tile
+//   early; a tile with a row_bad token scales per block instead.
+//   Epilogue through the drained ring (the consumers' named barrier 1), 16-byte stores. One CTA per tile, 1-D
+//   grid, tiles in groups of 8 token tiles.
 // History (H100, M = 4096, TFLOP/s of the call including the activations' conversion; cuBLAS fp16 717-783 and
 // torch's FP8 _scaled_mm 1341-1395 in the same runs):
 //   v1 one scale per 32 k (a fresh wgmma partial per block, scaled in with one FFMA per accumulator): 8192^2
@@ -37,7 +37,15 @@
 //      staged epilogue with 16-byte stores: +2-3% and +7-18% in one run (A/B by compile switches, since
 //      removed). BN = 192 with one partial set: +9-15% over BN = 128 in one run; that run (a slower
 //      lease): 8192^2 624-636 (0.83-0.86x cuBLAS fp16), 14336x4096 535-544 (0.75x), 4096x14336 580-591 (0.79x).
-//   Next (notes/kernel-history.md): wider tiles, persistent CTAs overlapping the epilogue, TMA multicast.
+//   v4 (ncu: tensor pipe 40% busy, warps waiting on the full barrier 18% and on wgmma 21% of samples; L2 45%,
+//      so not bandwidth) a producer warpgroup in place of thread 0 between its own tiles: 8192^2 677 -> 790
+//      (1.06x cuBLAS fp16), 14336x4096 548-602 -> 683-698, 4096x14336 570-654 -> 758-767 (same run). Tried and
+//      dropped: clusters of 2 token tiles sharing the weight tile by TMA multicast, 372-403 (the W share halved,
+//      but each CTA waits for the other's consumers); BN = 128 with the producer 2-4% behind BN = 192.
+//      Bias + SiLU cost 245 us of 940 at 8192^2: outputs below -87 sent SiLU's division down its slow path
+//      (gemm_epilogue.cuh now computes v * e^v there).
+//   Next (notes/kernel-history.md): persistent CTAs overlapping the epilogue with the next tile's loads; a
+//   software pipeline across k-tiles (wgmma waits are 19% of samples).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
@@ -201,14 +209,14 @@ __device__ __forceinline__ void scale_in(float (&acc)[NACC], const float (&p)[NA
 }
 
 template <int BN, int STAGES>
-__global__ void __launch_bounds__(256, 1)
+__global__ void __launch_bounds__(384, 1)
 fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ vbw::TmaDesc tm_w,
             const float* __restrict__ mult, const int* __restrict__ row_bad, const float* __restrict__ w_scale,
             const void* __restrict__ bias, void* __restrict__ out, int M, int N, int nb, int flags) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(BN == 128 || BN == 192, "BN");
-  static_assert(STAGES >= 2, "STAGES: thread 0 waits for the release of tile kt - 2 at most");
-  constexpr bool TWO = BN == 128;  // two partial sets (BN = 192: one; three sets of 96 would not fit 255 registers)
+  static_assert(STAGES >= 2, "STAGES");
+  constexpr bool TWO = BN == 128;  // two partial sets (BN = 192: one; three sets of 96 would not fit 232 registers)
   constexpr int BM = 128, A_BYTES = BM * 128, W_BYTES = BN * 128, STAGE = A_BYTES + W_BYTES, NACC = BN / 2;
   extern __shared__ __align__(128) u8 smem_raw[];
   const u32 raw = vbw::smem_addr(smem_raw);
@@ -224,34 +232,30 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   if (tid == 0) {
     for (int b = 0; b < STAGES; ++b) {
       vbw::mbar_init(full0 + 8 * b, 1);
-      vbw::mbar_init(empty0 + 8 * b, 256);  // every thread releases
+      vbw::mbar_init(empty0 + 8 * b, 8);  // each consumer warp releases
     }
   }
   // a row of this tile with a chunk that could not be re-based: scales per 32 k (the slow path) for the tile
   const int slow = __shfl_sync(0xffffffffu, __syncthreads_or(tid < BM && m0 + tid < M && row_bad[m0 + tid] != 0), 0);
 
-  // Thread 0 also loads: tiles 0 .. STAGES - 1 first; then before each tile it issues every further tile whose
-  // buffer both warpgroups have released, testing without waiting, and waits only for the tile needed now. (A
-  // blocking refill each tile tied the warpgroups together: both then wait and compute at the same moments.)
-  auto load = [&](int kt) {
-    const int b = kt % STAGES;
-    vbw::mbar_expect_tx(full0 + 8 * b, STAGE);
-    vbw::tma_load_2d(sbase + b * STAGE, &tm_a, full0 + 8 * b, kt * 128, m0);
-    vbw::tma_load_2d(sbase + b * STAGE + A_BYTES, &tm_w, full0 + 8 * b, kt * 128, n0);
+  // A warp is done with buffer b (every lane past its wgmma wait).
+  auto release = [&](int b) {
+    __syncwarp();
+    if ((tid & 31) == 0) vbw::mbar_arrive(empty0 + 8 * b);
   };
-  int next = min(STAGES, nkt);  // thread 0: tiles issued so far
-  auto pump = [&](int need) {
-    if (tid != 0) return;
-    while (next < nkt) {
-      const int j = next - STAGES;  // the tile that last used next's buffer
-      const u32 bar = empty0 + 8 * (j % STAGES), parity = (u32)(j / STAGES) & 1u;
-      if (next <= need) vbw::mbar_wait(bar, parity);
-      else if (!vbw::mbar_test(bar, parity)) break;
-      load(next++);
-    }
-  };
-  if (tid == 0)
-    for (int kt = 0; kt < next; ++kt) load(kt);
+  if (tid >= 256) {  // the producer warpgroup: one thread issues each tile as soon as its buffer is released
+    vbw::setmaxnreg_dec<40>();
+    if (tid == 256)
+      for (int kt = 0; kt < nkt; ++kt) {
+        const int b = kt % STAGES;
+        if (kt >= STAGES) vbw::mbar_wait(empty0 + 8 * b, (u32)(kt / STAGES - 1) & 1u);
+        vbw::mbar_expect_tx(full0 + 8 * b, STAGE);
+        vbw::tma_load_2d(sbase + b * STAGE, &tm_a, full0 + 8 * b, kt * 128, m0);
+        vbw::tma_load_2d(sbase + b * STAGE + A_BYTES, &tm_w, full0 + 8 * b, kt * 128, n0);
+      }
+    return;  // the consumers synchronize among themselves from here on (named barrier 1)
+  }
+  vbw::setmaxnreg_inc<232>();
   const int cw = wg, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
   const int mr0 = m0 + cw * 64 + warp * 16 + g, mr1 = mr0 + 8;  // this thread's two token rows
   const float* mu0 = mult + (size_t)min(mr0, M - 1) * nb;
@@ -268,8 +272,6 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     // pipeline across pairs, each set read while the other's group is still in flight from the previous
     // iteration, makes ptxas serialize every wgmma.)
     auto issue = [&](int kt, float (&p)[NACC]) {
-      pump(kt);
-      __syncwarp();
       const int b = kt % STAGES;
       vbw::mbar_wait(full0 + 8 * b, (u32)(kt / STAGES) & 1u);
       const u32 sa = sbase + b * STAGE + cw * 64 * 128, sw = sbase + b * STAGE + A_BYTES;
@@ -281,15 +283,18 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     };
     auto finish = [&](int kt, float (&p)[NACC], float f0, float f1) {  // after the wait for tile kt's group
       vbw::keep_acc(p);
-      vbw::mbar_arrive(empty0 + 8 * (kt % STAGES));
+      release(kt % STAGES);
       scale_in<NACC>(acc, p, f0, f1);
     };
     if constexpr (!TWO) {
+      float f0 = mu(mu0, 0), f1 = mu(mu1, 0);
       for (int kt = 0; kt < nkt; ++kt) {
-        const float f0 = mu(mu0, 4 * kt), f1 = mu(mu1, 4 * kt);
+        const float g0 = mu(mu0, 4 * kt + 4), g1 = mu(mu1, 4 * kt + 4);  // the next tile's, a tile early
         issue(kt, pa);
         vbw::wg_wait<0>();
         finish(kt, pa, f0, f1);
+        f0 = g0;
+        f1 = g1;
       }
     } else
     for (int kt = 0; kt < nkt; kt += 2) {
@@ -311,8 +316,6 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     // Per block: each k32 wgmma writes a fresh partial (two sets: block j + 1 runs while block j is scaled in).
     for (int kt = 0; kt < nkt; ++kt) {
       const int b = kt % STAGES;
-      pump(kt);
-      __syncwarp();
       float f0[4], f1[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -329,7 +332,7 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
           vbw::wg_commit();
           vbw::wg_wait<0>();
           vbw::keep_acc(pa);
-          if (j == 3) vbw::mbar_arrive(empty0 + 8 * b);
+          if (j == 3) release(b);
           scale_in<NACC>(acc, pa, f0[j], f1[j]);
         }
         continue;
@@ -356,10 +359,11 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
       scale_in<NACC>(acc, pa, f0[2], f1[2]);
       vbw::wg_wait<0>();
       vbw::keep_acc(pb);
-      vbw::mbar_arrive(empty0 + 8 * b);  // this thread is done with the buffer
+      release(b);
       scale_in<NACC>(acc, pb, f0[3], f1[3]);
     }
   }
+
 
   // Epilogue through the drained ring: accumulator acc[4i + e] is tile row cw * 64 + 16 warp + g + 8 (e >> 1),
   // column 8i + 2t + (e & 1); the fp32 tile goes to shared memory, then each thread finishes 8 consecutive
@@ -367,7 +371,7 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   constexpr int LDT = BN + 4;
   static_assert(BM * LDT * 4 <= STAGES * STAGE, "the fp32 tile fits the ring");
   float* tile = reinterpret_cast<float*>(smem_raw + (sbase - raw));
-  __syncthreads();  // every warpgroup is past its last wgmma: the ring is free
+  vbw::named_bar(1, 256);  // every consumer warpgroup is past its last wgmma: the ring is free
   {
     const int r0 = cw * 64 + warp * 16 + g;
 #pragma unroll
@@ -375,7 +379,7 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
 #pragma unroll
       for (int e = 0; e < 4; ++e) tile[(r0 + 8 * (e >> 1)) * LDT + 8 * i + 2 * t + (e & 1)] = acc[4 * i + e];
   }
-  __syncthreads();
+  vbw::named_bar(1, 256);
   const int ok = (flags >> 8) & 3, es = ok == 2 ? 4 : 2;
   const bool vec = (N * es) % 16 == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;
 #pragma unroll 1

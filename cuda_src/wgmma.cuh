@@ -173,6 +173,14 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, u32 bar
                " [%0], [%1, {%3, %4}], [%2];\n"
                :: "r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1) : "memory");
 }
+// Warp specialization (sm_90a): a warpgroup gives back registers (a producer) or takes them (consumers), so a
+// CTA of 384 threads, compiled for 168 each, runs its consumers with up to 232.
+template <int R> __device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(R));
+}
+template <int R> __device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(R));
+}
 // A contiguous copy of `bytes` (a multiple of 16; both addresses 16-byte aligned), completing `bar`'s bytes.
 __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"

@@ -499,7 +499,7 @@ def test_fp8_operand_conversion_is_exact():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", [(300, 520, 800), (1, 256, 4096), (1000, 1100, 4160), (4096, 2048, 2048),
-                                   (256, 384, 14336)])
+                                   (256, 384, 14336), (200, 200, 800)])
 @pytest.mark.parametrize("out_dtype", [np.float16, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("bn", gemm._FP8_TILES)
 def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype, bn, monkeypatch):

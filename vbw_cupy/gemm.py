@@ -724,7 +724,7 @@ def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
     flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
     tiles = rt.cdiv(M, 128) * rt.cdiv(N, bn)
     rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{bn}, {_FP8_STAGES}>", _EXTRA_OPTIONS),
-              (tiles,), (256,), (tm_a, tm_w, mult, row_bad, w_scale, rt.NULL if bias is None else bias, out,
+              (tiles,), (384,), (tm_a, tm_w, mult, row_bad, w_scale, rt.NULL if bias is None else bias, out,
                                  np.int32(M), np.int32(N), np.int32(kp // 32), np.int32(flags)),
               shared_mem=_fp8_smem(bn))
     return out
