@@ -31,9 +31,9 @@ caller's own arrays::
 - otherwise (``VBW_CUPY_AUTOTUNE=1``, the default) it tunes: first the kernels of every candidate that passes
   ``fits`` are compiled together on parallel threads (``_compile_candidates``: each candidate runs once under
   ``rt.collecting()``, which names the kernels it needs without compiling them); then each candidate (the
-  default, always timed first) is run with CUDA events on the current stream: one warm-up launch, then the median of 3..50 timed launches, with a scratch buffer of twice
-  the device's L2 written before every timed launch (outside the timed interval) so no config wins from a warm
-  L2 (a Tunable with ``warm_l2=True`` is timed instead on WARM_INNER back-to-back launches per sample, the
+  default, always timed first) is run with CUDA events on the current stream: one warm-up launch, then the
+  median of 3..50 timed launches, with a zeroed buffer of twice the device's L2 read before every timed launch
+  (outside the timed interval) so no config wins from a warm L2 and none pays for a dirty one (a Tunable with ``warm_l2=True`` is timed instead on WARM_INNER back-to-back launches per sample, the
   steady state of repeated calls). Repetitions are capped by measured time: tuning one key costs about
   ``VBW_CUPY_AUTOTUNE_BUDGET_S`` seconds (default 3) of timed launches plus the compile time of the instances;
   a candidate whose first timing is over 3x the best so far is not repeated. The winner is stored in memory and
@@ -419,13 +419,19 @@ _scratch: dict[int, Any] = {}
 
 
 def _flush_l2(stream) -> None:
+    """Evict the timed kernel's data from L2 by reading a zeroed buffer of twice its size (l2_flush_read): a
+    read leaves L2 clean, as a real call finds it (a memset left it dirty, and the write-back slowed the timed
+    launch 1.3-1.7x, which ranked memory-bound configs wrongly)."""
     cp = rt.require_cupy()
-    dev = cp.cuda.Device().id
-    buf = _scratch.get(dev)
-    if buf is None:
-        l2 = int(cp.cuda.Device().attributes.get("L2CacheSize", 0)) or (64 << 20)
-        buf = _scratch[dev] = cp.empty(2 * l2, dtype=cp.uint8)
-    buf.data.memset_async(0, buf.nbytes, stream)
+    dev = cp.cuda.Device()
+    got = _scratch.get(dev.id)
+    if got is None:
+        l2 = int(dev.attributes.get("L2CacheSize", 0)) or (64 << 20)
+        got = _scratch[dev.id] = (cp.zeros(2 * l2 // 16 * 16, dtype=cp.uint8), cp.zeros(1, dtype=cp.uint32),
+                                  4 * int(dev.attributes.get("MultiProcessorCount", 132)))
+    buf, sink, blocks = got
+    rt.launch(rt.get_kernel(PROBE_SOURCE, "l2_flush_read"), (blocks,), (256,), (buf, np.int64(buf.nbytes // 16), sink),
+              stream=stream)
 
 
 def _cuda_event_timer(run: Callable[[dict], None], cfg: dict, budget_s: float = 0.2,
@@ -739,8 +745,10 @@ _PROBE_VECS = (1, 2, 4, 8)
 
 
 def kernel_instances() -> list[tuple[str, str]]:
-    """Every (file, instance) this module can launch: the probe kernel of its GPU test."""
-    return [(PROBE_SOURCE, f"probe_axpb<{b}, {v}>") for b in _PROBE_BLOCKS for v in _PROBE_VECS]
+    """Every (file, instance) this module can launch: the L2 flush of its timer and the probe kernel of its GPU
+    test."""
+    return [(PROBE_SOURCE, "l2_flush_read"),
+            *[(PROBE_SOURCE, f"probe_axpb<{b}, {v}>") for b in _PROBE_BLOCKS for v in _PROBE_VECS]]
 
 
 def selftest_cases() -> list:
