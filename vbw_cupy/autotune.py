@@ -25,10 +25,12 @@ caller's own arrays::
     _launch(cfg, a, w, out)
 
 `pick` returns, in this order of preference:
-- ``VBW_CUPY_AUTOTUNE=0``: the per-arch default (``default_config``); nothing is ever timed.
+- ``VBW_CUPY_AUTOTUNE=0``: the per-arch default (``default_config``); nothing is ever timed. The same, with the
+  variable unset, on the archs listed in the Tunable's ``settled`` (where an A/B showed tuning not beating the
+  defaults); ``VBW_CUPY_AUTOTUNE=1`` tunes there too.
 - a cache hit: memory first, then ``$VBW_CUPY_CACHE_DIR/autotune.json`` (re-read on every memory miss, so a
   key another process tuned meanwhile is reused).
-- otherwise (``VBW_CUPY_AUTOTUNE=1``, the default) it tunes: first the kernels of every candidate that passes
+- otherwise it tunes: first the kernels of every candidate that passes
   ``fits`` are compiled together on parallel threads (``_compile_candidates``: each candidate runs once under
   ``rt.collecting()``, which names the kernels it needs without compiling them); then each candidate (the
   default, always timed first) is run with CUDA events on the current stream: one warm-up launch, then the
@@ -132,6 +134,8 @@ class Tunable:
     warm_l2: time back-to-back launches on the caller's arrays instead of one launch after an L2 flush, for
     kernels whose repeated-call speed ranks the configs differently from a cold start (attention on an H200:
     with the flush, one-warpgroup tiles won and then ran 0.62x of the default in back-to-back calls).
+    settled: archs whose defaults tuning did not beat (bench/autotune_ab.py: tuned against default configs,
+    interleaved in one process): there ``pick`` keeps the defaults unless VBW_CUPY_AUTOTUNE=1 asks for tuning.
     """
     name: str
     params: tuple[str, ...]
@@ -143,6 +147,7 @@ class Tunable:
     standard_shapes: tuple = ()
     bench: Callable[[dict, Any], Callable[[dict], None]] | None = None
     warm_l2: bool = False
+    settled: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not self.defaults:
@@ -180,8 +185,14 @@ def registered() -> list[str]:
 _enabled_last = ("1", True)  # (raw value, parsed): every fast-path call asks, the value rarely changes
 
 
+def forced() -> bool:
+    """VBW_CUPY_AUTOTUNE set to "1" (or on/true/yes): tune new keys even on a Tunable's settled archs."""
+    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("1", "on", "true", "yes")
+
+
 def enabled() -> bool:
-    """VBW_CUPY_AUTOTUNE: "0" (or off/false/no) uses the per-arch defaults; "1" (default) tunes new keys."""
+    """VBW_CUPY_AUTOTUNE: "0" (or off/false/no) uses the per-arch defaults everywhere; unset (the default) tunes
+    new keys except on a Tunable's settled archs; "1" tunes new keys everywhere."""
     global _enabled_last
     raw = os.environ.get(ENV_SWITCH, "1")
     if raw != _enabled_last[0]:
@@ -598,7 +609,7 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
     """
     t = get(name)
     dev = _device_info()
-    if not enabled():
+    if not enabled() or (dev["arch"] in t.settled and not forced()):
         _stats["defaults"] += 1
         return default_config(name, dev["arch"])
     try:
