@@ -16,15 +16,18 @@
 // Layout: A8 [M, Kp], W8 [N, Kp] e4m3 bytes, k contiguous (Kp = 32 * blocks), loaded by TMA as 128-byte swizzled
 //   rows of 128 k (one k-tile = 4 blocks), zero-filled past M, N and Kp; mult [M, blocks] float32 (the scale of
 //   each of a token's blocks: 2^s of its chunk, or the block's own), row_bad [M]; w_scale [N] float32.
-// Tiling: fp8_gemm_mx<BN, STAGES>: CTA = 128 tokens x BN weight rows (BN = 192 by default; 128 keeps two partial
-//   sets), 384 threads: a producer warpgroup (setmaxnreg down to 40 registers; one thread issues both TMA boxes
-//   of each k-tile into a STAGES ring as soon as the buffer's empty mbarrier says all 8 consumer warps released
-//   it) and two consumer warpgroups of 64 tokens each (setmaxnreg up to 232). Per k-tile a warpgroup runs 4
+// Tiling: fp8_gemm_mx<BN, STAGES>: tile = 128 tokens x BN weight rows (BN = 192 by default, STAGES 3; 128 keeps
+//   two partial sets, STAGES 4). Persistent: one CTA per SM (gemm.py launches min(tiles, SMs)) runs tiles
+//   blockIdx.x, + gridDim.x, ... 384 threads: a producer warpgroup (setmaxnreg down to 40 registers; one thread
+//   issues both TMA boxes of each k-tile, over all of the CTA's tiles, into a STAGES ring as soon as the
+//   buffer's empty mbarrier says all 8 consumer warps released it) and two consumer warpgroups of 64 tokens each
+//   (setmaxnreg up to 232). Per k-tile a warpgroup runs 4
 //   wgmma m64nBNk32 from shared memory into a partial set and scales it into the accumulators (BN = 128: tiles
 //   in pairs, the first scaled in while the second runs); the token multipliers of a k-tile are loaded one tile
 //   early; a tile with a row_bad token scales per block instead.
-//   Epilogue through the drained ring (the consumers' named barrier 1), 16-byte stores. One CTA per tile, 1-D
-//   grid, tiles in groups of 8 token tiles.
+//   Epilogue: each consumer warpgroup stages its 64 x BN fp32 rows in its own area after the ring (named
+//   barrier 2 + warpgroup), 16-byte stores, while the producer already fills the ring with the next tile. Tiles
+//   in groups of 8 token tiles.
 // History (H100, M = 4096, TFLOP/s of the call including the activations' conversion; cuBLAS fp16 717-783 and
 // torch's FP8 _scaled_mm 1341-1395 in the same runs):
 //   v1 one scale per 32 k (a fresh wgmma partial per block, scaled in with one FFMA per accumulator): 8192^2
@@ -44,8 +47,12 @@
 //      but each CTA waits for the other's consumers); BN = 128 with the producer 2-4% behind BN = 192.
 //      Bias + SiLU cost 245 us of 940 at 8192^2: outputs below -87 sent SiLU's division down its slow path
 //      (gemm_epilogue.cuh now computes v * e^v there).
-//   Next (notes/kernel-history.md): persistent CTAs overlapping the epilogue with the next tile's loads; a
-//   software pipeline across k-tiles (wgmma waits are 19% of samples).
+//   v5 persistent CTAs (one per SM), epilogue staged per warpgroup outside the ring (so 3 stages at BN = 192):
+//      one run against v4, 8192^2 742-753 -> 798-803, 14336x4096 643-653 -> 693-699, 4096x14336 706-741 ->
+//      756-761, M = 2048 654-709 -> 732-735, bias + SiLU 629-633 -> 641-645 (that lease ran v4 ~7% slower
+//      than the last). BN = 128 persistent (4 stages): 1-9% behind except at M = 2048.
+//   Next (notes/kernel-history.md): a software pipeline across k-tiles (wgmma waits are 19% of samples), the
+//   no-promotion ceiling was 900-916 TFLOP/s.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
@@ -218,6 +225,7 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   static_assert(STAGES >= 2, "STAGES");
   constexpr bool TWO = BN == 128;  // two partial sets (BN = 192: one; three sets of 96 would not fit 232 registers)
   constexpr int BM = 128, A_BYTES = BM * 128, W_BYTES = BN * 128, STAGE = A_BYTES + W_BYTES, NACC = BN / 2;
+  constexpr int LDT = BN + 4;  // the epilogue's fp32 rows
   extern __shared__ __align__(128) u8 smem_raw[];
   const u32 raw = vbw::smem_addr(smem_raw);
   const u32 sbase = (raw + 1023u) & ~1023u;  // 128-byte swizzle atoms are 1024-byte aligned
@@ -225,42 +233,59 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   const int tid = threadIdx.x, wg = tid >> 7;
   const int nkt = (nb + 3) / 4;
   // Tiles in groups of 8 token tiles (the Triton order): the CTAs running at once share few A and W tiles in L2.
+  // Persistent: CTA c runs tiles c, c + gridDim.x, ... (gridDim.x <= the SM count).
   const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN, per_group = 8 * tiles_n;
-  const int grp = blockIdx.x / per_group, first_m = grp * 8, in_grp = blockIdx.x - grp * per_group;
-  const int gm = min(tiles_m - first_m, 8);
-  const int m0 = (first_m + in_grp % gm) * BM, n0 = (in_grp / gm) * BN;
+  const int n_tiles = tiles_m * tiles_n, stride = (int)gridDim.x;
+  auto origin = [&](int tile, int& m0, int& n0) {
+    const int grp = tile / per_group, first_m = grp * 8, in_grp = tile - grp * per_group;
+    const int gm = min(tiles_m - first_m, 8);
+    m0 = (first_m + in_grp % gm) * BM;
+    n0 = (in_grp / gm) * BN;
+  };
   if (tid == 0) {
     for (int b = 0; b < STAGES; ++b) {
       vbw::mbar_init(full0 + 8 * b, 1);
       vbw::mbar_init(empty0 + 8 * b, 8);  // each consumer warp releases
     }
   }
-  // a row of this tile with a chunk that could not be re-based: scales per 32 k (the slow path) for the tile
-  const int slow = __shfl_sync(0xffffffffu, __syncthreads_or(tid < BM && m0 + tid < M && row_bad[m0 + tid] != 0), 0);
+  __syncthreads();
 
   // A warp is done with buffer b (every lane past its wgmma wait).
   auto release = [&](int b) {
     __syncwarp();
     if ((tid & 31) == 0) vbw::mbar_arrive(empty0 + 8 * b);
   };
-  if (tid >= 256) {  // the producer warpgroup: one thread issues each tile as soon as its buffer is released
+  if (tid >= 256) {  // the producer warpgroup: one thread issues each k-tile as soon as its buffer is released
     vbw::setmaxnreg_dec<40>();
-    if (tid == 256)
-      for (int kt = 0; kt < nkt; ++kt) {
-        const int b = kt % STAGES;
-        if (kt >= STAGES) vbw::mbar_wait(empty0 + 8 * b, (u32)(kt / STAGES - 1) & 1u);
-        vbw::mbar_expect_tx(full0 + 8 * b, STAGE);
-        vbw::tma_load_2d(sbase + b * STAGE, &tm_a, full0 + 8 * b, kt * 128, m0);
-        vbw::tma_load_2d(sbase + b * STAGE + A_BYTES, &tm_w, full0 + 8 * b, kt * 128, n0);
+    if (tid == 256) {
+      int q = 0;  // k-tiles issued so far, over all of this CTA's tiles: buffer q % STAGES
+      for (int tile = blockIdx.x; tile < n_tiles; tile += stride) {
+        int m0, n0;
+        origin(tile, m0, n0);
+        for (int kt = 0; kt < nkt; ++kt, ++q) {
+          const int b = q % STAGES;
+          if (q >= STAGES) vbw::mbar_wait(empty0 + 8 * b, (u32)(q / STAGES - 1) & 1u);
+          vbw::mbar_expect_tx(full0 + 8 * b, STAGE);
+          vbw::tma_load_2d(sbase + b * STAGE, &tm_a, full0 + 8 * b, kt * 128, m0);
+          vbw::tma_load_2d(sbase + b * STAGE + A_BYTES, &tm_w, full0 + 8 * b, kt * 128, n0);
+        }
       }
-    return;  // the consumers synchronize among themselves from here on (named barrier 1)
+    }
+    return;  // the consumers synchronize among themselves from here on (named barriers 2, 3)
   }
   vbw::setmaxnreg_inc<232>();
   const int cw = wg, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+  auto mu = [&](const float* row, int b) { return b < nb ? row[b] : 0.f; };  // 0 past K: the zero-filled tail
+  int q0 = 0;  // k-tiles consumed before this tile
+  for (int tile = blockIdx.x; tile < n_tiles; tile += stride, q0 += nkt) {
+  int m0, n0;
+  origin(tile, m0, n0);
   const int mr0 = m0 + cw * 64 + warp * 16 + g, mr1 = mr0 + 8;  // this thread's two token rows
   const float* mu0 = mult + (size_t)min(mr0, M - 1) * nb;
   const float* mu1 = mult + (size_t)min(mr1, M - 1) * nb;
-  auto mu = [&](const float* row, int b) { return b < nb ? row[b] : 0.f; };  // 0 past K: the zero-filled tail
+  // a row of this warpgroup's 64 with a chunk that could not be re-based: scales per 32 k (the slow path)
+  const int lr = m0 + cw * 64 + (tid & 127);
+  const bool slow = vbw::named_bar_or(2 + cw, 128, (tid & 127) < 64 && lr < M && row_bad[lr] != 0);
 
   float acc[NACC], pa[NACC], pb[NACC];
 #pragma unroll
@@ -272,8 +297,8 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     // pipeline across pairs, each set read while the other's group is still in flight from the previous
     // iteration, makes ptxas serialize every wgmma.)
     auto issue = [&](int kt, float (&p)[NACC]) {
-      const int b = kt % STAGES;
-      vbw::mbar_wait(full0 + 8 * b, (u32)(kt / STAGES) & 1u);
+      const int q = q0 + kt, b = q % STAGES;
+      vbw::mbar_wait(full0 + 8 * b, (u32)(q / STAGES) & 1u);
       const u32 sa = sbase + b * STAGE + cw * 64 * 128, sw = sbase + b * STAGE + A_BYTES;
       vbw::wg_fence();
 #pragma unroll
@@ -283,7 +308,7 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     };
     auto finish = [&](int kt, float (&p)[NACC], float f0, float f1) {  // after the wait for tile kt's group
       vbw::keep_acc(p);
-      release(kt % STAGES);
+      release((q0 + kt) % STAGES);
       scale_in<NACC>(acc, p, f0, f1);
     };
     if constexpr (!TWO) {
@@ -315,14 +340,14 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   } else {
     // Per block: each k32 wgmma writes a fresh partial (two sets: block j + 1 runs while block j is scaled in).
     for (int kt = 0; kt < nkt; ++kt) {
-      const int b = kt % STAGES;
+      const int q = q0 + kt, b = q % STAGES;
       float f0[4], f1[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         f0[j] = mu(mu0, kt * 4 + j);
         f1[j] = mu(mu1, kt * 4 + j);
       }
-      vbw::mbar_wait(full0 + 8 * b, (u32)(kt / STAGES) & 1u);
+      vbw::mbar_wait(full0 + 8 * b, (u32)(q / STAGES) & 1u);
       const u32 sa = sbase + b * STAGE + cw * 64 * 128, sw = sbase + b * STAGE + A_BYTES;
       if constexpr (!TWO) {
 #pragma unroll
@@ -364,37 +389,40 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     }
   }
 
-
-  // Epilogue through the drained ring: accumulator acc[4i + e] is tile row cw * 64 + 16 warp + g + 8 (e >> 1),
-  // column 8i + 2t + (e & 1); the fp32 tile goes to shared memory, then each thread finishes 8 consecutive
-  // columns of a row (weight row scale, bias, activation) and writes them with one 16-byte store.
-  constexpr int LDT = BN + 4;
-  static_assert(BM * LDT * 4 <= STAGES * STAGE, "the fp32 tile fits the ring");
-  float* tile = reinterpret_cast<float*>(smem_raw + (sbase - raw));
-  vbw::named_bar(1, 256);  // every consumer warpgroup is past its last wgmma: the ring is free
+  // Epilogue: accumulator acc[4i + e] is tile row cw * 64 + 16 warp + g + 8 (e >> 1), column 8i + 2t + (e & 1);
+  // the fp32 tile goes to shared memory, then each thread finishes 8 consecutive columns of a row (weight row
+  // scale, bias, activation) and writes them with one 16-byte store. The ring is already filling with the next
+  // tile, so each warpgroup stages its 64 rows in its own area after the mbarriers (named barrier 2 + cw) and
+  // goes on to its next tile without waiting for the other.
+  constexpr int ROWS = 64, NTH = 128;
+  const int bar_id = 2 + cw, row0 = cw * 64, ltid = tid & 127;
+  float* stage_f = reinterpret_cast<float*>(smem_raw + (sbase - raw)) + (STAGES * STAGE + 16 * STAGES) / 4 +
+                   cw * 64 * LDT;
+  vbw::named_bar(bar_id, NTH);  // the staging area is free (this warpgroup's previous tile has been read out)
   {
-    const int r0 = cw * 64 + warp * 16 + g;
+    const int r0 = warp * 16 + g;
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) tile[(r0 + 8 * (e >> 1)) * LDT + 8 * i + 2 * t + (e & 1)] = acc[4 * i + e];
+      for (int e = 0; e < 4; ++e) stage_f[(r0 + 8 * (e >> 1)) * LDT + 8 * i + 2 * t + (e & 1)] = acc[4 * i + e];
   }
-  vbw::named_bar(1, 256);
+  vbw::named_bar(bar_id, NTH);
   const int ok = (flags >> 8) & 3, es = ok == 2 ? 4 : 2;
   const bool vec = (N * es) % 16 == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;
 #pragma unroll 1
-  for (int c = tid; c < BM * BN / 8; c += 256) {
-    const int rr = c / (BN / 8), col = (c % (BN / 8)) * 8, m = m0 + rr, n = n0 + col;
+  for (int c = ltid; c < ROWS * BN / 8; c += NTH) {
+    const int rr = c / (BN / 8), col = (c % (BN / 8)) * 8, m = m0 + row0 + rr, n = n0 + col;
     if (m >= M || n >= N) continue;
     float v[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const bool in = n + e < N;
-      v[e] = in ? vbw_gemm::activate(tile[rr * LDT + col + e] * w_scale[n + e] + vbw_gemm::bias_at(bias, flags, n + e),
-                                     flags) : 0.f;
+      v[e] = in ? vbw_gemm::activate(stage_f[rr * LDT + col + e] * w_scale[n + e] +
+                                     vbw_gemm::bias_at(bias, flags, n + e), flags) : 0.f;
     }
     vbw_gemm::store8(out, (size_t)m * (size_t)N + (size_t)n, v, N - n, flags, vec && n + 8 <= N);
   }
+  }  // tiles
 #else
   __trap();  // Hopper only: gemm.py never launches it elsewhere
 #endif

@@ -12,6 +12,7 @@
 //   wg_fence / wg_commit / wg_wait<N>            wgmma.fence / commit_group / wait_group
 //   fence_async_smem                             generic-proxy smem writes (st.shared, cp.async) -> wgmma reads
 //   named_bar(id, n)                             bar.sync on a named barrier for n threads
+//   named_bar_or(id, n, v)                       the same, returning v ORed over those threads
 //   desc_sw128_k(addr)                           descriptor of a K-major tile in 128-byte-swizzled rows (one row
 //                                                = 64 16-bit elements of K; 8-row groups 1024 B apart)
 //   desc_sw128_mn(addr, lbo)                     descriptor of an MN-major tile: rows of 64 N elements (128 B,
@@ -124,6 +125,13 @@ template <int N_> __device__ __forceinline__ void wg_wait() {
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void named_bar(int id, int n) {
   asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory");
+}
+// bar.sync on named barrier `id` for n threads that also ORs `v` over them.
+__device__ __forceinline__ bool named_bar_or(int id, int n, bool v) {
+  u32 r;
+  asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 q, %1, 0;\nbar.red.or.pred p, %2, %3, q;\nselp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(r) : "r"((u32)v), "r"(id), "r"(n) : "memory");
+  return r != 0u;
 }
 
 // Descriptor bits: start >> 4 (0-13), leading byte offset >> 4 (16-29), stride byte offset >> 4 (32-45),

@@ -637,19 +637,25 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
 # ------------------------------------------------------------------------ W4A4 MXFP4 on FP8 tensor cores
 _FP8_SOURCE = "fp8_gemm.cu"
 _FP8_NS = "vbw_fp8gemm::"
-_FP8_BN, _FP8_STAGES = 192, 5   # weight rows a CTA (128 or 192: 192 measured 9-15% faster), ring depth
+_FP8_BN = 192   # weight rows a CTA (128 or 192: 192 measured 9-15% faster)
 _FP8_TILES = (128, 192)
+_FP8_STAGES = {192: 3, 128: 4}  # ring depth by BN: what fits 227 KB beside the epilogue's staging areas
 
 
 def _fp8_smem(bn: int) -> int:
-    return _FP8_STAGES * (128 + bn) * 128 + 1024 + 16 * _FP8_STAGES
+    stages = _FP8_STAGES[bn]
+    return stages * (128 + bn) * 128 + 1024 + 16 * stages + 2 * 64 * (bn + 4) * 4
+
+
+def _fp8_name(bn: int) -> str:
+    return f"{_FP8_NS}fp8_gemm_mx<{bn}, {_FP8_STAGES[bn]}>"
 # MXFP4 x MXFP4 on sm_90 runs fp8_gemm.cu (False: the float32 path, for A/B runs)
 _W4A4_FP8 = True
 
 
 def _fp8_instances() -> list[tuple[str, str]]:
     return [(_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3_rows"), (_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3_chunks"),
-            *[(_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{bn}, {_FP8_STAGES}>") for bn in _FP8_TILES]]
+            *[(_FP8_SOURCE, _fp8_name(bn)) for bn in _FP8_TILES]]
 
 
 def _mx_data(t, rows: int):
@@ -706,7 +712,7 @@ def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
     """out [M, N] for MXFP4 a and w on Hopper's FP8 tensor cores; None where that path does not apply. A
     float32 output keeps the exact float32 path: the tensor core's sums of 32 products are not rounded to
     float32 (its error, ~1e-5, is within the float16 / bfloat16 bounds only)."""
-    from ._device import device_arch
+    from ._device import device_arch, num_sms
     if not (_W4A4_FP8 and a.format == "mxfp4" and w.format == "mxfp4" and np.dtype(out_dtype).name != "float32"
             and device_arch() == 90 and rt.have_tensor_maps()):
         return None
@@ -727,8 +733,7 @@ def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
     bias_kind = 0 if bias is None else _BIAS_KIND[bias.dtype.name]
     flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
     tiles = rt.cdiv(M, 128) * rt.cdiv(N, bn)
-    rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}fp8_gemm_mx<{bn}, {_FP8_STAGES}>", _EXTRA_OPTIONS),
-              (tiles,), (384,), (tm_a, tm_w, mult, row_bad, w_scale, rt.NULL if bias is None else bias, out,
+    rt.launch(rt.get_kernel(_FP8_SOURCE, _fp8_name(bn), _EXTRA_OPTIONS), (min(tiles, num_sms()),), (384,), (tm_a, tm_w, mult, row_bad, w_scale, rt.NULL if bias is None else bias, out,
                                  np.int32(M), np.int32(N), np.int32(kp // 32), np.int32(flags)),
               shared_mem=_fp8_smem(bn))
     return out
