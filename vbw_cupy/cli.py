@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import subprocess
 import sys
 import time
@@ -196,7 +197,8 @@ def cmd_info(args) -> int:
                   f"{mem / 2**30:.1f} GiB")
     s = autotune.cache_summary()
     print(f"autotune cache: {s['path']} ({s['status']}, {s['entries']} entries; "
-          f"VBW_CUPY_AUTOTUNE={'1' if autotune.enabled() else '0'})")
+          f"VBW_CUPY_AUTOTUNE={os.environ.get(autotune.ENV_SWITCH, '(unset)')}: "
+          f"{'tuning new keys' if autotune.forced() else 'defaults only' if not autotune.enabled() else 'tuning new keys except on settled archs (sm_90: defaults)'})")
     for row in s["rows"]:
         print(f"  {row['kernel']} {row['dtype']} {row['bucket']} on {row['device']}: {row['config']} "
               f"{row['ms']:.4f} ms (default {row['default_ms']:.4f} ms)" if row.get("ms") and row.get("default_ms")
