@@ -385,7 +385,8 @@ def test_gpu_probe_tuning_beats_default_and_is_reused(tmp_path, monkeypatch):
     assert s["tuned"] == 1 and s["timer_calls"] in (n_cands, n_cands + 2 * at.CONFIRM_ROUNDS), s
     assert s["failed"] == 0
     probe_instances = {(c["BLOCK"], c["VEC"]) for c in at.get("autotune_probe").candidates}
-    assert s["compiled"] == len(probe_instances), s  # every candidate compiled up front, together
+    # every candidate compiled up front, together, with the timer's L2 flush kernel
+    assert s["compiled"] == len(probe_instances) + 1, s
     assert tune_s < 60, tune_s                       # includes NVRTC compiles of 20 instances
     cp.testing.assert_allclose(y, 2.0 * x + 1.0, rtol=1e-6)   # every element written, correct
     default = at.default_config("autotune_probe")
@@ -429,7 +430,7 @@ def test_gpu_unlaunchable_candidate_is_unusable_not_a_crash(tmp_path, monkeypatc
 
 
 def test_candidates_compile_together_before_timing(env, monkeypatch):
-    """pick runs each candidate once under rt.collecting(), compiles what they asked for in one compile_many
+    """pick runs each candidate once under rt.collecting(), compiles what they asked for in one compile_jobs
     call, and goes again for kernels a run reaches only after its first (here: a second kernel per config),
     before the first timed launch; a candidate that fails otherwise is left to the timing."""
     from vbw_cupy import _runtime as rt
@@ -445,13 +446,13 @@ def test_candidates_compile_together_before_timing(env, monkeypatch):
         kernel(f"main<{c['BM']}, {c['W']}>")
         kernel("reduce")
 
-    def compile_many(jobs, desc):
+    def compile_jobs(jobs, desc):
         assert not env.calls, "compiled after timing began"
         batches.append(sorted(j[1] for j in jobs))
         compiled.update(j[1] for j in jobs)
-        return []
+        return {}
 
-    monkeypatch.setattr(rt, "compile_many", compile_many)
+    monkeypatch.setattr(rt, "compile_jobs", compile_jobs)
     at.pick("t_fake", {"M": 64, "K": 128}, "float16", run)
     fitting = [c for c in CANDS if c["BM"] * c["W"] * 256 <= FAKE_DEVICE["limits"]["smem_optin"] and c["BM"] != 256]
     assert batches == [sorted(f"main<{c['BM']}, {c['W']}>" for c in fitting), ["reduce"]]
@@ -468,7 +469,7 @@ def test_candidate_compile_stops_when_nothing_is_kept(env, monkeypatch):
         if rt._collect.__dict__.get("on"):
             raise rt.NeedsCompile(("probe.cu", "k", 90, ()))
 
-    monkeypatch.setattr(rt, "compile_many", lambda jobs, desc: batches.append(jobs) or [])
+    monkeypatch.setattr(rt, "compile_jobs", lambda jobs, desc: batches.append(jobs) or {})
     at.pick("t_fake", {"M": 64, "K": 128}, "float16", run)
     assert len(batches) == 1 and env.calls
 
@@ -577,3 +578,92 @@ def test_slow_tuning_prints_a_notice_fast_tuning_none(env, monkeypatch, capsys):
     at.pick("t_fake", {"M": 64, "K": 512}, "float16", noop)
     err = capsys.readouterr().err
     assert "vbw_cupy: tuning t_fake for" in err and "done in" in err
+
+
+def test_candidate_whose_kernel_fails_to_compile_is_scored_without_recompiling(env, monkeypatch):
+    """A kernel that fails to compile is compiled once: its candidates are scored as failed and never timed
+    (the timing would compile it again), and later rounds do not ask for it again."""
+    from vbw_cupy import _runtime as rt
+    compiled, batches = set(), []
+
+    def run(c):
+        name = "broken" if c["BM"] == 64 else f"k<{c['BM']}, {c['W']}>"
+        if rt._collect.__dict__.get("on") and name not in compiled:
+            raise rt.NeedsCompile(("probe.cu", name, 90, ()))
+        assert name != "broken", "a kernel that failed to compile was launched"
+
+    def compile_jobs(jobs, desc):
+        batches.append(sorted(j[1] for j in jobs))
+        compiled.update(j[1] for j in jobs if j[1] != "broken")
+        return {j: "CompileError: error: expected a ';'" for j in jobs if j[1] == "broken"}
+
+    monkeypatch.setattr(rt, "compile_jobs", compile_jobs)
+    cfg = at.pick("t_fake", {"M": 64, "K": 128}, "float16", run)
+    assert cfg["BM"] != 64 and len(batches) == 1 and "broken" in batches[0]
+    assert env.calls and all(c["BM"] != 64 for c in env.calls)
+    assert at.stats()["failed"] == sum(1 for c in CANDS if c["BM"] == 64
+                                       and c["BM"] * c["W"] * 256 <= FAKE_DEVICE["limits"]["smem_optin"])
+
+
+def test_candidate_compile_falls_back_to_one_thread(env, monkeypatch):
+    """A thread pool that cannot start (not a kernel's fault) leaves the kernels to be compiled one by one."""
+    from vbw_cupy import _runtime as rt
+    done = []
+
+    def run(c):
+        if rt._collect.__dict__.get("on") and "k" not in done:
+            raise rt.NeedsCompile(("probe.cu", "k", 90, ()))
+
+    def no_pool(jobs, desc):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(rt, "compile_jobs", no_pool)
+    monkeypatch.setattr(rt, "_compile_one", lambda job: done.append(job[1]) or (job, None))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        at.pick("t_fake", {"M": 64, "K": 128}, "float16", run)
+    assert done == ["k"] and any("one kernel at a time" in str(x.message) for x in w)
+
+
+def test_env_switch_modes(monkeypatch):
+    for raw, want in ((None, 1), ("", 1), ("0", 0), (" off ", 0), ("No", 0), ("1", 2), ("yes", 2), ("ON", 2),
+                      ("2", 1)):
+        if raw is None:
+            monkeypatch.delenv("VBW_CUPY_AUTOTUNE", raising=False)
+        else:
+            monkeypatch.setenv("VBW_CUPY_AUTOTUNE", raw)
+        assert (at.mode(), at.enabled(), at.forced()) == (want, want > 0, want == 2), raw
+
+
+def test_settled_arch_uses_the_tuned_cache_but_never_times(env, monkeypatch):
+    """On a settled arch with VBW_CUPY_AUTOTUNE unset, a call takes what `vbw-cupy tune` stored and otherwise
+    the default, without timing anything; VBW_CUPY_AUTOTUNE=1 tunes there."""
+    t = at.get("t_fake")
+    at.register(at.Tunable(name="t_fake", params=t.params, candidates=t.candidates, defaults=DEFAULTS,
+                           bucket=t.bucket, fits=t.fits, source=t.source, settled=(90,)))
+    monkeypatch.delenv("VBW_CUPY_AUTOTUNE")
+    assert at.pick("t_fake", {"M": 64, "K": 128}, "float16", noop) == DEFAULTS[90] and not env.calls
+    key = at.make_key("t_fake", {"M": 64, "K": 128}, "float16")
+    at._store(key, {"config": {"BM": 32, "W": 2}, "ms": 1.0, "default": DEFAULTS[90], "default_ms": 2.0})
+    at.reset()
+    assert at.pick("t_fake", {"M": 64, "K": 128}, "float16", noop) == {"BM": 32, "W": 2} and not env.calls
+    monkeypatch.setenv("VBW_CUPY_AUTOTUNE", "1")
+    at.pick("t_fake", {"M": 1000, "K": 128}, "float16", noop)
+    assert env.calls
+
+
+def test_compiled_kernel_is_kept_in_memory_without_a_disk_cache(monkeypatch):
+    """With no usable kernel cache directory, what was compiled is kept in memory: compiled once, not again
+    when it is loaded."""
+    from vbw_cupy import _runtime as rt
+    calls = []
+    monkeypatch.setattr(rt, "kernel_cache_dir", lambda: None)
+    monkeypatch.setattr(rt, "compile_cubin", lambda f, names, arch, opts: calls.append(names) or
+                        (b"\x7fELF-fake", {names[0]: "_Z1kv"}))
+    job = ("probe.cu", "k_unstored_test", 90, ())
+    try:
+        assert rt.compile_jobs([job], progress=False) == {}
+        assert rt._cached_cubin(*job, compile=False) == (b"\x7fELF-fake", "_Z1kv")
+        assert rt._cached_cubin(*job) == (b"\x7fELF-fake", "_Z1kv") and len(calls) == 1
+    finally:
+        rt._unstored.pop(job, None)

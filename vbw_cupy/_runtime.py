@@ -207,6 +207,9 @@ def compile_cubin(filename: str, name_expressions: list[str], arch: int,
 
 _lock = threading.Lock()
 _modules: dict = {}
+# (filename, name, arch, options) -> (cubin, lowered name) for what was compiled but could not be written to the
+# disk cache (none configured, or read-only): the tuner compiles before it loads, and would otherwise compile twice
+_unstored: dict = {}
 _CACHE_FORMAT = 2  # in the disk key: format-2 entries carry the cubin's sha256 in their .name file
 
 
@@ -361,7 +364,12 @@ def read_cached_cubin(cubin_path: pathlib.Path, name_path: pathlib.Path) -> tupl
 def _cached_cubin(filename, name, arch, extra_options, compile: bool = True,
                   notice: bool = True) -> tuple[bytes, str] | None:
     """(cubin, lowered name) from the disk cache, or compiled and stored there (None without `compile`).
-    `notice`: say on stderr when a compile takes longer than 2 s."""
+    What cannot be stored on disk is kept in memory (_unstored). `notice`: say on stderr when a compile takes
+    longer than 2 s."""
+    job = (filename, name, arch, tuple(extra_options))
+    got = _unstored.get(job)
+    if got is not None:
+        return got
     d = kernel_cache_dir()
     if d is not None:
         dkey = _disk_key(filename, name, arch, extra_options)
@@ -382,9 +390,11 @@ def _cached_cubin(filename, name, arch, extra_options, compile: bool = True,
         try:
             atomic_write(cubin_path, cubin)
             atomic_write(name_path, f"{hashlib.sha256(cubin).hexdigest()} {lowered}\n".encode("ascii"))
+            return cubin, lowered
         except OSError as e:  # a read-only cache still works, just without the disk copy
             warn_once(f"ro:{d}", f"vbw_cupy: cannot write the kernel cache {d} ({e.strerror or e}): compiled "
                                  "kernels are kept in memory for this process only")
+    _unstored[job] = (cubin, lowered)
     return cubin, lowered
 
 
@@ -392,28 +402,38 @@ def _compile_one(job):
     filename, name, arch, extra = job
     try:
         _cached_cubin(filename, name, arch, extra, notice=False)
-        return name, None
+        return job, None
     except Exception as e:  # reported by the caller, never fatal there
-        return name, f"{type(e).__name__}: {str(e)[:2000]}"
+        return job, f"{type(e).__name__}: {str(e)[:2000]}"
 
 
-def compile_many(jobs, desc: str = "compiling", workers: int | None = None, progress: bool = True
-                 ) -> list[tuple[str, str]]:
-    """Compile (filename, instance, arch, options) jobs into the disk cache on a pool of threads (NVRTC
+def compile_jobs(jobs, desc: str = "compiling", workers: int | None = None, progress: bool = True) -> dict:
+    """Compile (filename, instance, arch, options) jobs into the kernel cache on a pool of threads (NVRTC
     releases the GIL, so they run in parallel; no processes, so nothing is re-imported and a user's script
-    needs no ``__main__`` guard). Returns [(instance, error)] for failures. With `progress`, a bar on stderr
-    once it has taken 2 s."""
+    needs no ``__main__`` guard). Returns {job: error} for the failures. With `progress`, a bar on stderr
+    once it has taken 2 s. An interrupt cancels the jobs not started yet."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
     jobs = sorted(set(jobs))
     if not jobs:
-        return []
+        return {}
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs), 16))
-    with ThreadPoolExecutor(workers, thread_name_prefix="vbw_cupy-nvrtc") as ex:
+    ex = ThreadPoolExecutor(workers, thread_name_prefix="vbw_cupy-nvrtc")
+    try:
         done = as_completed([ex.submit(_compile_one, j) for j in jobs])
         if progress:
             done = _progress.bar(done, len(jobs), desc)
         res = [f.result() for f in done]
-    return sorted((n, e) for n, e in res if e)
+    except BaseException:
+        ex.shutdown(wait=True, cancel_futures=True)  # the running compiles finish (NVRTC cannot be stopped)
+        raise
+    ex.shutdown(wait=True)
+    return {j: e for j, e in res if e}
+
+
+def compile_many(jobs, desc: str = "compiling", workers: int | None = None, progress: bool = True
+                 ) -> list[tuple[str, str]]:
+    """compile_jobs, reporting failures as sorted [(instance, error)]."""
+    return sorted((j[1], e) for j, e in compile_jobs(jobs, desc, workers, progress).items())
 
 
 def precompile(instances, arch: int | None = None, extra_options: tuple[str, ...] = (), workers: int | None = None,

@@ -489,7 +489,7 @@ def _fast_key(q, k, v, causal, softmax_scale, window, softcap, return_lse):
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, type(causal), causal, type(softmax_scale),
                softmax_scale, type(window), window, type(softcap), softcap, type(return_lse), return_lse,
                cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr,
-               _autotune is not None and _autotune.enabled(), getattr(_autotune, "_generation", 0), _variant(),
+               _autotune is not None and _autotune.mode(), getattr(_autotune, "_generation", 0), _variant(),
                tuple(map(type, window)) if type(window) is tuple else None)
         hash(key)
     except TypeError:  # a list window, an odd scalar: the full path

@@ -25,9 +25,10 @@ caller's own arrays::
     _launch(cfg, a, w, out)
 
 `pick` returns, in this order of preference:
-- ``VBW_CUPY_AUTOTUNE=0``: the per-arch default (``default_config``); nothing is ever timed. The same, with the
+- ``VBW_CUPY_AUTOTUNE=0``: the per-arch default (``default_config``); nothing is ever timed. With the
   variable unset, on the archs listed in the Tunable's ``settled`` (where an A/B showed tuning not beating the
-  defaults); ``VBW_CUPY_AUTOTUNE=1`` tunes there too.
+  defaults): a config ``vbw-cupy tune`` stored in the cache, else the default, never timed at a call;
+  ``VBW_CUPY_AUTOTUNE=1`` tunes there too.
 - a cache hit: memory first, then ``$VBW_CUPY_CACHE_DIR/autotune.json`` (re-read on every memory miss, so a
   key another process tuned meanwhile is reused).
 - otherwise it tunes: first the kernels of every candidate that passes
@@ -182,22 +183,29 @@ def registered() -> list[str]:
     return sorted(_registry)
 
 
-_enabled_last = ("1", True)  # (raw value, parsed): every fast-path call asks, the value rarely changes
+_mode_last: tuple = (None, 1)  # (raw value, parsed): every fast-path call asks, the value rarely changes
+
+
+def mode() -> int:
+    """VBW_CUPY_AUTOTUNE read as 0 ("0", off, false, no: the per-arch defaults everywhere), 1 (unset or any
+    other value: tune new keys except on a Tunable's settled archs) or 2 ("1", on, true, yes: tune new keys
+    everywhere). Plan caches key on it, so changing the variable takes effect at the next call."""
+    global _mode_last
+    raw = os.environ.get(ENV_SWITCH)
+    if raw != _mode_last[0]:
+        v = (raw or "").strip().lower()
+        _mode_last = (raw, 0 if v in ("0", "off", "false", "no") else 2 if v in ("1", "on", "true", "yes") else 1)
+    return _mode_last[1]
 
 
 def forced() -> bool:
-    """VBW_CUPY_AUTOTUNE set to "1" (or on/true/yes): tune new keys even on a Tunable's settled archs."""
-    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("1", "on", "true", "yes")
+    """VBW_CUPY_AUTOTUNE=1: tune new keys even on a Tunable's settled archs."""
+    return mode() == 2
 
 
 def enabled() -> bool:
-    """VBW_CUPY_AUTOTUNE: "0" (or off/false/no) uses the per-arch defaults everywhere; unset (the default) tunes
-    new keys except on a Tunable's settled archs; "1" tunes new keys everywhere."""
-    global _enabled_last
-    raw = os.environ.get(ENV_SWITCH, "1")
-    if raw != _enabled_last[0]:
-        _enabled_last = (raw, raw.strip().lower() not in ("0", "off", "false", "no"))
-    return _enabled_last[1]
+    """VBW_CUPY_AUTOTUNE is not "0": tuning (or a tuned config from the cache) may replace the defaults."""
+    return mode() > 0
 
 
 def _budget_s() -> float:
@@ -497,29 +505,55 @@ def _sticky_error(t: Tunable, cfg: dict, e: BaseException) -> RuntimeError:
                         "candidate it lists (or prune it in fits).")
 
 
-def _compile_candidates(t: Tunable, run, cands) -> None:
+def _compile_candidates(t: Tunable, run, cands) -> dict[int, str]:
     """Compile the kernels of all candidates at once, on parallel threads, before they are timed one by one:
     each candidate runs once under rt.collecting() (cached kernels load and launch; the first one not compiled
-    stops the run with NeedsCompile), what was asked for is compiled together (rt.compile_many), and again
+    stops the run with NeedsCompile), what was asked for is compiled together (rt.compile_jobs), and again
     for kernels a run reaches only after another (a layout kernel before the GEMM, a split-K reduction
-    after it), at most 4 rounds. Any other error is left to the timing, which scores the candidate."""
-    tried: set = set()
+    after it), at most 4 rounds. The timer's L2 flush kernel joins the first batch. Returns {index in cands:
+    why} for candidates whose kernel failed to compile: the timing scores them without compiling again. Any
+    other error is left to the timing, which scores the candidate. With the real (CUDA event) timer each run
+    is synchronized, so a sticky fault is blamed on the config that caused it."""
+    gpu = _timer is _cuda_event_timer
+    failed: dict = {}     # job -> error
+    bad: dict[int, str] = {}
+    asked: set = set()
     for _ in range(4):
         need = set()
-        for c in cands:
+        if gpu and not t.warm_l2 and not asked:
+            try:
+                with rt.collecting():
+                    rt.get_kernel(PROBE_SOURCE, "l2_flush_read")
+            except rt.NeedsCompile as e:
+                need.add(e.job)
+        for i, c in enumerate(cands):
+            if i in bad:
+                continue
             try:
                 with rt.collecting():
                     run(c)
+                    if gpu:
+                        rt.cupy.cuda.get_current_stream().synchronize()
             except rt.NeedsCompile as e:
-                need.add(e.job)
+                if e.job in failed:
+                    bad[i] = failed[e.job]
+                else:
+                    need.add(e.job)
             except Exception as e:
                 if _is_sticky(e):
                     raise _sticky_error(t, c, e) from e
-        if need <= tried:  # nothing new (or a cache that cannot keep them: the timing compiles those)
-            return
-        tried |= need
+        need -= asked
+        if not need:  # all compiled (or a cache that could not keep them: the timing compiles those)
+            break
+        asked |= need
         _stats["compiled"] += len(need)
-        rt.compile_many(need, f"compiling {len(need)} kernels to tune {t.name}")
+        try:
+            failed.update(rt.compile_jobs(need, f"compiling {len(need)} kernels to tune {t.name}"))
+        except Exception as e:  # the thread pool itself failed (not a kernel): compile in this thread
+            rt.warn_once(f"pool:{type(e).__name__}", f"vbw_cupy.autotune: parallel compile failed ({e}); "
+                                                     "compiling one kernel at a time")
+            failed.update(dict(j for j in map(rt._compile_one, sorted(need)) if j[1]))
+    return bad
 
 
 def _tune_key(t: Tunable, run, dev: dict) -> dict:
@@ -535,12 +569,16 @@ def _tune_key(t: Tunable, run, dev: dict) -> dict:
         if ok:
             cands.append(c)
     t0 = time.perf_counter()
-    _compile_candidates(t, run, cands)
+    bad = _compile_candidates(t, run, cands)
     t1 = time.perf_counter()
     _stats["compile_s"] += t1 - t0
     per = _budget_s() / max(1, len(cands))
     best, best_ms, default_ms, results = None, math.inf, None, []
-    for c in cands:
+    for i, c in enumerate(cands):
+        if i in bad:
+            _stats["failed"] += 1
+            results.append((c, None, f"compile: {bad[i].splitlines()[0]}"[:200]))
+            continue
         _stats["timer_calls"] += 1
         try:
             ms = float(_timer(run, c, budget_s=per, flush=not t.warm_l2,
@@ -609,9 +647,17 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
     """
     t = get(name)
     dev = _device_info()
-    if not enabled() or (dev["arch"] in t.settled and not forced()):
+    m = mode()
+    if m == 0:
         _stats["defaults"] += 1
         return default_config(name, dev["arch"])
+    if dev["arch"] in t.settled and m == 1:  # what `vbw-cupy tune` stored is used; nothing new is timed
+        with _lock:
+            e = _lookup(make_key(name, shape, dtype, dev), t)
+        if e is None:
+            _stats["defaults"] += 1
+            return default_config(name, dev["arch"])
+        return dict(e["config"])
     try:
         fast = (name, dev["id"], dtype, tuple(shape.items()))
         cfg = _picked.get(fast)

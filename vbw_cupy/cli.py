@@ -198,7 +198,7 @@ def cmd_info(args) -> int:
     s = autotune.cache_summary()
     print(f"autotune cache: {s['path']} ({s['status']}, {s['entries']} entries; "
           f"VBW_CUPY_AUTOTUNE={os.environ.get(autotune.ENV_SWITCH, '(unset)')}: "
-          f"{'tuning new keys' if autotune.forced() else 'defaults only' if not autotune.enabled() else 'tuning new keys except on settled archs (sm_90: defaults)'})")
+          f"{'tuning new keys' if autotune.forced() else 'defaults only' if not autotune.enabled() else 'tuning new keys except on settled archs (sm_90: tuned entries or defaults, never timed at a call)'})")
     for row in s["rows"]:
         print(f"  {row['kernel']} {row['dtype']} {row['bucket']} on {row['device']}: {row['config']} "
               f"{row['ms']:.4f} ms (default {row['default_ms']:.4f} ms)" if row.get("ms") and row.get("default_ms")
