@@ -16,11 +16,14 @@
 // Layout: A8 [M, Kp], W8 [N, Kp] e4m3 bytes, k contiguous (Kp = 32 * blocks), loaded by TMA as 128-byte swizzled
 //   rows of 128 k (one k-tile = 4 blocks), zero-filled past M, N and Kp; mult [M, blocks] float32 (the scale of
 //   each of a token's blocks: 2^s of its chunk, or the block's own), row_bad [M]; w_scale [N] float32.
-// Tiling: fp8_gemm_mx<BN, STAGES>: tile = 128 tokens x BN weight rows (BN = 192 by default, STAGES 3; 128 keeps
-//   two partial sets, STAGES 4). Persistent: one CTA per SM (gemm.py launches min(tiles, SMs)) runs tiles
-//   blockIdx.x, + gridDim.x, ... 384 threads: a producer warpgroup (setmaxnreg down to 40 registers; one thread
-//   issues both TMA boxes of each k-tile, over all of the CTA's tiles, into a STAGES ring as soon as the
-//   buffer's empty mbarrier says all 8 consumer warps released it) and two consumer warpgroups of 64 tokens each
+// Tiling: fp8_gemm_mx<BN, STAGES, CM>: tile = 128 tokens x BN weight rows (BN = 192 by default, STAGES 3; 128 keeps
+//   two partial sets, STAGES 4). CM = 2 (the default): clusters of two CTAs take token tiles 2u and 2u + 1 of
+//   the same weight tile, each loading its own A box and half of the W rows by TMA multicast into both.
+//   Persistent: one CTA per SM (gemm.py launches CM * min(units, SMs / CM)); cluster c runs units c,
+//   c + clusters, ... 384 threads: a producer warpgroup (setmaxnreg down to 40 registers; one thread issues
+//   the TMA boxes of each k-tile, over all of the CTA's tiles, into a STAGES ring as soon as the buffer's
+//   empty mbarrier says all 8 * CM consumer warps of the cluster released it) and two consumer warpgroups of 64
+//   tokens each
 //   (setmaxnreg up to 232). Per k-tile a warpgroup runs 4
 //   wgmma m64nBNk32 from shared memory into a partial set and scales it into the accumulators (BN = 128: tiles
 //   in pairs, the first scaled in while the second runs); the token multipliers of a k-tile are loaded one tile
@@ -51,8 +54,17 @@
 //      one run against v4, 8192^2 742-753 -> 798-803, 14336x4096 643-653 -> 693-699, 4096x14336 706-741 ->
 //      756-761, M = 2048 654-709 -> 732-735, bias + SiLU 629-633 -> 641-645 (that lease ran v4 ~7% slower
 //      than the last). BN = 128 persistent (4 stages): 1-9% behind except at M = 2048.
-//   Next (notes/kernel-history.md): a software pipeline across k-tiles (wgmma waits are 19% of samples), the
-//   no-promotion ceiling was 900-916 TFLOP/s.
+//   v6 clusters of 2 token tiles sharing the weight tile (each CTA loads half of it by TMA multicast into both;
+//      every consumer warp releases a buffer in both CTAs). v4's attempt was 2x slower because its remote
+//      arrive was mbarrier.arrive.release.cluster (a cluster-scope fence per arrive): with the default
+//      semantics, one run (GEMM alone, 4096 x 8192^2): 842 -> 878 TFLOP/s; no multicast but the same pairing
+//      870. Whole call, one run: 8192^2 789 -> 814, 14336x4096 654 -> 663, 4096x14336 748 -> 726, M = 2048
+//      656 -> 703, M = 8192 829 -> 861. Activation conversion, a thread per block (was per chunk) with the
+//      stores staged in shared memory: 4096 x 8192 53 -> 33 us, 4096 x 14336 89 -> 44 us.
+//      ncu (4096 x 8192^2, clusters): tensor pipe 46% of elapsed cycles, L2 39%, consumers rarely stalled on
+//      wgmma (0.10 per issue) but spinning on the full barrier: the ring is starved, not the tensor cores.
+//   Next (notes/kernel-history.md): deeper ring (the epilogue's 2 x 50 KB fp32 staging limits it to 3
+//   stages), the no-promotion ceiling was 900-916 TFLOP/s.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
@@ -82,9 +94,8 @@ __device__ __forceinline__ u32 e2m1_to_e4m3(u32 c, int d) {
 // For d in [-5, 6] every result is a normal e4m3 number, whose exponent field is the bare value's plus d: four
 // nibbles at a time, the bare codes come from a byte permutation (the nibble's magnitude bits are its selector),
 // d * 8 is added to the nonzero bytes and the signs are moved to bit 7. Other d go one value at a time.
-__device__ __forceinline__ void store_block(u8* dst, uint4 v, int d) {
+__device__ __forceinline__ void convert_block(uint4 v, int d, u32 (&packed)[8]) {
   const u32 w[4] = {v.x, v.y, v.z, v.w};
-  u32 packed[8];
   if (d >= -5) {
     const u32 d8 = 0x01010101u * (u32)((d * 8) & 0xff);
 #pragma unroll
@@ -106,6 +117,10 @@ __device__ __forceinline__ void store_block(u8* dst, uint4 v, int d) {
                             (e2m1_to_e4m3((x >> 8) & 15u, d) << 16) | (e2m1_to_e4m3((x >> 12) & 15u, d) << 24);
       }
   }
+}
+__device__ __forceinline__ void store_block(u8* dst, uint4 v, int d) {
+  u32 packed[8];
+  convert_block(v, d, packed);
   uint4* o = reinterpret_cast<uint4*>(dst);
   o[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   o[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
@@ -164,48 +179,51 @@ __global__ void __launch_bounds__(256) mx_to_e4m3_rows(const u8* __restrict__ da
   }
 }
 
-// The activations, one thread per 128-k chunk (4 blocks) of row r (one CTA of 64 threads per row): a chunk whose
-// nonzero blocks lie within 13 binades of its largest is re-based to s = max e_b - 6 (q = e2m1 * 2^(e_b - s),
-// mult[r, b] = 2^s for its blocks); any other chunk (wider, or a NaN scale code) keeps bare e2m1 values with
-// mult[r, b] = the block's own scale, and row_bad[r] = 1: the GEMM then applies scales per 32 k in that row's
-// tile. mult [R, nb] float32, row_bad [R] int32.
-__global__ void __launch_bounds__(64) mx_to_e4m3_chunks(const u8* __restrict__ data, const u8* __restrict__ scales,
-                                                        int nb, u8* __restrict__ q, float* __restrict__ mult,
-                                                        int* __restrict__ row_bad) {
-  const int r = blockIdx.x, nc = (nb + 3) / 4;
+// The activations, per call: a CTA of 128 threads per row r, one thread per MXFP4 block, the 4 lanes of a 128-k
+// chunk (4 blocks) agreeing by shuffles. A chunk whose nonzero blocks lie within 13 binades of its largest is
+// re-based to s = max e_b - 6 (q = e2m1 * 2^(e_b - s), mult[r, b] = 2^s for its blocks); any other chunk (wider,
+// or a NaN scale code) keeps bare e2m1 values with mult[r, b] = the block's own scale, and row_bad[r] = 1: the
+// GEMM then applies scales per 32 k in that row's tile. Loads are 16 bytes a lane, contiguous; the 32-byte
+// results go through shared memory so the stores are contiguous too (a thread per chunk, as before, reached a
+// third of copy bandwidth: 53 us for 4096 x 8192 on the H100). mult [R, nb] float32, row_bad [R] int32.
+__global__ void __launch_bounds__(128) mx_to_e4m3_chunks(const u8* __restrict__ data, const u8* __restrict__ scales,
+                                                         int nb, u8* __restrict__ q, float* __restrict__ mult,
+                                                         int* __restrict__ row_bad) {
+  __shared__ uint4 stage[256];  // 128 blocks x 32 bytes
+  const int r = blockIdx.x, tid = threadIdx.x;
   const u8* d = data + (size_t)r * nb * 16;
   const u8* s = scales + (size_t)r * nb;
   u8* o = q + (size_t)r * nb * 32;
   float* mu = mult + (size_t)r * nb;
   int bad = 0;
-  for (int c = threadIdx.x; c < nc; c += 64) {
-    const int b0 = 4 * c, n = min(4, nb - b0);
-    uint4 v[4];
-    int code[4], emax = -1000, emin = 1000;
-    bool nan = false;
+  for (int b0 = 0; b0 < nb; b0 += 128) {
+    const int b = b0 + tid;
+    const bool in = b < nb;
+    const uint4 v = in ? *reinterpret_cast<const uint4*>(d + (size_t)b * 16) : make_uint4(0u, 0u, 0u, 0u);
+    const int code = in ? (int)s[b] : 0;
+    const bool nz = ((v.x | v.y | v.z | v.w) & 0x77777777u) != 0u;
+    int emax = nz ? code - 127 : -1000, emin = nz ? code - 127 : 1000, nan = in && code == 255;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (j >= n) break;
-      v[j] = *reinterpret_cast<const uint4*>(d + (size_t)(b0 + j) * 16);
-      code[j] = s[b0 + j];
-      nan |= code[j] == 255;
-      if (((v[j].x | v[j].y | v[j].z | v[j].w) & 0x77777777u) != 0u) {
-        emax = max(emax, code[j] - 127);
-        emin = min(emin, code[j] - 127);
-      }
+    for (int x = 1; x < 4; x <<= 1) {  // over the chunk's 4 lanes (b0 is a multiple of 4)
+      emax = max(emax, __shfl_xor_sync(0xffffffffu, emax, x));
+      emin = min(emin, __shfl_xor_sync(0xffffffffu, emin, x));
+      nan |= __shfl_xor_sync(0xffffffffu, nan, x);
     }
     const bool fits = !nan && emin >= emax - 13;  // (an all-zero chunk: emin > emax)
     const int sc = emax == -1000 ? 0 : emax - 6;
-    bad |= !fits;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (j >= n) break;
-      store_block(o + (size_t)(b0 + j) * 32, v[j], fits ? min(6, max(-7, code[j] - 127 - sc)) : 0);
-      mu[b0 + j] = fits ? ldexpf(1.f, sc) : vbw::e8m0_decode(code[j]);
-    }
+    bad |= in && !fits;
+    u32 p[8];
+    convert_block(v, fits ? min(6, max(-7, code - 127 - sc)) : 0, p);
+    stage[2 * tid] = make_uint4(p[0], p[1], p[2], p[3]);
+    stage[2 * tid + 1] = make_uint4(p[4], p[5], p[6], p[7]);
+    if (in) mu[b] = fits ? ldexpf(1.f, sc) : vbw::e8m0_decode(code);
+    __syncthreads();
+    uint4* o4 = reinterpret_cast<uint4*>(o + (size_t)b0 * 32);
+    for (int i = tid, n = 2 * min(128, nb - b0); i < n; i += 128) o4[i] = stage[i];
+    __syncthreads();
   }
   bad = __syncthreads_or(bad);
-  if (threadIdx.x == 0) row_bad[r] = bad;
+  if (tid == 0) row_bad[r] = bad;
 }
 
 // acc += p * (the token row's multiplier): rows g (f0) and g + 8 (f1) of the wgmma accumulator layout.
@@ -215,61 +233,84 @@ __device__ __forceinline__ void scale_in(float (&acc)[NACC], const float (&p)[NA
   for (int i = 0; i < NACC; ++i) acc[i] = fmaf(p[i], (i & 2) ? f1 : f0, acc[i]);
 }
 
-template <int BN, int STAGES>
-__global__ void __launch_bounds__(384, 1)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define VBW_FP8_CLUSTER(n) __cluster_dims__(n, 1, 1)
+#else
+#define VBW_FP8_CLUSTER(n)
+#endif
+
+template <int BN, int STAGES, int CM>
+__global__ void __launch_bounds__(384, 1) VBW_FP8_CLUSTER(CM)
 fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ vbw::TmaDesc tm_w,
             const float* __restrict__ mult, const int* __restrict__ row_bad, const float* __restrict__ w_scale,
             const void* __restrict__ bias, void* __restrict__ out, int M, int N, int nb, int flags) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(BN == 128 || BN == 192, "BN");
   static_assert(STAGES >= 2, "STAGES");
+  static_assert(CM == 1 || CM == 2, "CM");
   constexpr bool TWO = BN == 128;  // two partial sets (BN = 192: one; three sets of 96 would not fit 232 registers)
   constexpr int BM = 128, A_BYTES = BM * 128, W_BYTES = BN * 128, STAGE = A_BYTES + W_BYTES, NACC = BN / 2;
-  constexpr int LDT = BN + 4;  // the epilogue's fp32 rows
+  constexpr int CP = BN / 2, LDT = CP + 4;  // the epilogue's two passes of CP columns: fp32 rows of LDT
   extern __shared__ __align__(128) u8 smem_raw[];
   const u32 raw = vbw::smem_addr(smem_raw);
   const u32 sbase = (raw + 1023u) & ~1023u;  // 128-byte swizzle atoms are 1024-byte aligned
   const u32 full0 = sbase + STAGES * STAGE, empty0 = full0 + 8 * STAGES;
   const int tid = threadIdx.x, wg = tid >> 7;
   const int nkt = (nb + 3) / 4;
-  // Tiles in groups of 8 token tiles (the Triton order): the CTAs running at once share few A and W tiles in L2.
-  // Persistent: CTA c runs tiles c, c + gridDim.x, ... (gridDim.x <= the SM count).
-  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN, per_group = 8 * tiles_n;
-  const int n_tiles = tiles_m * tiles_n, stride = (int)gridDim.x;
+  // A work unit is CM token tiles (a cluster's CTAs, rank r taking the r-th) times one weight tile. Units go in
+  // groups of 8 token tiles (the Triton order): the CTAs running at once share few A and W tiles in L2.
+  // Persistent: cluster c runs units c, c + clusters, ... (gridDim.x / CM clusters, at most one CTA per SM).
+  const int rank = CM > 1 ? (int)vbw::cluster_rank() : 0;
+  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+  const int units_m = (tiles_m + CM - 1) / CM, group = 8 / CM, per_group = group * tiles_n;
+  const int n_tiles = units_m * tiles_n, stride = (int)gridDim.x / CM, first_unit = (int)blockIdx.x / CM;
   auto origin = [&](int tile, int& m0, int& n0) {
-    const int grp = tile / per_group, first_m = grp * 8, in_grp = tile - grp * per_group;
-    const int gm = min(tiles_m - first_m, 8);
-    m0 = (first_m + in_grp % gm) * BM;
+    const int grp = tile / per_group, first_m = grp * group, in_grp = tile - grp * per_group;
+    const int gm = min(units_m - first_m, group);
+    m0 = ((first_m + in_grp % gm) * CM + rank) * BM;
     n0 = (in_grp / gm) * BN;
   };
   if (tid == 0) {
     for (int b = 0; b < STAGES; ++b) {
       vbw::mbar_init(full0 + 8 * b, 1);
-      vbw::mbar_init(empty0 + 8 * b, 8);  // each consumer warp releases
+      vbw::mbar_init(empty0 + 8 * b, 8 * CM);  // each consumer warp of the cluster releases
     }
   }
-  __syncthreads();
+  if constexpr (CM > 1) vbw::cluster_sync();  // the peer's barriers are initialized before any arrive on them
+  else __syncthreads();
 
-  // A warp is done with buffer b (every lane past its wgmma wait).
+  // A warp is done with buffer b (every lane past its wgmma wait): in its own CTA and, with a cluster, in the
+  // peer's, whose producer writes half of this CTA's W tile.
   auto release = [&](int b) {
     __syncwarp();
-    if ((tid & 31) == 0) vbw::mbar_arrive(empty0 + 8 * b);
+    if ((tid & 31) == 0) {
+      vbw::mbar_arrive(empty0 + 8 * b);
+      if constexpr (CM > 1) vbw::mbar_arrive_cta(empty0 + 8 * b, (u32)(rank ^ 1));
+    }
   };
   if (tid >= 256) {  // the producer warpgroup: one thread issues each k-tile as soon as its buffer is released
     vbw::setmaxnreg_dec<40>();
     if (tid == 256) {
       int q = 0;  // k-tiles issued so far, over all of this CTA's tiles: buffer q % STAGES
-      for (int tile = blockIdx.x; tile < n_tiles; tile += stride) {
+      for (int tile = first_unit; tile < n_tiles; tile += stride) {
         int m0, n0;
         origin(tile, m0, n0);
         for (int kt = 0; kt < nkt; ++kt, ++q) {
           const int b = q % STAGES;
           if (q >= STAGES) vbw::mbar_wait(empty0 + 8 * b, (u32)(q / STAGES - 1) & 1u);
-          vbw::mbar_expect_tx(full0 + 8 * b, STAGE);
+          vbw::mbar_expect_tx(full0 + 8 * b, STAGE);  // with a cluster, half of the W bytes come from the peer
           vbw::tma_load_2d(sbase + b * STAGE, &tm_a, full0 + 8 * b, kt * 128, m0);
-          vbw::tma_load_2d(sbase + b * STAGE + A_BYTES, &tm_w, full0 + 8 * b, kt * 128, n0);
+          if constexpr (CM == 1)
+            vbw::tma_load_2d(sbase + b * STAGE + A_BYTES, &tm_w, full0 + 8 * b, kt * 128, n0);
+          else  // this rank's half of the W rows, into both CTAs (tm_w's box is BN / 2 rows)
+            vbw::tma_load_2d_mc(sbase + b * STAGE + A_BYTES + rank * (W_BYTES / 2), &tm_w, full0 + 8 * b, kt * 128,
+                                n0 + rank * (BN / 2), (unsigned short)3);
         }
       }
+    }
+    if constexpr (CM > 1) {  // stay until the peer can no longer arrive on this CTA's barriers
+      __syncwarp();
+      vbw::cluster_sync();
     }
     return;  // the consumers synchronize among themselves from here on (named barriers 2, 3)
   }
@@ -277,7 +318,7 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   const int cw = wg, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
   auto mu = [&](const float* row, int b) { return b < nb ? row[b] : 0.f; };  // 0 past K: the zero-filled tail
   int q0 = 0;  // k-tiles consumed before this tile
-  for (int tile = blockIdx.x; tile < n_tiles; tile += stride, q0 += nkt) {
+  for (int tile = first_unit; tile < n_tiles; tile += stride, q0 += nkt) {
   int m0, n0;
   origin(tile, m0, n0);
   const int mr0 = m0 + cw * 64 + warp * 16 + g, mr1 = mr0 + 8;  // this thread's two token rows
@@ -389,40 +430,87 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     }
   }
 
-  // Epilogue: accumulator acc[4i + e] is tile row cw * 64 + 16 warp + g + 8 (e >> 1), column 8i + 2t + (e & 1);
-  // the fp32 tile goes to shared memory, then each thread finishes 8 consecutive columns of a row (weight row
-  // scale, bias, activation) and writes them with one 16-byte store. The ring is already filling with the next
-  // tile, so each warpgroup stages its 64 rows in its own area after the mbarriers (named barrier 2 + cw) and
-  // goes on to its next tile without waiting for the other.
+  // Epilogue: accumulator acc[4i + e] is tile row cw * 64 + 16 warp + g + 8 (e >> 1), column 8i + 2t + (e & 1).
+  // Outputs go through this warpgroup's staging area after the ring (2 x 25 KB, leaving room for a 4-stage
+  // ring), then each thread writes 8 consecutive outputs of a row with one 16-byte store. The ring is already
+  // filling with the next tile, so each warpgroup goes on without waiting for the other (named barrier 2 + cw).
+  // Without an activation (or with relu) each thread finishes its accumulators in registers (weight row scale,
+  // bias, rounded once to the 2-byte output type: gemm.py keeps float32 outputs off this path) and stages the
+  // outputs. With gelu / silu that code, repeated per accumulator, was 20% slower than the whole v5 epilogue:
+  // there the fp32 values are staged in two passes of CP columns and finished by a rolled loop, 8 per thread.
   constexpr int ROWS = 64, NTH = 128;
-  const int bar_id = 2 + cw, row0 = cw * 64, ltid = tid & 127;
+  const int bar_id = 2 + cw, row0 = cw * 64, ltid = tid & 127, r0 = warp * 16 + g;
   float* stage_f = reinterpret_cast<float*>(smem_raw + (sbase - raw)) + (STAGES * STAGE + 16 * STAGES) / 4 +
                    cw * 64 * LDT;
-  vbw::named_bar(bar_id, NTH);  // the staging area is free (this warpgroup's previous tile has been read out)
-  {
-    const int r0 = warp * 16 + g;
+  const int act = flags & 7;
+  if (act <= 1) {
+    constexpr int LDH = (BN + 8) / 2;  // words of a row of 2-byte outputs (= LDT: the same area)
+    static_assert(LDH == LDT, "staging");
+    u32* stage_h = reinterpret_cast<u32*>(stage_f);
+    const bool bf16_out = ((flags >> 8) & 3) == 1;
+    vbw::named_bar(bar_id, NTH);  // the staging area is free (this warpgroup's previous tile has been read out)
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i)
+    for (int i = 0; i < BN / 8; ++i) {
+      const int c = 8 * i + 2 * t, n = n0 + c;
+      const float s0 = n < N ? w_scale[n] : 0.f, s1 = n + 1 < N ? w_scale[n + 1] : 0.f;
+      const float b0 = n < N ? vbw_gemm::bias_at(bias, flags, n) : 0.f;
+      const float b1 = n + 1 < N ? vbw_gemm::bias_at(bias, flags, n + 1) : 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) stage_f[(r0 + 8 * (e >> 1)) * LDT + 8 * i + 2 * t + (e & 1)] = acc[4 * i + e];
+      for (int h = 0; h < 2; ++h) {
+        float v0 = acc[4 * i + 2 * h] * s0 + b0, v1 = acc[4 * i + 2 * h + 1] * s1 + b1;
+        if (act == 1) {
+          v0 = vbw_gemm::activate(v0, 1);
+          v1 = vbw_gemm::activate(v1, 1);
+        }
+        stage_h[(r0 + 8 * h) * LDH + c / 2] = bf16_out ? vbw::pack2<__nv_bfloat16>(v0, v1) : vbw::pack2<__half>(v0, v1);
+      }
+    }
+    vbw::named_bar(bar_id, NTH);
+    const bool vec = N % 8 == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;
+#pragma unroll 1
+    for (int c = ltid; c < ROWS * BN / 8; c += NTH) {
+      const int rr = c / (BN / 8), col = (c % (BN / 8)) * 8, m = m0 + row0 + rr, n = n0 + col;
+      if (m >= M || n >= N) continue;
+      const uint4 w = *reinterpret_cast<const uint4*>(stage_h + rr * LDH + col / 2);
+      unsigned short* dst = static_cast<unsigned short*>(out) + (size_t)m * (size_t)N + n;
+      if (vec && n + 8 <= N) {
+        *reinterpret_cast<uint4*>(dst) = w;
+      } else {
+        const u32 ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (n + e < N) dst[e] = (unsigned short)(ws[e / 2] >> (16 * (e & 1)));
+      }
+    }
+    continue;
   }
-  vbw::named_bar(bar_id, NTH);
   const int ok = (flags >> 8) & 3, es = ok == 2 ? 4 : 2;
   const bool vec = (N * es) % 16 == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;
-#pragma unroll 1
-  for (int c = ltid; c < ROWS * BN / 8; c += NTH) {
-    const int rr = c / (BN / 8), col = (c % (BN / 8)) * 8, m = m0 + row0 + rr, n = n0 + col;
-    if (m >= M || n >= N) continue;
-    float v[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const bool in = n + e < N;
-      v[e] = in ? vbw_gemm::activate(stage_f[rr * LDT + col + e] * w_scale[n + e] +
-                                     vbw_gemm::bias_at(bias, flags, n + e), flags) : 0.f;
+  for (int pass = 0; pass < 2; ++pass) {
+    vbw::named_bar(bar_id, NTH);  // the staging area is free (the previous pass or tile has been read out)
+#pragma unroll
+    for (int i = 0; i < CP / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        stage_f[(r0 + 8 * (e >> 1)) * LDT + 8 * i + 2 * t + (e & 1)] = acc[4 * (pass * (CP / 8) + i) + e];
+    vbw::named_bar(bar_id, NTH);
+#pragma unroll 1
+    for (int c = ltid; c < ROWS * CP / 8; c += NTH) {
+      const int rr = c / (CP / 8), col = (c % (CP / 8)) * 8, m = m0 + row0 + rr, n = n0 + pass * CP + col;
+      if (m >= M || n >= N) continue;
+      float v[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const bool in = n + e < N;
+        v[e] = in ? vbw_gemm::activate(stage_f[rr * LDT + col + e] * w_scale[n + e] +
+                                       vbw_gemm::bias_at(bias, flags, n + e), flags) : 0.f;
+      }
+      vbw_gemm::store8(out, (size_t)m * (size_t)N + (size_t)n, v, N - n, flags, vec && n + 8 <= N);
     }
-    vbw_gemm::store8(out, (size_t)m * (size_t)N + (size_t)n, v, N - n, flags, vec && n + 8 <= N);
   }
   }  // tiles
+  if constexpr (CM > 1) vbw::cluster_sync();  // the peer's last releases have reached this CTA's barriers
 #else
   __trap();  // Hopper only: gemm.py never launches it elsewhere
 #endif

@@ -28,6 +28,11 @@
 //   tma_load_4d / _2d(dst, map, bar, c0, ...)    one TMA box from global into shared memory (coordinates
 //                                                innermost first), completing `bar`'s transaction bytes
 //   bulk_load(dst, src, bytes, bar)              a plain contiguous bulk copy (no tensor map), same completion
+//   tma_load_2d_mc(dst, map, bar, c0, c1, mask)  the same box written to every CTA of the cluster in `mask` (at
+//                                                the same shared offsets), completing each one's `bar`
+//   cluster_rank / cluster_sync                  this CTA's rank in its cluster; barrier.cluster (all threads)
+//   mbar_arrive_cta(bar, cta)                    an arrival on the mbarrier at `bar`'s offset in CTA `cta` of the
+//                                                cluster
 // 128-byte swizzle: 16-byte chunk c of row r (r counted from a 1024-byte-aligned base) lives at chunk c ^ (r % 8).
 // wgmma must be issued by all 128 threads of a warpgroup; everything here is compiled only for sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL); the kernels that use it trap on other targets.
@@ -180,6 +185,26 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, u32 bar
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
                " [%0], [%1, {%3, %4}], [%2];\n"
                :: "r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d_mc(u32 dst, const TmaDesc* map, u32 bar, int c0, int c1,
+                                               unsigned short mask) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+               " [%0], [%1, {%3, %4}], [%2], %5;\n"
+               :: "r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(mask) : "memory");
+}
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive_cta(u32 bar, u32 cta) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cta));
+  // default semantics (release, CTA scope): .release.cluster fenced every arrive and made fp8_gemm_mx 2x slower
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" :: "r"(remote) : "memory");
 }
 // Warp specialization (sm_90a): a warpgroup gives back registers (a producer) or takes them (consumers), so a
 // CTA of 384 threads, compiled for 168 each, runs its consumers with up to 232.

@@ -498,33 +498,60 @@ def test_fp8_operand_conversion_is_exact():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("K", [4160, 14336 + 96])
+def test_fp8_activation_conversion_of_long_rows(K):
+    """Rows of more blocks than the conversion's CTA has threads (several rounds, the last one partial, its
+    last chunk short): e4m3 bytes times the multipliers equal the dequantized values bit for bit; only the
+    rows with a chunk past 13 binades, in any round, are flagged."""
+    cp = rt.require_cupy()
+    rs = np.random.default_rng(K)
+    nb = K // 32
+    x = rs.standard_normal((7, K)).astype(np.float32)
+    x *= np.exp2(rs.integers(-4, 5, size=(7, nb))).repeat(32, axis=1).astype(np.float32)  # block scales vary
+    x[2, (nb - 1) * 32:] *= np.float32(2.0 ** -30)      # row 2: the last (short) chunk spans > 13 binades
+    x[5, 129 * 32:130 * 32] *= np.float32(2.0 ** 30)    # row 5: a chunk of the second round
+    x[6, 200 * 32:] = 0.0                               # row 6: zero chunks at the end
+    w = quantize(cp.asarray(x), "mxfp4")
+    want = ref.dequantize(w.to_cpu(), np.float64)
+    q, mult, row_bad = gemm._fp8_activations(w, 7)
+    got = cp.asnumpy(q).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * np.repeat(cp.asnumpy(mult), 32, axis=1)
+    np.testing.assert_array_equal(got[:, :K], want)
+    assert cp.asnumpy(row_bad).tolist() == [0, 0, 1, 0, 0, 1, 0]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", [(300, 520, 800), (1, 256, 4096), (1000, 1100, 4160), (4096, 2048, 2048),
                                    (256, 384, 14336), (200, 200, 800)])
 @pytest.mark.parametrize("out_dtype", [np.float16, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("bn", gemm._FP8_TILES)
-def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype, bn, monkeypatch):
+@pytest.mark.parametrize("cm", (1, 2))
+@pytest.mark.parametrize("act,with_bias", [("silu", True), (None, False), ("relu", True)])
+def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype, bn, cm, act, with_bias, monkeypatch):
     """MXFP4 x MXFP4 (FP8 tensor cores on Hopper) within the bound, every output written (NaN-filled first),
-    with bias and SiLU. Tokens 128..255 have blocks whose scales span 2^-24..2^4 within a 128-k chunk: their
-    tile takes the per-32 path, the others one scale per chunk."""
+    with bias and SiLU (the epilogue's staged fp32 path), plain and with bias and relu (its register path),
+    with and without clusters of two token tiles (M = 300: the last pair's second tile is past M). Tokens
+    128..255 have blocks whose scales span 2^-24..2^4 within a 128-k chunk: their tile takes the per-32 path,
+    the others one scale per chunk."""
     cp = rt.require_cupy()
     monkeypatch.setattr(gemm, "_FP8_BN", bn)
+    monkeypatch.setattr(gemm, "_FP8_CM", cm)
     rs = cp.random.RandomState(M + N + K)
     a = rs.standard_normal((M, K), dtype=cp.float32)
     a[128:256] *= cp.exp2(cp.asarray(np.random.default_rng(K).integers(-24, 5, size=(1, -(-K // 32))))
                           .astype(cp.float32)).repeat(32, axis=1)[:, :K]   # token tile 1: the per-32 path
     qa = quantize(a, "mxfp4")
     w = quantize(rs.standard_normal((N, K), dtype=cp.float32), "mxfp4")
-    bias = rs.standard_normal(N, dtype=cp.float32)
+    bias = rs.standard_normal(N, dtype=cp.float32) if with_bias else None
     out = cp.full((M, N), np.nan, dtype=out_dtype)
-    got = gemm._w4a4_fp8(qa, w, bias, "silu", np.dtype(out_dtype), M, N, out=out)
+    got = gemm._w4a4_fp8(qa, w, bias, act, np.dtype(out_dtype), M, N, out=out)
     if not _hopper():
         assert got is None
-        got = gemm.fp4_matmul(qa, w, bias, "silu", out_dtype)
+        got = gemm.fp4_matmul(qa, w, bias, act, out_dtype)
     else:
         assert got is out and w._cache["fp8_v1"] is not False
-        np.testing.assert_array_equal(gemm.fp4_matmul(qa, w, bias, "silu", out_dtype).get().view(np.uint16),
+        np.testing.assert_array_equal(gemm.fp4_matmul(qa, w, bias, act, out_dtype).get().view(np.uint16),
                                       got.get().view(np.uint16))   # the public call takes this path
-    err, bound = _check(got, qa, w, bias=bias, act="silu")
+    err, bound = _check(got, qa, w, bias=bias, act=act)
     assert err <= bound, (err, bound)
 
 

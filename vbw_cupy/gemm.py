@@ -476,7 +476,7 @@ def _matmul_gpu(a2, w, bias, act, out_dtype, cfg=None, out=None):
         plan = _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, dict(cfg))
         _launch(plan, a2, out, bias)
         return out, plan
-    tuned = autotune.enabled()
+    tuned = autotune.mode()
     key = (M, K, lda, adt, bias_kind, act, out_dtype.name, cp.cuda.Device().id, cp.cuda.get_current_stream().ptr,
            tuned, autotune._generation, _variant())
     plans = w._cache.get("gemm_v1_plans")
@@ -516,7 +516,7 @@ def _fast_key(a, bias, activation, out_dtype):
     cp = rt.cupy
     return (a.shape, a.dtype.char, activation, out_dtype,
             None if bias is None else (bias.shape, bias.dtype.char, bias.flags.c_contiguous, bias.data.device_id),
-            cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr, autotune.enabled(), autotune._generation,
+            cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr, autotune.mode(), autotune._generation,
             _variant())
 
 
@@ -639,23 +639,26 @@ _FP8_SOURCE = "fp8_gemm.cu"
 _FP8_NS = "vbw_fp8gemm::"
 _FP8_BN = 192   # weight rows a CTA (128 or 192: 192 measured 9-15% faster)
 _FP8_TILES = (128, 192)
-_FP8_STAGES = {192: 3, 128: 4}  # ring depth by BN: what fits 227 KB beside the epilogue's staging areas
+_FP8_STAGES = {192: 4, 128: 5}  # ring depth by BN: what fits 227 KB beside the epilogue's staging areas
 
 
 def _fp8_smem(bn: int) -> int:
     stages = _FP8_STAGES[bn]
-    return stages * (128 + bn) * 128 + 1024 + 16 * stages + 2 * 64 * (bn + 4) * 4
+    return stages * (128 + bn) * 128 + 1024 + 16 * stages + 2 * 64 * (bn // 2 + 4) * 4
 
 
-def _fp8_name(bn: int) -> str:
-    return f"{_FP8_NS}fp8_gemm_mx<{bn}, {_FP8_STAGES[bn]}>"
+def _fp8_name(bn: int, cm: int) -> str:
+    return f"{_FP8_NS}fp8_gemm_mx<{bn}, {_FP8_STAGES[bn]}, {cm}>"
+# token tiles per thread-block cluster (2: the pair shares its weight tile, each CTA loading half of it by TMA
+# multicast; 1: no cluster, for A/B runs)
+_FP8_CM = 2
 # MXFP4 x MXFP4 on sm_90 runs fp8_gemm.cu (False: the float32 path, for A/B runs)
 _W4A4_FP8 = True
 
 
 def _fp8_instances() -> list[tuple[str, str]]:
     return [(_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3_rows"), (_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3_chunks"),
-            *[(_FP8_SOURCE, _fp8_name(bn)) for bn in _FP8_TILES]]
+            *[(_FP8_SOURCE, _fp8_name(bn, cm)) for bn in _FP8_TILES for cm in (1, 2)]]
 
 
 def _mx_data(t, rows: int):
@@ -703,7 +706,7 @@ def _fp8_activations(a, M: int):
     q = cp.empty((M, nb * 32), dtype=cp.uint8)
     mult = cp.empty((M, nb), dtype=cp.float32)
     row_bad = cp.empty(M, dtype=cp.int32)
-    rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3_chunks", _EXTRA_OPTIONS), (M,), (64,),
+    rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3_chunks", _EXTRA_OPTIONS), (M,), (128,),
               (data, scales, np.int32(nb), q, mult, row_bad))
     return q, mult, row_bad
 
@@ -724,16 +727,17 @@ def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
     a8, mult, row_bad = _fp8_activations(a, M)
     kp = w8.shape[1]
     tm_a = rt.tensor_map(a8.data.ptr, (kp, M), (kp,), (128, 128), elem_bytes=1)
-    bn = _FP8_BN
-    tm_w = rt.tensor_map(w8.data.ptr, (kp, N), (kp,), (128, bn), elem_bytes=1)
+    bn, cm = _FP8_BN, _FP8_CM
+    tm_w = rt.tensor_map(w8.data.ptr, (kp, N), (kp,), (128, bn // cm), elem_bytes=1)
     if tm_a is None or tm_w is None:
         return None
     if out is None:
         out = rt.cupy.empty((M, N), dtype=out_dtype)
     bias_kind = 0 if bias is None else _BIAS_KIND[bias.dtype.name]
     flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
-    tiles = rt.cdiv(M, 128) * rt.cdiv(N, bn)
-    rt.launch(rt.get_kernel(_FP8_SOURCE, _fp8_name(bn), _EXTRA_OPTIONS), (min(tiles, num_sms()),), (384,), (tm_a, tm_w, mult, row_bad, w_scale, rt.NULL if bias is None else bias, out,
+    units = rt.cdiv(M, 128 * cm) * rt.cdiv(N, bn)  # persistent: at most one CTA per SM, clusters of cm
+    rt.launch(rt.get_kernel(_FP8_SOURCE, _fp8_name(bn, cm), _EXTRA_OPTIONS), (cm * min(units, num_sms() // cm),),
+              (384,), (tm_a, tm_w, mult, row_bad, w_scale, rt.NULL if bias is None else bias, out,
                                  np.int32(M), np.int32(N), np.int32(kp // 32), np.int32(flags)),
               shared_mem=_fp8_smem(bn))
     return out
