@@ -16,8 +16,8 @@
 // Layout: A8 [M, Kp], W8 [N, Kp] e4m3 bytes, k contiguous (Kp = 32 * blocks), loaded by TMA as 128-byte swizzled
 //   rows of 128 k (one k-tile = 4 blocks), zero-filled past M, N and Kp; mult [M, blocks] float32 (the scale of
 //   each of a token's blocks: 2^s of its chunk, or the block's own), row_bad [M]; w_scale [N] float32.
-// Tiling: fp8_gemm_mx<BN, STAGES, CM>: tile = 128 tokens x BN weight rows (BN = 192 by default, STAGES 3; 128 keeps
-//   two partial sets, STAGES 4). CM = 2 (the default): clusters of two CTAs take token tiles 2u and 2u + 1 of
+// Tiling: fp8_gemm_mx<BN, STAGES, CM>: tile = 128 tokens x BN weight rows (BN = 192 by default, STAGES 4; 128 keeps
+//   two partial sets, STAGES 5). CM = 2 (the default): clusters of two CTAs take token tiles 2u and 2u + 1 of
 //   the same weight tile, each loading its own A box and half of the W rows by TMA multicast into both.
 //   Persistent: one CTA per SM (gemm.py launches CM * min(units, SMs / CM)); cluster c runs units c,
 //   c + clusters, ... 384 threads: a producer warpgroup (setmaxnreg down to 40 registers; one thread issues
@@ -28,9 +28,10 @@
 //   wgmma m64nBNk32 from shared memory into a partial set and scales it into the accumulators (BN = 128: tiles
 //   in pairs, the first scaled in while the second runs); the token multipliers of a k-tile are loaded one tile
 //   early; a tile with a row_bad token scales per block instead.
-//   Epilogue: each consumer warpgroup stages its 64 x BN fp32 rows in its own area after the ring (named
-//   barrier 2 + warpgroup), 16-byte stores, while the producer already fills the ring with the next tile. Tiles
-//   in groups of 8 token tiles.
+//   Epilogue (see v6 below): finished in registers and staged as 2-byte outputs, or (gelu / silu) staged as fp32
+//   in two half-tile passes, in each consumer warpgroup's own area after the ring (named barrier 2 +
+//   warpgroup), 16-byte stores, while the producer already fills the ring with the next tile. Tiles in groups
+//   of 8 token tiles.
 // History (H100, M = 4096, TFLOP/s of the call including the activations' conversion; cuBLAS fp16 717-783 and
 // torch's FP8 _scaled_mm 1341-1395 in the same runs):
 //   v1 one scale per 32 k (a fresh wgmma partial per block, scaled in with one FFMA per accumulator): 8192^2
@@ -56,15 +57,22 @@
 //      than the last). BN = 128 persistent (4 stages): 1-9% behind except at M = 2048.
 //   v6 clusters of 2 token tiles sharing the weight tile (each CTA loads half of it by TMA multicast into both;
 //      every consumer warp releases a buffer in both CTAs). v4's attempt was 2x slower because its remote
-//      arrive was mbarrier.arrive.release.cluster (a cluster-scope fence per arrive): with the default
-//      semantics, one run (GEMM alone, 4096 x 8192^2): 842 -> 878 TFLOP/s; no multicast but the same pairing
-//      870. Whole call, one run: 8192^2 789 -> 814, 14336x4096 654 -> 663, 4096x14336 748 -> 726, M = 2048
-//      656 -> 703, M = 8192 829 -> 861. Activation conversion, a thread per block (was per chunk) with the
-//      stores staged in shared memory: 4096 x 8192 53 -> 33 us, 4096 x 14336 89 -> 44 us.
-//      ncu (4096 x 8192^2, clusters): tensor pipe 46% of elapsed cycles, L2 39%, consumers rarely stalled on
-//      wgmma (0.10 per issue) but spinning on the full barrier: the ring is starved, not the tensor cores.
-//   Next (notes/kernel-history.md): deeper ring (the epilogue's 2 x 50 KB fp32 staging limits it to 3
-//   stages), the no-promotion ceiling was 900-916 TFLOP/s.
+//      arrive was mbarrier.arrive.release.cluster (a cluster-scope fence per arrive); with the default
+//      semantics, GEMM alone 4096 x 8192^2: 842 -> 878 TFLOP/s (no multicast, same pairing: 870), within
+//      noise of no cluster once the epilogue below was fixed: kept, it halves the W reads from L2.
+//      ncu (4096 x 8192^2): tensor pipe 46% of elapsed cycles, L2 39%, consumers seldom stalled on wgmma
+//      (0.10 per issue). The epilogue was the cost: without an activation (or with relu) each thread now
+//      finishes its accumulators in registers and stages 2-byte outputs (16-byte stores from there); gelu /
+//      silu keep fp32 staging, in two half-tile passes. Staging 2 x 25 KB instead of 2 x 50 KB: 4 stages.
+//      GEMM alone, same runs (H200; then H100): 8192^2 885 -> 1112-1119 (1098), 14336x4096 709-740 ->
+//      1050-1081 (1006), 4096x14336 862-904 -> 985-991 (989), M = 2048 794-803 -> 982-988; bias + silu
+//      unchanged (708-733). A register epilogue for silu too (the activation inlined per accumulator) ran
+//      the plain case 20% slower (code size) and silu no faster: dropped. BN = 176 (fuller last rounds at
+//      N = 4096): 1-9% slower on every shape: dropped. Activation conversion a thread per block (was per
+//      chunk), stores staged in shared memory: 4096 x 8192 53 -> 33 us, 4096 x 14336 89 -> 44 us.
+//      bench_fp4_gemm --w4a4 (H100): 8192^2 1.33-1.38x cuBLAS fp16 (1020-1028 TFLOP/s), 14336x4096
+//      1.31-1.38x, 4096x14336 1.07-1.21x (cuBLAS itself 580-617 us across runs), bias + silu 0.83-0.87x.
+//   Next: the activation conversion (~40 us of ~510 at 4096 x 14336) fused into the producer; silu's epilogue.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
