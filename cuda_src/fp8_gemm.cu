@@ -66,12 +66,15 @@
 //      silu keep fp32 staging, in two half-tile passes. Staging 2 x 25 KB instead of 2 x 50 KB: 4 stages.
 //      GEMM alone, same runs (H200; then H100): 8192^2 885 -> 1112-1119 (1098), 14336x4096 709-740 ->
 //      1050-1081 (1006), 4096x14336 862-904 -> 985-991 (989), M = 2048 794-803 -> 982-988; bias + silu
-//      unchanged (708-733). A register epilogue for silu too (the activation inlined per accumulator) ran
+//      unchanged (708-733); with the weight row scale and bias applied in registers before its fp32 staging
+//      (v5's rolled loop waited on a global load per 8 outputs): 705 -> 815, 14336x4096 515 -> 630 (H100).
+//      A register epilogue for silu too (the activation inlined per accumulator) ran
 //      the plain case 20% slower (code size) and silu no faster: dropped. BN = 176 (fuller last rounds at
 //      N = 4096): 1-9% slower on every shape: dropped. Activation conversion a thread per block (was per
 //      chunk), stores staged in shared memory: 4096 x 8192 53 -> 33 us, 4096 x 14336 89 -> 44 us.
 //      bench_fp4_gemm --w4a4 (H100): 8192^2 1.33-1.38x cuBLAS fp16 (1020-1028 TFLOP/s), 14336x4096
-//      1.31-1.38x, 4096x14336 1.07-1.21x (cuBLAS itself 580-617 us across runs), bias + silu 0.83-0.87x.
+//      1.31-1.38x, 4096x14336 1.07-1.21x (cuBLAS itself 580-647 us across runs), bias + silu 0.91x. A third
+//      run: 1.21 / 1.32 / 1.21x (cuBLAS 664 us at 8192^2 there, 713-742 in the others).
 //   Next: the activation conversion (~40 us of ~510 at 4096 x 14336) fused into the producer; silu's epilogue.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -442,10 +445,11 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   // Outputs go through this warpgroup's staging area after the ring (2 x 25 KB, leaving room for a 4-stage
   // ring), then each thread writes 8 consecutive outputs of a row with one 16-byte store. The ring is already
   // filling with the next tile, so each warpgroup goes on without waiting for the other (named barrier 2 + cw).
-  // Without an activation (or with relu) each thread finishes its accumulators in registers (weight row scale,
-  // bias, rounded once to the 2-byte output type: gemm.py keeps float32 outputs off this path) and stages the
-  // outputs. With gelu / silu that code, repeated per accumulator, was 20% slower than the whole v5 epilogue:
-  // there the fp32 values are staged in two passes of CP columns and finished by a rolled loop, 8 per thread.
+  // Each thread applies the weight row scale and bias to its accumulators in registers (its loads issued
+  // together: in v5's rolled loop, a dependent global load per 8 outputs cost ~15% of the GEMM). Without an
+  // activation (or with relu) it also rounds them to the 2-byte output type (gemm.py keeps float32 outputs off
+  // this path) and stages those. With gelu / silu, whose code repeated per accumulator made the kernel 20%
+  // slower, the fp32 values are staged in two passes of CP columns and a rolled loop applies the activation.
   constexpr int ROWS = 64, NTH = 128;
   const int bar_id = 2 + cw, row0 = cw * 64, ltid = tid & 127, r0 = warp * 16 + g;
   float* stage_f = reinterpret_cast<float*>(smem_raw + (sbase - raw)) + (STAGES * STAGE + 16 * STAGES) / 4 +
@@ -498,10 +502,18 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   for (int pass = 0; pass < 2; ++pass) {
     vbw::named_bar(bar_id, NTH);  // the staging area is free (the previous pass or tile has been read out)
 #pragma unroll
-    for (int i = 0; i < CP / 8; ++i)
+    for (int i = 0; i < CP / 8; ++i) {  // weight row scale and bias in registers: all loads issued at once
+      const int c = 8 * i + 2 * t, n = n0 + pass * CP + c;
+      const float s0 = n < N ? w_scale[n] : 0.f, s1 = n + 1 < N ? w_scale[n + 1] : 0.f;
+      const float b0 = n < N ? vbw_gemm::bias_at(bias, flags, n) : 0.f;
+      const float b1 = n + 1 < N ? vbw_gemm::bias_at(bias, flags, n + 1) : 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        stage_f[(r0 + 8 * (e >> 1)) * LDT + 8 * i + 2 * t + (e & 1)] = acc[4 * (pass * (CP / 8) + i) + e];
+      for (int h = 0; h < 2; ++h) {
+        const int a = 4 * (pass * (CP / 8) + i) + 2 * h;
+        stage_f[(r0 + 8 * h) * LDT + c] = acc[a] * s0 + b0;
+        stage_f[(r0 + 8 * h) * LDT + c + 1] = acc[a + 1] * s1 + b1;
+      }
+    }
     vbw::named_bar(bar_id, NTH);
 #pragma unroll 1
     for (int c = ltid; c < ROWS * CP / 8; c += NTH) {
@@ -509,11 +521,7 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
       if (m >= M || n >= N) continue;
       float v[8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const bool in = n + e < N;
-        v[e] = in ? vbw_gemm::activate(stage_f[rr * LDT + col + e] * w_scale[n + e] +
-                                       vbw_gemm::bias_at(bias, flags, n + e), flags) : 0.f;
-      }
+      for (int e = 0; e < 8; ++e) v[e] = vbw_gemm::activate(stage_f[rr * LDT + col + e], flags);
       vbw_gemm::store8(out, (size_t)m * (size_t)N + (size_t)n, v, N - n, flags, vec && n + 8 <= N);
     }
   }
