@@ -28,6 +28,7 @@
 //   wgmma m64nBNk32 from shared memory into a partial set and scales it into the accumulators (BN = 128: tiles
 //   in pairs, the first scaled in while the second runs); the token multipliers of a k-tile are loaded one tile
 //   early; a tile with a row_bad token scales per block instead.
+//   The last round of units, when at most half full, is split along K (stream-K tail, split_finish; v7).
 //   Epilogue (see v6 below): finished in registers and staged as 2-byte outputs, or (gelu / silu) staged as fp32
 //   in two half-tile passes, in each consumer warpgroup's own area after the ring (named barrier 2 +
 //   warpgroup), 16-byte stores, while the producer already fills the ring with the next tile. Tiles in groups
@@ -75,7 +76,14 @@
 //      bench_fp4_gemm --w4a4 (H100): 8192^2 1.33-1.38x cuBLAS fp16 (1020-1028 TFLOP/s), 14336x4096
 //      1.31-1.38x, 4096x14336 1.07-1.21x (cuBLAS itself 580-647 us across runs), bias + silu 0.91x. A third
 //      run: 1.21 / 1.32 / 1.21x (cuBLAS 664 us at 8192^2 there, 713-742 in the others).
-//   Next: the activation conversion (~40 us of ~510 at 4096 x 14336) fused into the producer; silu's epilogue.
+//   v7 stream-K tail: the persistent grid's last round, when at most half full, split along K (parts of >= 8
+//      k-tiles, at most 4; the parts meet in a workspace, summed in part order). Whole call, one H100 run:
+//      4096x14336 851 -> 921 TFLOP/s, M = 2048 821 -> 884, 8192^2 1003 -> 1022, 14336x4096 898 -> 905, outputs
+//      bitwise the same as unsplit (the fp32 sums of these partials are exact). bench --w4a4: 1.35x / 1.38x /
+//      1.21x cuBLAS fp16, bias + SiLU 0.92x. Graph-replay breakdown (before v7): conversion 22 / 9 / 39 us
+//      (2.5-3.0 TB/s), GEMM kernel 519 / 480 / 485 us at 8192^2 / 14336x4096 / 4096x14336.
+//   Next: the activation conversion (39 us of ~516 at 4096 x 14336, the shape still under 1.3x) fused into the
+//   producer; silu's epilogue.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
@@ -244,6 +252,31 @@ __device__ __forceinline__ void scale_in(float (&acc)[NACC], const float (&p)[NA
   for (int i = 0; i < NACC; ++i) acc[i] = fmaf(p[i], (i & 2) ? f1 : f0, acc[i]);
 }
 
+// Stream-K tail (fp8_gemm_mx): a consumer warpgroup's partial of part `part` of a split unit goes to its slot of
+// ws (tail_split parts of NACC x 128 floats, coalesced); the warpgroup whose arrival completes the slot's count
+// (counters[slot], reset by it for the next launch) sums the parts in part order (deterministic whoever comes
+// last) into acc and returns true; the others return false. Named barrier `bar` (this warpgroup's 128 threads).
+template <int NACC>
+__device__ __forceinline__ bool split_finish(float (&acc)[NACC], float* __restrict__ ws, int* __restrict__ counters,
+                                             int slot, int part, int parts, int bar) {
+  const int ltid = threadIdx.x & 127;
+  float* base = ws + (size_t)slot * parts * NACC * 128 + ltid;
+#pragma unroll
+  for (int r = 0; r < NACC; ++r) base[((size_t)part * NACC + r) * 128] = acc[r];
+  __threadfence();
+  vbw::named_bar(bar, 128);
+  const bool last = vbw::named_bar_or(bar, 128, ltid == 0 && atomicAdd(&counters[slot], 1) == parts - 1);
+  if (!last) return false;
+  __threadfence();
+#pragma unroll
+  for (int r = 0; r < NACC; ++r) acc[r] = 0.f;
+  for (int p = 0; p < parts; ++p)
+#pragma unroll
+    for (int r = 0; r < NACC; ++r) acc[r] += __ldcg(base + ((size_t)p * NACC + r) * 128);
+  if (ltid == 0) counters[slot] = 0;
+  return true;
+}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define VBW_FP8_CLUSTER(n) __cluster_dims__(n, 1, 1)
 #else
@@ -254,7 +287,8 @@ template <int BN, int STAGES, int CM>
 __global__ void __launch_bounds__(384, 1) VBW_FP8_CLUSTER(CM)
 fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ vbw::TmaDesc tm_w,
             const float* __restrict__ mult, const int* __restrict__ row_bad, const float* __restrict__ w_scale,
-            const void* __restrict__ bias, void* __restrict__ out, int M, int N, int nb, int flags) {
+            const void* __restrict__ bias, void* __restrict__ out, int M, int N, int nb, int flags,
+            float* __restrict__ ws, int* __restrict__ counters, int full_units, int tail_split) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(BN == 128 || BN == 192, "BN");
   static_assert(STAGES >= 2, "STAGES");
@@ -281,6 +315,20 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     m0 = ((first_m + in_grp % gm) * CM + rank) * BM;
     n0 = (in_grp / gm) * BN;
   };
+  // Stream-K tail: units from full_units on (the last, partial round of the persistent grid) are split into
+  // tail_split parts along K, one work item each, so the last round takes 1 / tail_split of a unit's time.
+  // Item i < full_units is unit i whole (part -1); the parts of a split unit meet in `ws` (split_finish).
+  const int kps = tail_split > 1 ? (nkt + tail_split - 1) / tail_split : nkt;
+  const int n_items = tail_split > 1 ? full_units + (n_tiles - full_units) * tail_split : n_tiles;
+  auto split_item = [&](int item, int& tile, int& k0, int& k1, int& part) {
+    if (tail_split <= 1 || item < full_units) {
+      tile = item, k0 = 0, k1 = nkt, part = -1;
+      return;
+    }
+    const int ti = item - full_units;
+    tile = full_units + ti / tail_split, part = ti % tail_split;
+    k0 = part * kps, k1 = min(nkt, k0 + kps);
+  };
   if (tid == 0) {
     for (int b = 0; b < STAGES; ++b) {
       vbw::mbar_init(full0 + 8 * b, 1);
@@ -303,10 +351,11 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     vbw::setmaxnreg_dec<40>();
     if (tid == 256) {
       int q = 0;  // k-tiles issued so far, over all of this CTA's tiles: buffer q % STAGES
-      for (int tile = first_unit; tile < n_tiles; tile += stride) {
-        int m0, n0;
+      for (int item = first_unit; item < n_items; item += stride) {
+        int tile, k0, k1, part, m0, n0;
+        split_item(item, tile, k0, k1, part);
         origin(tile, m0, n0);
-        for (int kt = 0; kt < nkt; ++kt, ++q) {
+        for (int kt = k0; kt < k1; ++kt, ++q) {
           const int b = q % STAGES;
           if (q >= STAGES) vbw::mbar_wait(empty0 + 8 * b, (u32)(q / STAGES - 1) & 1u);
           vbw::mbar_expect_tx(full0 + 8 * b, STAGE);  // with a cluster, half of the W bytes come from the peer
@@ -328,9 +377,12 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   vbw::setmaxnreg_inc<232>();
   const int cw = wg, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
   auto mu = [&](const float* row, int b) { return b < nb ? row[b] : 0.f; };  // 0 past K: the zero-filled tail
-  int q0 = 0;  // k-tiles consumed before this tile
-  for (int tile = first_unit; tile < n_tiles; tile += stride, q0 += nkt) {
-  int m0, n0;
+  int done = 0;  // k-tiles consumed before this item
+  for (int item = first_unit; item < n_items; item += stride) {
+  int tile, k0, k1, part, m0, n0;
+  split_item(item, tile, k0, k1, part);
+  const int q0 = done - k0;  // k-tile kt (k0 <= kt < k1) is the ring's (q0 + kt)-th
+  done += k1 - k0;
   origin(tile, m0, n0);
   const int mr0 = m0 + cw * 64 + warp * 16 + g, mr1 = mr0 + 8;  // this thread's two token rows
   const float* mu0 = mult + (size_t)min(mr0, M - 1) * nb;
@@ -364,8 +416,8 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
       scale_in<NACC>(acc, p, f0, f1);
     };
     if constexpr (!TWO) {
-      float f0 = mu(mu0, 0), f1 = mu(mu1, 0);
-      for (int kt = 0; kt < nkt; ++kt) {
+      float f0 = mu(mu0, 4 * k0), f1 = mu(mu1, 4 * k0);
+      for (int kt = k0; kt < k1; ++kt) {
         const float g0 = mu(mu0, 4 * kt + 4), g1 = mu(mu1, 4 * kt + 4);  // the next tile's, a tile early
         issue(kt, pa);
         vbw::wg_wait<0>();
@@ -374,11 +426,11 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
         f1 = g1;
       }
     } else
-    for (int kt = 0; kt < nkt; kt += 2) {
+    for (int kt = k0; kt < k1; kt += 2) {
       const float fa0 = mu(mu0, 4 * kt), fa1 = mu(mu1, 4 * kt);
       const float fb0 = mu(mu0, 4 * kt + 4), fb1 = mu(mu1, 4 * kt + 4);
       issue(kt, pa);
-      if (kt + 1 < nkt) {
+      if (kt + 1 < k1) {
         issue(kt + 1, pb);
         vbw::wg_wait<1>();
         finish(kt, pa, fa0, fa1);
@@ -391,7 +443,7 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     }
   } else {
     // Per block: each k32 wgmma writes a fresh partial (two sets: block j + 1 runs while block j is scaled in).
-    for (int kt = 0; kt < nkt; ++kt) {
+    for (int kt = k0; kt < k1; ++kt) {
       const int q = q0 + kt, b = q % STAGES;
       float f0[4], f1[4];
 #pragma unroll
@@ -441,6 +493,11 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
     }
   }
 
+  if (part >= 0) {  // a split unit's part: its partial to ws; the warpgroup that brings the last one finishes
+    if (!split_finish<NACC>(acc, ws, counters, ((tile - full_units) * CM + rank) * 2 + cw, part, tail_split,
+                            2 + cw))
+      continue;
+  }
   // Epilogue: accumulator acc[4i + e] is tile row cw * 64 + 16 warp + g + 8 (e >> 1), column 8i + 2t + (e & 1).
   // Outputs go through this warpgroup's staging area after the ring (2 x 25 KB, leaving room for a 4-stage
   // ring), then each thread writes 8 consecutive outputs of a row with one 16-byte store. The ring is already

@@ -556,6 +556,34 @@ def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype, bn, cm, act, with_bi
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(300, 520, 800), (1, 256, 4096), (1000, 1100, 4160), (256, 384, 14336)])
+@pytest.mark.parametrize("cm", (1, 2))
+@pytest.mark.parametrize("act", ["silu", None])
+def test_w4a4_fp8_stream_k_tail(M, N, K, cm, act, monkeypatch):
+    """The persistent grid's tail split along K (forced here: half the units, the later ones, in two or three
+    parts, whatever the SM count): within the bound, every output written, and a second call (counters reset
+    by the kernel) gives the same bits (the parts are summed in a fixed order)."""
+    cp = rt.require_cupy()
+    if not _hopper():
+        pytest.skip("the FP8 tensor-core path runs on sm_90 only (other GPUs: the float32 path, tested above)")
+    monkeypatch.setattr(gemm, "_FP8_CM", cm)
+    parts = 3 if K >= 4096 else 2
+    monkeypatch.setattr(gemm, "_fp8_schedule", lambda units, clusters, nkt: (units // 2, parts))
+    rs = cp.random.RandomState(M * 7 + K)
+    qa = quantize(rs.standard_normal((M, K), dtype=cp.float32), "mxfp4")
+    w = quantize(rs.standard_normal((N, K), dtype=cp.float32), "mxfp4")
+    bias = rs.standard_normal(N, dtype=cp.float32) if act else None
+    outs = []
+    for _ in range(2):
+        out = cp.full((M, N), np.nan, dtype=np.float16)
+        assert gemm._w4a4_fp8(qa, w, bias, act, np.dtype(np.float16), M, N, out=out) is out
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0].get().view(np.uint16), outs[1].get().view(np.uint16))
+    err, bound = _check(outs[0], qa, w, bias=bias, act=act)
+    assert err <= bound, (err, bound)
+
+
+@pytest.mark.gpu
 def test_w4a4_fp8_falls_back_for_wide_weight_rows_and_float32_output():
     cp = rt.require_cupy()
     rs = cp.random.RandomState(9)

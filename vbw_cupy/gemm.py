@@ -647,6 +647,22 @@ def _fp8_smem(bn: int) -> int:
     return stages * (128 + bn) * 128 + 1024 + 16 * stages + 2 * 64 * (bn // 2 + 4) * 4
 
 
+# the persistent grid's last, partial round split along K (stream-K tail; False: whole units, for A/B runs)
+_FP8_STREAM_K = True
+
+
+def _fp8_schedule(units: int, clusters: int, nkt: int) -> tuple[int, int]:
+    """(full_units, tail_split): units from full_units on (the last round's, when it is at most half full) are
+    split into tail_split parts along K so the round's clusters share them; parts of at least 8 k-tiles, at
+    most 4. (units, 1): no split. 4096 x 4096 x 14336 on 66 clusters: 352 units, 5 full rounds and 22 units
+    left, each split in 3."""
+    left = units % clusters
+    if not _FP8_STREAM_K or units <= clusters or left == 0:
+        return units, 1
+    split = min(4, clusters // left, nkt // 8)
+    return (units - left, split) if split >= 2 else (units, 1)
+
+
 def _fp8_name(bn: int, cm: int) -> str:
     return f"{_FP8_NS}fp8_gemm_mx<{bn}, {_FP8_STAGES[bn]}, {cm}>"
 # token tiles per thread-block cluster (2: the pair shares its weight tile, each CTA loading half of it by TMA
@@ -736,9 +752,18 @@ def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
     bias_kind = 0 if bias is None else _BIAS_KIND[bias.dtype.name]
     flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
     units = rt.cdiv(M, 128 * cm) * rt.cdiv(N, bn)  # persistent: at most one CTA per SM, clusters of cm
-    rt.launch(rt.get_kernel(_FP8_SOURCE, _fp8_name(bn, cm), _EXTRA_OPTIONS), (cm * min(units, num_sms() // cm),),
+    clusters = num_sms() // cm
+    full, split = _fp8_schedule(units, clusters, rt.cdiv(kp // 32, 4))
+    ws = cnt = rt.NULL
+    if split > 1:  # a slot of split partials (64 x bn floats) and a counter per warpgroup of each split unit
+        slots = (units - full) * cm * 2
+        ws = _plans.scratch("fp4_matmul fp8 stream-K partials", slots * split * 64 * bn * 4)
+        cnt = _plans.scratch("fp4_matmul fp8 stream-K counters", slots * 4, zeroed=True)
+    items = full + (units - full) * split
+    rt.launch(rt.get_kernel(_FP8_SOURCE, _fp8_name(bn, cm), _EXTRA_OPTIONS), (cm * min(items, clusters),),
               (384,), (tm_a, tm_w, mult, row_bad, w_scale, rt.NULL if bias is None else bias, out,
-                                 np.int32(M), np.int32(N), np.int32(kp // 32), np.int32(flags)),
+                       np.int32(M), np.int32(N), np.int32(kp // 32), np.int32(flags), ws, cnt, np.int32(full),
+                       np.int32(split)),
               shared_mem=_fp8_smem(bn))
     return out
 
