@@ -23,11 +23,10 @@
 //   c + clusters, ... 384 threads: a producer warpgroup (setmaxnreg down to 40 registers; one thread issues
 //   the TMA boxes of each k-tile, over all of the CTA's tiles, into a STAGES ring as soon as the buffer's
 //   empty mbarrier says all 8 * CM consumer warps of the cluster released it) and two consumer warpgroups of 64
-//   tokens each
-//   (setmaxnreg up to 232). Per k-tile a warpgroup runs 4
-//   wgmma m64nBNk32 from shared memory into a partial set and scales it into the accumulators (BN = 128: tiles
-//   in pairs, the first scaled in while the second runs); the token multipliers of a k-tile are loaded one tile
-//   early; a tile with a row_bad token scales per block instead.
+//   tokens each (setmaxnreg up to 232). Per k-tile a warpgroup runs 4 wgmma m64nBNk32 from shared memory into
+//   a partial set and scales it into the accumulators (BN = 128: tiles in pairs, the first scaled in while
+//   the second runs); the token multipliers of a k-tile are loaded one tile early; a tile with a row_bad token
+//   scales per block instead.
 //   The last round of units, when at most half full, is split along K (stream-K tail, split_finish; v7).
 //   Epilogue (see v6 below): finished in registers and staged as 2-byte outputs, or (gelu / silu) staged as fp32
 //   in two half-tile passes, in each consumer warpgroup's own area after the ring (named barrier 2 +
@@ -56,34 +55,15 @@
 //      one run against v4, 8192^2 742-753 -> 798-803, 14336x4096 643-653 -> 693-699, 4096x14336 706-741 ->
 //      756-761, M = 2048 654-709 -> 732-735, bias + SiLU 629-633 -> 641-645 (that lease ran v4 ~7% slower
 //      than the last). BN = 128 persistent (4 stages): 1-9% behind except at M = 2048.
-//   v6 clusters of 2 token tiles sharing the weight tile (each CTA loads half of it by TMA multicast into both;
-//      every consumer warp releases a buffer in both CTAs). v4's attempt was 2x slower because its remote
-//      arrive was mbarrier.arrive.release.cluster (a cluster-scope fence per arrive); with the default
-//      semantics, GEMM alone 4096 x 8192^2: 842 -> 878 TFLOP/s (no multicast, same pairing: 870), within
-//      noise of no cluster once the epilogue below was fixed: kept, it halves the W reads from L2.
-//      ncu (4096 x 8192^2): tensor pipe 46% of elapsed cycles, L2 39%, consumers seldom stalled on wgmma
-//      (0.10 per issue). The epilogue was the cost: without an activation (or with relu) each thread now
-//      finishes its accumulators in registers and stages 2-byte outputs (16-byte stores from there); gelu /
-//      silu keep fp32 staging, in two half-tile passes. Staging 2 x 25 KB instead of 2 x 50 KB: 4 stages.
-//      GEMM alone, same runs (H200; then H100): 8192^2 885 -> 1112-1119 (1098), 14336x4096 709-740 ->
-//      1050-1081 (1006), 4096x14336 862-904 -> 985-991 (989), M = 2048 794-803 -> 982-988; bias + silu
-//      unchanged (708-733); with the weight row scale and bias applied in registers before its fp32 staging
-//      (v5's rolled loop waited on a global load per 8 outputs): 705 -> 815, 14336x4096 515 -> 630 (H100).
-//      A register epilogue for silu too (the activation inlined per accumulator) ran
-//      the plain case 20% slower (code size) and silu no faster: dropped. BN = 176 (fuller last rounds at
-//      N = 4096): 1-9% slower on every shape: dropped. Activation conversion a thread per block (was per
-//      chunk), stores staged in shared memory: 4096 x 8192 53 -> 33 us, 4096 x 14336 89 -> 44 us.
-//      bench_fp4_gemm --w4a4 (H100): 8192^2 1.33-1.38x cuBLAS fp16 (1020-1028 TFLOP/s), 14336x4096
-//      1.31-1.38x, 4096x14336 1.07-1.21x (cuBLAS itself 580-647 us across runs), bias + silu 0.91x. A third
-//      run: 1.21 / 1.32 / 1.21x (cuBLAS 664 us at 8192^2 there, 713-742 in the others).
-//   v7 stream-K tail: the persistent grid's last round, when at most half full, split along K (parts of >= 8
-//      k-tiles, at most 4; the parts meet in a workspace, summed in part order). Whole call, one H100 run:
-//      4096x14336 851 -> 921 TFLOP/s, M = 2048 821 -> 884, 8192^2 1003 -> 1022, 14336x4096 898 -> 905, outputs
-//      bitwise the same as unsplit (the fp32 sums of these partials are exact). bench --w4a4: 1.35x / 1.38x /
-//      1.21x cuBLAS fp16, bias + SiLU 0.92x. Graph-replay breakdown (before v7): conversion 22 / 9 / 39 us
-//      (2.5-3.0 TB/s), GEMM kernel 519 / 480 / 485 us at 8192^2 / 14336x4096 / 4096x14336.
-//   Next: the activation conversion (39 us of ~516 at 4096 x 14336, the shape still under 1.3x) fused into the
-//   producer; silu's epilogue.
+//   v6 (2026-11-25) clusters of 2 sharing the W tile (v4's 2x slowdown was a cluster-scope release on every
+//      remote arrive); the epilogue finished in registers with 2-byte staging (gelu / silu: scale and bias in
+//      registers, fp32 staging in two passes); 4 stages; conversion a thread per block. GEMM alone, H100:
+//      8192^2 ~890 -> 1098, 14336x4096 ~740 -> 1006, 4096x14336 ~900 -> 989; bias + silu 705 -> 815.
+//   v7 stream-K tail (the last, at most half-full round split along K): 4096x14336 851 -> 921 (whole call).
+//      bench --w4a4, H100: 1.35x / 1.38x / 1.21x cuBLAS fp16, bias + SiLU 0.92x. The full log, what was tried
+//      (BN 176, SiLU in registers, a fused conversion) and ncu readings: notes/kernel-history.md.
+//   Next: the activation conversion (39 us of ~516 at 4096x14336, the shape still under 1.3x) fused into the
+//   producer with a deeper raw ring (notes/attempts/fp8-fused-conversion.patch); silu's epilogue.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
