@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(128) mx_to_e4m3_chunks(const u8* __restrict__ 
     const int sc = emax == -1000 ? 0 : emax - 6;
     bad |= in && !fits;
     u32 p[8];
-    convert_block(v, fits ? min(6, max(-7, code - 127 - sc)) : 0, p);
+    convert_block(v, fits && in ? min(6, max(-7, code - 127 - sc)) : 0, p);  // (lanes past nb: zeros, fast)
     stage[2 * tid] = make_uint4(p[0], p[1], p[2], p[3]);
     stage[2 * tid + 1] = make_uint4(p[4], p[5], p[6], p[7]);
     if (in) mu[b] = fits ? ldexpf(1.f, sc) : vbw::e8m0_decode(code);

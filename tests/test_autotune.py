@@ -385,8 +385,9 @@ def test_gpu_probe_tuning_beats_default_and_is_reused(tmp_path, monkeypatch):
     assert s["tuned"] == 1 and s["timer_calls"] in (n_cands, n_cands + 2 * at.CONFIRM_ROUNDS), s
     assert s["failed"] == 0
     probe_instances = {(c["BLOCK"], c["VEC"]) for c in at.get("autotune_probe").candidates}
-    # every candidate compiled up front, together, with the timer's L2 flush kernel
-    assert s["compiled"] == len(probe_instances) + 1, s
+    # every candidate compiled up front, together, with the timer's L2 flush kernel (unless a test before this
+    # one in the process loaded it)
+    assert s["compiled"] in (len(probe_instances), len(probe_instances) + 1), s
     assert tune_s < 60, tune_s                       # includes NVRTC compiles of 20 instances
     cp.testing.assert_allclose(y, 2.0 * x + 1.0, rtol=1e-6)   # every element written, correct
     default = at.default_config("autotune_probe")
@@ -642,7 +643,12 @@ def test_settled_arch_uses_the_tuned_cache_but_never_times(env, monkeypatch):
     at.register(at.Tunable(name="t_fake", params=t.params, candidates=t.candidates, defaults=DEFAULTS,
                            bucket=t.bucket, fits=t.fits, source=t.source, settled=(90,)))
     monkeypatch.delenv("VBW_CUPY_AUTOTUNE")
-    assert at.pick("t_fake", {"M": 64, "K": 128}, "float16", noop) == DEFAULTS[90] and not env.calls
+    loads = []
+    load = at._load
+    monkeypatch.setattr(at, "_load", lambda path: loads.append(path) or load(path))
+    for _ in range(3):  # the file is read once for the shape, not at every plan-cache miss
+        assert at.pick("t_fake", {"M": 64, "K": 128}, "float16", noop) == DEFAULTS[90] and not env.calls
+    assert len(loads) == 1
     key = at.make_key("t_fake", {"M": 64, "K": 128}, "float16")
     at._store(key, {"config": {"BM": 32, "W": 2}, "ms": 1.0, "default": DEFAULTS[90], "default_ms": 2.0})
     at.reset()

@@ -558,19 +558,25 @@ def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype, bn, cm, act, with_bi
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", [(300, 520, 800), (1, 256, 4096), (1000, 1100, 4160), (256, 384, 14336)])
 @pytest.mark.parametrize("cm", (1, 2))
+@pytest.mark.parametrize("bn", gemm._FP8_TILES)
 @pytest.mark.parametrize("act", ["silu", None])
-def test_w4a4_fp8_stream_k_tail(M, N, K, cm, act, monkeypatch):
+def test_w4a4_fp8_stream_k_tail(M, N, K, cm, bn, act, monkeypatch):
     """The persistent grid's tail split along K (forced here: half the units, the later ones, in two or three
-    parts, whatever the SM count): within the bound, every output written, and a second call (counters reset
-    by the kernel) gives the same bits (the parts are summed in a fixed order)."""
+    parts, whatever the SM count; parts that start at odd k-tiles for BN = 128's pairs; tokens 128..255 on
+    the per-32 path): within the bound, every output written, and a second call (counters reset by the
+    kernel) gives the same bits."""
     cp = rt.require_cupy()
     if not _hopper():
         pytest.skip("the FP8 tensor-core path runs on sm_90 only (other GPUs: the float32 path, tested above)")
     monkeypatch.setattr(gemm, "_FP8_CM", cm)
+    monkeypatch.setattr(gemm, "_FP8_BN", bn)
     parts = 3 if K >= 4096 else 2
     monkeypatch.setattr(gemm, "_fp8_schedule", lambda units, clusters, nkt: (units // 2, parts))
     rs = cp.random.RandomState(M * 7 + K)
-    qa = quantize(rs.standard_normal((M, K), dtype=cp.float32), "mxfp4")
+    a = rs.standard_normal((M, K), dtype=cp.float32)
+    a[128:256] *= cp.exp2(cp.asarray(np.random.default_rng(K).integers(-24, 5, size=(1, -(-K // 32))))
+                          .astype(cp.float32)).repeat(32, axis=1)[:, :K]   # token tile 1: the per-32 path
+    qa = quantize(a, "mxfp4")
     w = quantize(rs.standard_normal((N, K), dtype=cp.float32), "mxfp4")
     bias = rs.standard_normal(N, dtype=cp.float32) if act else None
     outs = []
@@ -581,6 +587,22 @@ def test_w4a4_fp8_stream_k_tail(M, N, K, cm, act, monkeypatch):
     np.testing.assert_array_equal(outs[0].get().view(np.uint16), outs[1].get().view(np.uint16))
     err, bound = _check(outs[0], qa, w, bias=bias, act=act)
     assert err <= bound, (err, bound)
+
+
+def test_fp8_schedule_splits_only_a_thin_last_round():
+    """_fp8_schedule (no GPU): the last round is split when it is at most half full, into parts of at least 8
+    k-tiles and at most 4, never more items than clusters in that round."""
+    assert gemm._fp8_schedule(352, 66, 112) == (330, 3)    # 4096 x 4096 x 14336: 22 units left, 3 parts each
+    assert gemm._fp8_schedule(688, 66, 64) == (660, 2)
+    assert gemm._fp8_schedule(1200, 66, 32) == (1188, 4)   # at most 4 parts
+    assert gemm._fp8_schedule(70, 66, 200) == (66, 4)
+    assert gemm._fp8_schedule(100, 66, 200) == (100, 1)    # 34 left: more than half a round
+    assert gemm._fp8_schedule(132, 66, 200) == (132, 1)    # whole rounds
+    assert gemm._fp8_schedule(40, 66, 200) == (40, 1)      # one partial round: every unit already has a cluster
+    assert gemm._fp8_schedule(70, 66, 15) == (70, 1)       # parts would be under 8 k-tiles
+    for units, clusters, nkt in [(352, 66, 112), (70, 66, 200), (1200, 66, 32)]:
+        full, split = gemm._fp8_schedule(units, clusters, nkt)
+        assert (units - full) * split <= clusters and nkt // split >= 8
 
 
 @pytest.mark.gpu

@@ -320,6 +320,7 @@ def reset() -> None:
         _generation += 1
         _memory.clear()
         _picked.clear()
+        _settled_picks.clear()
         rt.forget_warnings()
         for k in _stats:
             _stats[k] = type(_stats[k])()
@@ -381,6 +382,7 @@ def _store(key: str, entry: dict) -> None:
     with _lock:
         _memory[key] = entry
         _picked.clear()  # a re-tuned key must not be shadowed by pick()'s shortcut
+        _settled_picks.clear()
         _generation += 1
         path = cache_path()
         try:
@@ -424,7 +426,7 @@ def _lookup(key: str, t: Tunable) -> dict | None:
     if cfg is None:
         rt.warn_once(f"stale:{key}", f"vbw_cupy.autotune: ignoring the cached config {e.get('config')!r} for "
                                      f"{t.name}: this version does not declare it (the same keys and values, ints "
-                                     "as ints); re-tuning")
+                                     "as ints); re-tuning (or, where tuning is settled, using the default)")
         _memory.pop(key, None)
         return None
     if cfg is not e["config"]:
@@ -526,12 +528,16 @@ def _compile_candidates(t: Tunable, run, cands) -> dict[int, str]:
                     rt.get_kernel(PROBE_SOURCE, "l2_flush_read")
             except rt.NeedsCompile as e:
                 need.add(e.job)
+            except Exception:  # (an unloadable image: the timing reports it per candidate)
+                pass
         for i, c in enumerate(cands):
             if i in bad:
                 continue
             try:
-                with rt.collecting():
-                    run(c)
+                try:
+                    with rt.collecting():
+                        run(c)
+                finally:  # also after NeedsCompile: a kernel launched before it may have faulted
                     if gpu:
                         rt.cupy.cuda.get_current_stream().synchronize()
             except rt.NeedsCompile as e:
@@ -639,6 +645,11 @@ def _remember(fast, cfg: dict) -> None:
         _picked[fast] = cfg
 
 
+# pick's answers on settled archs with VBW_CUPY_AUTOTUNE unset: (name, device, dtype, shape) -> config (a
+# cached tuning or the default); cleared with the other caches (reset, _store)
+_settled_picks: dict = {}
+
+
 def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
     """The config to launch kernel `name` with for this shape and dtype (a fresh dict; see module docstring).
 
@@ -652,12 +663,20 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
         _stats["defaults"] += 1
         return default_config(name, dev["arch"])
     if dev["arch"] in t.settled and m == 1:  # what `vbw-cupy tune` stored is used; nothing new is timed
-        with _lock:
-            e = _lookup(make_key(name, shape, dtype, dev), t)
-        if e is None:
+        try:
+            skey = (name, dev["id"], dtype, tuple(shape.items()))
+            cfg = _settled_picks.get(skey)
+        except TypeError:  # an unhashable shape value
+            skey = cfg = None
+        if cfg is None:  # once per shape and process (a miss reads the file): remembered, defaults included
+            with _lock:
+                e = _lookup(make_key(name, shape, dtype, dev), t)
+            cfg = e["config"] if e is not None else default_config(name, dev["arch"])
+            if skey is not None:
+                _settled_picks[skey] = dict(cfg)
+        if cfg == default_config(name, dev["arch"]):
             _stats["defaults"] += 1
-            return default_config(name, dev["arch"])
-        return dict(e["config"])
+        return dict(cfg)
     try:
         fast = (name, dev["id"], dtype, tuple(shape.items()))
         cfg = _picked.get(fast)
