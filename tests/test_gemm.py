@@ -519,6 +519,19 @@ def test_fp8_activation_conversion_of_long_rows(K):
     assert cp.asnumpy(row_bad).tolist() == [0, 0, 1, 0, 0, 1, 0]
 
 
+def _w4a4_operands(M, N, K, seed, with_bias):
+    """MXFP4 a [M, K] and w [N, K] from random normals, and a float32 bias [N] or None. Tokens 128..255 have
+    blocks whose scales span 2^-24..2^4 within a 128-k chunk (their tile, or k-tile, takes the per-32 path)."""
+    cp = rt.require_cupy()
+    rs = cp.random.RandomState(seed)
+    a = rs.standard_normal((M, K), dtype=cp.float32)
+    a[128:256] *= cp.exp2(cp.asarray(np.random.default_rng(K).integers(-24, 5, size=(1, -(-K // 32))))
+                          .astype(cp.float32)).repeat(32, axis=1)[:, :K]
+    qa = quantize(a, "mxfp4")
+    w = quantize(rs.standard_normal((N, K), dtype=cp.float32), "mxfp4")
+    return qa, w, (rs.standard_normal(N, dtype=cp.float32) if with_bias else None)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", [(300, 520, 800), (1, 256, 4096), (1000, 1100, 4160), (4096, 2048, 2048),
                                    (256, 384, 14336), (200, 200, 800)])
@@ -535,13 +548,7 @@ def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype, bn, cm, act, with_bi
     cp = rt.require_cupy()
     monkeypatch.setattr(gemm, "_FP8_BN", bn)
     monkeypatch.setattr(gemm, "_FP8_CM", cm)
-    rs = cp.random.RandomState(M + N + K)
-    a = rs.standard_normal((M, K), dtype=cp.float32)
-    a[128:256] *= cp.exp2(cp.asarray(np.random.default_rng(K).integers(-24, 5, size=(1, -(-K // 32))))
-                          .astype(cp.float32)).repeat(32, axis=1)[:, :K]   # token tile 1: the per-32 path
-    qa = quantize(a, "mxfp4")
-    w = quantize(rs.standard_normal((N, K), dtype=cp.float32), "mxfp4")
-    bias = rs.standard_normal(N, dtype=cp.float32) if with_bias else None
+    qa, w, bias = _w4a4_operands(M, N, K, M + N + K, with_bias)
     out = cp.full((M, N), np.nan, dtype=out_dtype)
     got = gemm._w4a4_fp8(qa, w, bias, act, np.dtype(out_dtype), M, N, out=out)
     if not _hopper():
@@ -572,13 +579,7 @@ def test_w4a4_fp8_stream_k_tail(M, N, K, cm, bn, act, monkeypatch):
     monkeypatch.setattr(gemm, "_FP8_BN", bn)
     parts = 3 if K >= 4096 else 2
     monkeypatch.setattr(gemm, "_fp8_schedule", lambda units, clusters, nkt: (units // 2, parts))
-    rs = cp.random.RandomState(M * 7 + K)
-    a = rs.standard_normal((M, K), dtype=cp.float32)
-    a[128:256] *= cp.exp2(cp.asarray(np.random.default_rng(K).integers(-24, 5, size=(1, -(-K // 32))))
-                          .astype(cp.float32)).repeat(32, axis=1)[:, :K]   # token tile 1: the per-32 path
-    qa = quantize(a, "mxfp4")
-    w = quantize(rs.standard_normal((N, K), dtype=cp.float32), "mxfp4")
-    bias = rs.standard_normal(N, dtype=cp.float32) if act else None
+    qa, w, bias = _w4a4_operands(M, N, K, M * 7 + K, act is not None)
     outs = []
     for _ in range(2):
         out = cp.full((M, N), np.nan, dtype=np.float16)
