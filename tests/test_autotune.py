@@ -1,5 +1,6 @@
 """The autotuner: keys, buckets, pruning, the on-disk cache, the env switch (CPU, fake timer and device), and one
 GPU test that tunes the real probe kernel and reuses the cache from a second process."""
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -615,10 +616,11 @@ def test_candidate_compile_falls_back_to_one_thread(env, monkeypatch):
         if rt._collect.__dict__.get("on") and "k" not in done:
             raise rt.NeedsCompile(("probe.cu", "k", 90, ()))
 
-    def no_pool(jobs, desc):
-        raise RuntimeError("can't start new thread")
+    class NoThreads(concurrent.futures.ThreadPoolExecutor):
+        def submit(self, *a, **k):
+            raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(rt, "compile_jobs", no_pool)
+    monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", NoThreads)
     monkeypatch.setattr(rt, "_compile_one", lambda job: done.append(job[1]) or (job, None))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")

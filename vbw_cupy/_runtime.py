@@ -411,7 +411,8 @@ def compile_jobs(jobs, desc: str = "compiling", workers: int | None = None, prog
     """Compile (filename, instance, arch, options) jobs into the kernel cache on a pool of threads (NVRTC
     releases the GIL, so they run in parallel; no processes, so nothing is re-imported and a user's script
     needs no ``__main__`` guard). Returns {job: error} for the failures. With `progress`, a bar on stderr
-    once it has taken 2 s. An interrupt cancels the jobs not started yet."""
+    once it has taken 2 s. An interrupt cancels the jobs not started yet; a pool that cannot start its
+    threads leaves the jobs to this thread, one at a time (those already compiled are cache hits)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
     jobs = sorted(set(jobs))
     if not jobs:
@@ -419,7 +420,13 @@ def compile_jobs(jobs, desc: str = "compiling", workers: int | None = None, prog
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs), 16))
     ex = ThreadPoolExecutor(workers, thread_name_prefix="vbw_cupy-nvrtc")
     try:
-        done = as_completed([ex.submit(_compile_one, j) for j in jobs])
+        futures = [ex.submit(_compile_one, j) for j in jobs]
+    except RuntimeError as e:  # "can't start new thread" (not a kernel's fault)
+        ex.shutdown(wait=True, cancel_futures=True)
+        warn_once(f"pool:{e}", f"vbw_cupy: parallel compile failed ({e}); compiling one kernel at a time")
+        return {j: err for j, err in map(_compile_one, jobs) if err}
+    try:
+        done = as_completed(futures)
         if progress:
             done = _progress.bar(done, len(jobs), desc)
         res = [f.result() for f in done]

@@ -291,7 +291,7 @@ def make_key(name: str, shape: dict, dtype, device: dict | None = None) -> str:
 # ---------------------------------------------------------------------------------------------- the cache
 _lock = threading.RLock()
 _memory: dict[str, dict] = {}
-# (name, device id, dtype, shape items) -> config: pick()'s hit path skips building the key (~5 us a call,
+# (name, device id, dtype, shape items, settled) -> config: pick()'s hit path skips building the key (~5 us a call,
 # which a host-bound short kernel pays in full). Keyed by the exact shape, not its bucket, so it is bounded:
 # forgotten all at once at _MAX_PICKED entries (a decode loop asks with a new sequence length every step).
 _picked: dict[tuple, dict] = {}
@@ -320,7 +320,6 @@ def reset() -> None:
         _generation += 1
         _memory.clear()
         _picked.clear()
-        _settled_picks.clear()
         rt.forget_warnings()
         for k in _stats:
             _stats[k] = type(_stats[k])()
@@ -382,7 +381,6 @@ def _store(key: str, entry: dict) -> None:
     with _lock:
         _memory[key] = entry
         _picked.clear()  # a re-tuned key must not be shadowed by pick()'s shortcut
-        _settled_picks.clear()
         _generation += 1
         path = cache_path()
         try:
@@ -553,12 +551,7 @@ def _compile_candidates(t: Tunable, run, cands) -> dict[int, str]:
             break
         asked |= need
         _stats["compiled"] += len(need)
-        try:
-            failed.update(rt.compile_jobs(need, f"compiling {len(need)} kernels to tune {t.name}"))
-        except Exception as e:  # the thread pool itself failed (not a kernel): compile in this thread
-            rt.warn_once(f"pool:{type(e).__name__}", f"vbw_cupy.autotune: parallel compile failed ({e}); "
-                                                     "compiling one kernel at a time")
-            failed.update(dict(j for j in map(rt._compile_one, sorted(need)) if j[1]))
+        failed.update(rt.compile_jobs(need, f"compiling {len(need)} kernels to tune {t.name}"))
     return bad
 
 
@@ -645,11 +638,6 @@ def _remember(fast, cfg: dict) -> None:
         _picked[fast] = cfg
 
 
-# pick's answers on settled archs with VBW_CUPY_AUTOTUNE unset: (name, device, dtype, shape) -> config (a
-# cached tuning or the default); cleared with the other caches (reset, _store)
-_settled_picks: dict = {}
-
-
 def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
     """The config to launch kernel `name` with for this shape and dtype (a fresh dict; see module docstring).
 
@@ -662,28 +650,15 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
     if m == 0:
         _stats["defaults"] += 1
         return default_config(name, dev["arch"])
-    if dev["arch"] in t.settled and m == 1:  # what `vbw-cupy tune` stored is used; nothing new is timed
-        try:
-            skey = (name, dev["id"], dtype, tuple(shape.items()))
-            cfg = _settled_picks.get(skey)
-        except TypeError:  # an unhashable shape value
-            skey = cfg = None
-        if cfg is None:  # once per shape and process (a miss reads the file): remembered, defaults included
-            with _lock:
-                e = _lookup(make_key(name, shape, dtype, dev), t)
-            cfg = e["config"] if e is not None else default_config(name, dev["arch"])
-            if skey is not None:
-                _settled_picks[skey] = dict(cfg)
-        if cfg == default_config(name, dev["arch"]):
-            _stats["defaults"] += 1
-        return dict(cfg)
+    # settled: what `vbw-cupy tune` stored, else the default (remembered too: a miss reads the file); never timed
+    settled = dev["arch"] in t.settled and m == 1
     try:
-        fast = (name, dev["id"], dtype, tuple(shape.items()))
+        fast = (name, dev["id"], dtype, tuple(shape.items()), settled)
         cfg = _picked.get(fast)
     except TypeError:  # an unhashable shape value: take the slow path
         fast = cfg = None
     if cfg is not None:
-        _stats["memory_hits"] += 1
+        _stats["defaults" if settled and cfg == default_config(name, dev["arch"]) else "memory_hits"] += 1
         return dict(cfg)
     key = make_key(name, shape, dtype, dev)
     with _lock:
@@ -691,6 +666,10 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
         if e is not None:
             _remember(fast, e["config"])
             return dict(e["config"])
+        if settled:
+            _stats["defaults"] += 1
+            _remember(fast, default_config(name, dev["arch"]))
+            return default_config(name, dev["arch"])
         if _capturing():
             rt.warn_once(f"capture:{key}", f"vbw_cupy.autotune: {name} {_bucket_str(t, shape)} is not tuned and the "
                                          "stream is capturing a CUDA graph: using the default config")
