@@ -216,9 +216,8 @@ __device__ __forceinline__ bool cluster_reduce(float (&acc)[NACC], float* red) {
   const int tid = threadIdx.x;
 #pragma unroll
   for (int r = 0; r < NACC; ++r) red[r * NT + tid] = acc[r];
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-  u32 rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  vbw::cluster_sync();
+  const u32 rank = vbw::cluster_rank();
   if (rank == 0) {
     const u32 mine = vbw::smem_addr(red) + 4u * tid;
 #pragma unroll
@@ -233,7 +232,7 @@ __device__ __forceinline__ bool cluster_reduce(float (&acc)[NACC], float* red) {
       }
     }
   }
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+  vbw::cluster_sync();
   return rank == 0;
 #else
   __trap();  // gemm.py launches cluster instances on sm_90 only

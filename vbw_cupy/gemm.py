@@ -639,6 +639,9 @@ _FP8_SOURCE = "fp8_gemm.cu"
 _FP8_NS = "vbw_fp8gemm::"
 _FP8_BN = 192   # weight rows a CTA (128 or 192: 192 measured 9-15% faster; 176, for fuller last rounds, 1-9% slower)
 _FP8_TILES = (128, 192)
+# token tiles per thread-block cluster (2: the pair shares its weight tile, each CTA loading half of it by TMA
+# multicast; 1: no cluster, for A/B runs)
+_FP8_CM = 2
 _FP8_STAGES = {192: 4, 128: 5}  # ring depth by BN: what fits 227 KB beside the epilogue's staging areas
 
 
@@ -665,9 +668,8 @@ def _fp8_schedule(units: int, clusters: int, nkt: int) -> tuple[int, int]:
 
 def _fp8_name(bn: int, cm: int) -> str:
     return f"{_FP8_NS}fp8_gemm_mx<{bn}, {_FP8_STAGES[bn]}, {cm}>"
-# token tiles per thread-block cluster (2: the pair shares its weight tile, each CTA loading half of it by TMA
-# multicast; 1: no cluster, for A/B runs)
-_FP8_CM = 2
+
+
 # MXFP4 x MXFP4 on sm_90 runs fp8_gemm.cu (False: the float32 path, for A/B runs)
 _W4A4_FP8 = True
 
