@@ -10,6 +10,8 @@ peer's fp16 weights. TFLOP/s = 2 M N K / t; weight GB/s = bytes of the FP4 tenso
 The epilogue variant adds bias + silu: fused in fp4_matmul, a CuPy elementwise kernel after cupy.matmul.
 --w4a4: the activations are an FP4Tensor (quantized once, outside the timing; the call's conversion of them
 to FP8 is timed), the peer the same cuBLAS fp16 product (its epilogue variant has no epilogue).
+--w4a8: the activations are an FP8Tensor (vbw_cupy.quantize_fp8, outside the timing), the same peer; with
+--fmt mxfp4 the FP8 tensor-core path with no conversion pass. Both print issue 17's bar (>= 1.3x) per row.
 """
 import math
 import sys
@@ -21,6 +23,7 @@ cp = pytest.importorskip("cupy") if __name__ != "__main__" else __import__("cupy
 
 from vbw_cupy import _timing, gemm  # noqa: E402
 from vbw_cupy.fp4 import dequantize, quantize  # noqa: E402
+from vbw_cupy.fp8 import quantize_fp8  # noqa: E402
 
 MS = (1, 16, 64, 256, 4096)
 NKS = ((8192, 8192), (14336, 4096), (4096, 14336))
@@ -37,7 +40,7 @@ def _peer_epilogue(y, bias):
     return _silu_bias(y, bias)
 
 
-def setup(M, N, K, fmt="nvfp4", epilogue=False, seed=0, w4a4=False):
+def setup(M, N, K, fmt="nvfp4", epilogue=False, seed=0, w4a4=False, w4a8=False):
     rs = cp.random.RandomState(seed)
     w0 = quantize(rs.standard_normal((N, K), dtype=cp.float32), fmt)
     n_q = max(1, min(8, math.ceil(ROTATE_BYTES / w0.nbytes)))
@@ -49,9 +52,9 @@ def setup(M, N, K, fmt="nvfp4", epilogue=False, seed=0, w4a4=False):
     a = rs.standard_normal((M, K), dtype=cp.float32).astype(cp.float16)
     bias = rs.standard_normal(N, dtype=cp.float32).astype(cp.float16) if epilogue else None
     act = "silu" if epilogue else None
-    if w4a4:  # activations given as an FP4Tensor of the weights' format (MXFP4: the FP8 tensor-core path)
+    if w4a4 or w4a8:  # activations given quantized (MXFP4 weights: the FP8 tensor-core path)
         bias = None if bias is None else bias.astype(cp.float32)
-        qa = quantize(a.astype(cp.float32), fmt)
+        qa = quantize_fp8(a) if w4a8 else quantize(a.astype(cp.float32), fmt)
         ours = lambda i: gemm.fp4_matmul(qa, ws[i % n_q], bias, act)  # noqa: E731
         for i in range(n_q):  # each weight copy's one-time conversion, before any timing
             ours(i)
@@ -71,20 +74,21 @@ def time_us(fn, inner=10, reps=15):
     return 1e3 * _timing.time_ms(lambda: fn(next(calls)), warmup=3, rep=reps, inner=inner)
 
 
-def measure(M, N, K, fmt="nvfp4", epilogue=False, check=True, w4a4=False):
-    ours, peer, (a, w, bias, act), wbytes = setup(M, N, K, fmt, epilogue, w4a4=w4a4)
+def measure(M, N, K, fmt="nvfp4", epilogue=False, check=True, w4a4=False, w4a8=False):
+    ours, peer, (a, w, bias, act), wbytes = setup(M, N, K, fmt, epilogue, w4a4=w4a4, w4a8=w4a8)
+    quantized = w4a4 or w4a8
     t_ours = time_us(ours)
     t_peer = time_us(peer)
     row = {"M": M, "N": N, "K": K, "fmt": fmt, "epilogue": "bias+silu" if epilogue else "-",
            "ours_us": t_ours, "peer_us": t_peer, "ratio": t_peer / t_ours,
            "tflops": 2 * M * N * K / t_ours / 1e6, "peer_tflops": 2 * M * N * K / t_peer / 1e6,
            "weight_GBs": wbytes / t_ours / 1e3,
-           "config": {"KIND": "fp8_mx" if "fp8_v1" in w._cache else "f32"} if w4a4 else gemm.chosen_config(a, w)}
-    if w4a4:
-        row["fmt"] = f"{fmt}A"
+           "config": {"KIND": "fp8_mx" if w._cache.get("fp8_v1") else "f32"} if quantized else gemm.chosen_config(a, w)}
+    if quantized:
+        row["fmt"] = "e4m3A" if w4a8 else f"{fmt}A"
     if check:
         got = gemm.fp4_matmul(a, w, bias, act)
-        a64 = dequantize(a).astype(cp.float64) if w4a4 else a.astype(cp.float64)
+        a64 = dequantize(a).astype(cp.float64) if quantized else a.astype(cp.float64)
         z = a64 @ dequantize(w).astype(cp.float64).T
         if epilogue:
             z += bias.astype(cp.float64)
@@ -119,7 +123,7 @@ def print_table(rows, out=sys.stdout):
           f"{'TFLOP/s':>8} {'cuBLAS':>7} {'wGB/s':>7} {'error':>9} {'bound':>9}  config", file=out)
     for r in rows:
         cfg = r["config"] or {}
-        cs = f"{cfg.get('KIND', '?')} {cfg.get('BR')}x{cfg.get('BC')}x{cfg.get('BK')} s{cfg.get('SPLIT')}"
+        cs = f"{cfg.get('KIND', '?')}" + (f" {cfg['BR']}x{cfg['BC']}x{cfg['BK']} s{cfg['SPLIT']}" if "BR" in cfg else "")
         print(f"{r['M']:>5} {r['N']:>6} {r['K']:>6} {r['fmt']:6} {r['epilogue']:9} {r['ours_us']:9.1f} "
               f"{r['peer_us']:9.1f} {r['ratio']:6.2f} {r['tflops']:8.1f} {r['peer_tflops']:7.1f} "
               f"{r['weight_GBs']:7.0f} {r.get('error', float('nan')):9.2e} {r.get('bound', float('nan')):9.2e}  {cs}",
@@ -170,18 +174,25 @@ if __name__ == "__main__":
     p.add_argument("--diag", action="store_true", help="launch-overhead and per-config breakdown only")
     p.add_argument("--w4a4", action="store_true", help="activations as an FP4Tensor of --fmt (mxfp4: FP8 tensor "
                    "cores on Hopper), M = 4096 at the three shapes (issue 17's bars)")
+    p.add_argument("--w4a8", action="store_true", help="activations as an FP8Tensor (quantize_fp8), weights in --fmt, "
+                   "M = 4096 at the three shapes")
     args = p.parse_args()
     if args.diag:
         diagnose()
         sys.exit(0)
     cases = [(m, 8192, 8192, False) for m in (1, 16, 4096)] if args.quick else CASES
-    if args.w4a4:
+    if args.w4a4 or args.w4a8:
         cases = [(4096, n, k, False) for n, k in NKS] + [(4096, 8192, 8192, True)]
     rows = []
     for m, n, k, e in cases:
         try:
-            rows.append(measure(m, n, k, args.fmt, e, check=not args.no_check, w4a4=args.w4a4))
+            rows.append(measure(m, n, k, args.fmt, e, check=not args.no_check, w4a4=args.w4a4, w4a8=args.w4a8))
         except Exception as exc:  # keep going: one failing shape must not hide the others
             print(f"M={m} N={n} K={k}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         cp.get_default_memory_pool().free_all_blocks()
     print_table(rows)
+    if args.w4a4 or args.w4a8:
+        for r in rows:
+            if r["epilogue"] == "-":
+                print(f"bar: {r['N']}x{r['K']} {r['fmt']} {r['ratio']:.2f}x cuBLAS fp16 (>= 1.3x: "
+                      f"{'met' if r['ratio'] >= 1.3 else 'NOT met'})")

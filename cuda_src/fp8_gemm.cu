@@ -16,6 +16,8 @@
 // Layout: A8 [M, Kp], W8 [N, Kp] e4m3 bytes, k contiguous (Kp = 32 * blocks), loaded by TMA as 128-byte swizzled
 //   rows of 128 k (one k-tile = 4 blocks), zero-filled past M, N and Kp; mult [M, blocks] float32 (the scale of
 //   each of a token's blocks: 2^s of its chunk, or the block's own), row_bad [M]; w_scale [N] float32.
+//   W4A8 (row_scales = 1): A8 holds an FP8Tensor's codes as given (cuda_src/fp8_codec.cu: E4M3 with a
+//   power-of-two scale per token row), mult [M] is that scale, the multiplier of every k-tile; row_bad unused.
 // Tiling: fp8_gemm_mx<BN, STAGES, CM>: tile = 128 tokens x BN weight rows (BN = 192 by default, STAGES 4; 128 keeps
 //   two partial sets, STAGES 5). CM = 2 (the default): clusters of two CTAs take token tiles 2u and 2u + 1 of
 //   the same weight tile, each loading its own A box and half of the W rows by TMA multicast into both.
@@ -268,7 +270,7 @@ __global__ void __launch_bounds__(384, 1) VBW_FP8_CLUSTER(CM)
 fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ vbw::TmaDesc tm_w,
             const float* __restrict__ mult, const int* __restrict__ row_bad, const float* __restrict__ w_scale,
             const void* __restrict__ bias, void* __restrict__ out, int M, int N, int nb, int flags,
-            float* __restrict__ ws, int* __restrict__ counters, int full_units, int tail_split) {
+            float* __restrict__ ws, int* __restrict__ counters, int full_units, int tail_split, int row_scales) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(BN == 128 || BN == 192, "BN");
   static_assert(STAGES >= 2, "STAGES");
@@ -356,7 +358,10 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   }
   vbw::setmaxnreg_inc<232>();
   const int cw = wg, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
-  auto mu = [&](const float* row, int b) { return b < nb ? row[b] : 0.f; };  // 0 past K: the zero-filled tail
+  // The multiplier of a token row's 32-k block b: mult[row, b], or with row_scales (W4A8) mult[row] for every b;
+  // 0 past K (the zero-filled tail).
+  const int mstep = row_scales ? 0 : 1, mrow = row_scales ? 1 : nb;
+  auto mu = [&](const float* row, int b) { return b < nb ? row[b * mstep] : 0.f; };
   int done = 0;  // k-tiles consumed before this item
   for (int item = first_unit; item < n_items; item += stride) {
   int tile, k0, k1, part, m0, n0;
@@ -365,11 +370,11 @@ fp8_gemm_mx(const __grid_constant__ vbw::TmaDesc tm_a, const __grid_constant__ v
   done += k1 - k0;
   origin(tile, m0, n0);
   const int mr0 = m0 + cw * 64 + warp * 16 + g, mr1 = mr0 + 8;  // this thread's two token rows
-  const float* mu0 = mult + (size_t)min(mr0, M - 1) * nb;
-  const float* mu1 = mult + (size_t)min(mr1, M - 1) * nb;
+  const float* mu0 = mult + (size_t)min(mr0, M - 1) * mrow;
+  const float* mu1 = mult + (size_t)min(mr1, M - 1) * mrow;
   // a row of this warpgroup's 64 with a chunk that could not be re-based: scales per 32 k (the slow path)
   const int lr = m0 + cw * 64 + (tid & 127);
-  const bool slow = vbw::named_bar_or(2 + cw, 128, (tid & 127) < 64 && lr < M && row_bad[lr] != 0);
+  const bool slow = vbw::named_bar_or(2 + cw, 128, (tid & 127) < 64 && lr < M && !row_scales && row_bad[lr] != 0);
 
   float acc[NACC], pa[NACC], pb[NACC];
 #pragma unroll

@@ -221,6 +221,7 @@ GRAPH_CASES = {
     "quantize mxfp4": (lambda r: [_rand((256, 1000))(r)], lambda x: vc.quantize(x, "mxfp4")),
     "quantize nvfp4 given scale": (lambda r: [_rand((64, 4096), BF16)(r)],
                                    lambda x: vc.quantize(x, "nvfp4", global_scale=0.01)),
+    "quantize_fp8": (lambda r: [_rand((300, 1000))(r)], lambda x: vc.quantize_fp8(x)),
     "flash_attention causal": (lambda r: [_rand((2, 300, 8, 128))(r), _rand((2, 300, 2, 128))(r),
                                           _rand((2, 300, 2, 128))(r)],
                                lambda q, k, v: attention.flash_attention(q, k, v, causal=True, return_lse=True)),
@@ -259,6 +260,23 @@ def test_gpu_graph_fp4_matmul(M, fmt):
     bias = cp.asarray(rng.standard_normal(1000, dtype=np.float32)).astype(cp.float16)
     _graph_case(lambda r: [_rand((M, 4096))(r)], lambda a: vc.fp4_matmul(a, w, bias=bias, activation="silu"),
                 _same)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("K", [4096, 1000])
+def test_gpu_graph_fp4_matmul_quantized_activations(act_fmt, K):
+    """W4A8 and W4A4: quantize the activations and multiply in one captured graph (the FP8 tensor-core path on
+    Hopper, with its conversion and padded copies in scratch; the float32 path on the dequantized activations
+    elsewhere). The quantized activations are part of the result, so the graph's intermediate stays alive."""
+    import cupy as cp
+    rng = np.random.default_rng(K)
+    w = vc.quantize(cp.asarray(rng.standard_normal((520, K), dtype=np.float32)), "mxfp4")
+
+    def call(a):
+        qa = vc.quantize_fp8(a) if act_fmt == "fp8" else vc.quantize(a, "mxfp4")
+        return qa, vc.fp4_matmul(qa, w, activation="silu")
+    _graph_case(lambda r: [_rand((300, K))(r)], call, _same)
 
 
 @pytest.mark.gpu

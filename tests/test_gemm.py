@@ -11,6 +11,7 @@ from vbw_cupy import _device
 from vbw_cupy import _runtime as rt
 from vbw_cupy import gemm, reference as ref
 from vbw_cupy.fp4 import FP4Tensor, quantize
+from vbw_cupy.fp8 import FP8Tensor, quantize_fp8
 
 BF16 = ml_dtypes.bfloat16
 
@@ -132,7 +133,7 @@ def _check(got, a, w, bias=None, act=None, out_dtype=None):
     """Relative Frobenius error vs float64 (computed on the GPU in float64) and the bound of docs/accuracy.md."""
     cp = rt.require_cupy()
     from vbw_cupy.fp4 import dequantize
-    a64 = (dequantize(a) if isinstance(a, FP4Tensor) else a).astype(cp.float64)
+    a64 = (dequantize(a) if isinstance(a, (FP4Tensor, FP8Tensor)) else a).astype(cp.float64)
     z = a64.reshape(-1, a64.shape[-1]) @ dequantize(w).astype(cp.float64).T
     if bias is not None:
         z += bias.astype(cp.float64)
@@ -560,6 +561,53 @@ def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype, bn, cm, act, with_bi
                                       got.get().view(np.uint16))   # the public call takes this path
     err, bound = _check(got, qa, w, bias=bias, act=act)
     assert err <= bound, (err, bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(300, 520, 800), (1, 256, 4096), (1000, 1100, 4160), (4096, 2048, 2048),
+                                   (256, 384, 14336), (200, 200, 1000), (130, 96, 72)])
+@pytest.mark.parametrize("out_dtype", [np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("cm", (1, 2))
+@pytest.mark.parametrize("act,with_bias", [("silu", True), (None, False), ("gelu", False)])
+def test_w4a8_fp8_activations_on_fp8_tensor_cores(M, N, K, out_dtype, cm, act, with_bias, monkeypatch):
+    """FP8 activations (an FP8Tensor: E4M3, a power-of-two scale per row, magnitudes 2^-12..2^12 apart across
+    rows) x MXFP4 weights: the codes go to the FP8 tensor cores as given (Hopper), within the bound, every output
+    written (NaN-filled first); K = 1000 and 72 are not multiples of 16 (a padded copy for TMA); the public call
+    takes the same path; elsewhere the float32 path on the dequantized activations."""
+    cp = rt.require_cupy()
+    monkeypatch.setattr(gemm, "_FP8_CM", cm)
+    rs = cp.random.RandomState(M + N + K)
+    a = rs.standard_normal((M, K), dtype=cp.float32) * cp.exp2(rs.uniform(-12, 12, (M, 1))).astype(cp.float32)
+    qa = quantize_fp8(cp.asarray(a.get().astype(BF16)) if K % 16 else a)   # bfloat16 and float32 inputs
+    w = quantize(rs.standard_normal((N, K), dtype=cp.float32), "mxfp4")
+    bias = rs.standard_normal(N, dtype=cp.float32) if with_bias else None
+    out = cp.full((M, N), np.nan, dtype=out_dtype)
+    got = gemm._w4a8_fp8(qa, w, bias, act, np.dtype(out_dtype), M, N, out=out)
+    if not _hopper():
+        assert got is None
+        got = gemm.fp4_matmul(qa, w, bias, act, out_dtype)
+    else:
+        assert got is out
+        np.testing.assert_array_equal(gemm.fp4_matmul(qa, w, bias, act, out_dtype).get().view(np.uint16),
+                                      got.get().view(np.uint16))
+    err, bound = _check(got, qa, w, bias=bias, act=act)
+    assert err <= bound, (err, bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wfmt", ["nvfp4", "mxfp4"])
+def test_w4a8_other_paths(wfmt):
+    """FP8 activations where the FP8 tensor-core path does not apply (NVFP4 weights; a float32 output) take the
+    float32 path on the exactly dequantized activations: within the bound, every output written."""
+    cp = rt.require_cupy()
+    rs = cp.random.RandomState(7)
+    qa = quantize_fp8(rs.standard_normal((3, 5, 300), dtype=cp.float32))
+    w = quantize(rs.standard_normal((200, 300), dtype=cp.float32), wfmt)
+    for odt in ((np.float16, np.float32) if wfmt == "nvfp4" else (np.float32,)):
+        got = gemm.fp4_matmul(qa, w, out_dtype=odt)
+        assert got.shape == (3, 5, 200) and got.dtype == np.dtype(odt)
+        err, bound = _check(got, qa, w)
+        assert err <= bound, (odt, err, bound)
 
 
 @pytest.mark.gpu

@@ -1,14 +1,15 @@
-"""vbw_cupy: FP4 (MXFP4 / NVFP4) codecs and GEMM, and flash attention, as CUDA kernels compiled at run time
+"""vbw_cupy: FP4 (MXFP4 / NVFP4) and FP8 codecs and GEMM, and flash attention, as CUDA kernels compiled at run time
 through CuPy. NumPy inputs run the float64 reference (`vbw_cupy.reference`); CuPy inputs run on the GPU."""
 from . import reference
 from ._errors import check_errors
 from .attention import flash_attention, flash_attention_varlen
 from .fp4 import FP4Tensor, dequantize, quantize
+from .fp8 import FP8Tensor, quantize_fp8
 from .gemm import fp4_matmul
 from .paged import PagedKVCache, paged_attention
 from .sparse import block_sparse_attention, bsr_from_mask
 
 __version__ = "0.1.0"
-__all__ = ["FP4Tensor", "quantize", "dequantize", "fp4_matmul", "flash_attention", "flash_attention_varlen",
-           "paged_attention", "PagedKVCache", "block_sparse_attention", "bsr_from_mask", "check_errors", "reference",
-           "__version__"]
+__all__ = ["FP4Tensor", "quantize", "dequantize", "FP8Tensor", "quantize_fp8", "fp4_matmul", "flash_attention",
+           "flash_attention_varlen", "paged_attention", "PagedKVCache", "block_sparse_attention", "bsr_from_mask",
+           "check_errors", "reference", "__version__"]

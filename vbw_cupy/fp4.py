@@ -18,6 +18,7 @@ from . import _plans
 from . import _runtime as rt
 from . import _timing
 from . import reference as ref
+from .fp8 import FP8Tensor, dequantize_fp8
 
 FORMATS = ref.FORMATS
 _IN_DTYPES = _checks.FLOAT_DTYPES
@@ -323,9 +324,12 @@ def _global_scale_gpu(x) -> np.float32:
 def dequantize(t: FP4Tensor, dtype=np.float32):
     """Decode `t` to an array of `t.shape`: (e2m1 * scale) * global_scale in float32, then cast to `dtype`
     (float32, float16 or bfloat16, rounding to nearest even; float64 holds the float32 values exactly).
-    MXFP4 decodes exactly; scale code 255 (mxfp4), 0x7F or 0xFF (nvfp4, E4M3FN) -> NaN for its block."""
+    MXFP4 decodes exactly; scale code 255 (mxfp4), 0x7F or 0xFF (nvfp4, E4M3FN) -> NaN for its block.
+    An FP8Tensor goes to `vbw_cupy.fp8.dequantize_fp8`."""
+    if isinstance(t, FP8Tensor):
+        return dequantize_fp8(t, dtype)
     if not isinstance(t, FP4Tensor):
-        raise TypeError(f"t: expected an FP4Tensor, got {type(t).__name__}")
+        raise TypeError(f"t: expected an FP4Tensor or FP8Tensor, got {type(t).__name__}")
     dtype = _checks.check_float_dtype("dtype", dtype, _checks.FLOAT_DTYPES + ("float64",))
     if not t.is_gpu:
         return ref.dequantize(t, dtype)

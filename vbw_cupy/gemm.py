@@ -507,9 +507,20 @@ def chosen_config(a, w) -> dict | None:
     return None
 
 
+def _staged(name: str, shape: tuple, dtype):
+    """A [shape] array of dtype in this stream's scratch buffer `name` (valid until the next call using it)."""
+    n = math.prod(shape) * np.dtype(dtype).itemsize
+    return _plans.scratch(name, n)[:n].view(dtype).reshape(shape)
+
+
 def _is_fp4(x) -> bool:
     from .fp4 import FP4Tensor
     return isinstance(x, FP4Tensor)
+
+
+def _is_fp8(x) -> bool:
+    from .fp8 import FP8Tensor
+    return isinstance(x, FP8Tensor)
 
 
 def _fast_key(a, bias, activation, out_dtype):
@@ -549,10 +560,12 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
     N, K = w.shape
     if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of None, 'relu', 'gelu', 'gelu_tanh', 'silu', got {activation!r}")
-    a_fp4 = _is_fp4(a)
+    a_fp8 = _is_fp8(a)
+    a_fp4 = a_fp8 or _is_fp4(a)  # quantized activations (W4A4 / W4A8)
     if a_fp4:
         if a.shape[-1] != K:
-            raise ValueError(f"a: FP4Tensor of shape {tuple(a.shape)} does not match w's K = {K} (w is {tuple(w.shape)})")
+            raise ValueError(f"a: {type(a).__name__} of shape {tuple(a.shape)} does not match w's K = {K} "
+                             f"(w is {tuple(w.shape)})")
         if a.is_gpu != w.is_gpu:
             raise ValueError("a and w: both must be on the host (NumPy) or both on the GPU")
         a_shape, a_dtype = tuple(a.shape), np.dtype(np.float32)
@@ -604,19 +617,28 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
         rt.check_same_device(a=a, w=w.data, **({} if bias is None else {"bias": bias}))
     with dev:
         if a_fp4:
-            out = _w4a4_fp8(a, w, bias, activation, out_dtype, M, N) if _config is None else None
+            out = None
+            if _config is None:
+                out = (_w4a8_fp8 if a_fp8 else _w4a4_fp8)(a, w, bias, activation, out_dtype, M, N)
             if out is not None:
                 return out.reshape(a_shape[:-1] + (N,))
-            from .fp4 import dequantize
-            a2 = dequantize(a, np.float32).reshape(M, K)
+            # exact in float32 (the float32 path); staged in scratch, as the copies below, so that a CUDA
+            # graph captured around the call keeps memory it owns (_plans.scratch)
+            a2 = _staged("fp4_matmul dequantized activations", (M, K), np.float32)
+            if a_fp8:
+                from .fp8 import _launch_dequantize
+            else:
+                from .fp4 import _launch_dequantize
+            _launch_dequantize(a, a2.reshape(a_shape))
         else:
             a2 = a.reshape(M, K)
-        a2 = rt.ensure_contiguous(a2)
         epc = 16 // a2.itemsize
-        if K % epc or a2.data.ptr % 16:
+        if K % epc or a2.data.ptr % 16 or not a2.flags.c_contiguous:
             kp = rt.cdiv(K, epc) * epc
-            padded = cp.zeros((M, kp), dtype=a2.dtype)
+            padded = _staged("fp4_matmul padded activations", (M, kp), a2.dtype)
             padded[:, :K] = a2
+            if kp > K:
+                padded[:, K:] = 0
             a2 = padded
         bias_in = bias
         if bias is not None:
@@ -718,33 +740,65 @@ def _fp8_rows(t, rows: int):
 
 def _fp8_activations(a, M: int):
     """a's e4m3 bytes [M, 32 * blocks] re-based per 128-k chunk where it fits, the float32 multiplier of every
-    block [M, blocks] and the rows with a chunk that did not fit [M] (cuda_src/fp8_gemm.cu, mx_to_e4m3_chunks)."""
-    cp = rt.cupy
+    block [M, blocks] and the rows with a chunk that did not fit [M] (cuda_src/fp8_gemm.cu, mx_to_e4m3_chunks),
+    in this stream's scratch buffers: valid until the next W4A4 call on the stream."""
     data, scales, nb = _mx_data(a, M)
-    q = cp.empty((M, nb * 32), dtype=cp.uint8)
-    mult = cp.empty((M, nb), dtype=cp.float32)
-    row_bad = cp.empty(M, dtype=cp.int32)
+    # scratch, not the pool: a CUDA graph captured around the call keeps these addresses (_plans.scratch)
+    q = _staged("fp4_matmul W4A4 e4m3 activations", (M, nb * 32), np.uint8)
+    mult = _staged("fp4_matmul W4A4 multipliers", (M, nb), np.float32)
+    row_bad = _staged("fp4_matmul W4A4 row flags", (M,), np.int32)
     rt.launch(rt.get_kernel(_FP8_SOURCE, f"{_FP8_NS}mx_to_e4m3_chunks", _EXTRA_OPTIONS), (M,), (128,),
               (data, scales, np.int32(nb), q, mult, row_bad))
     return q, mult, row_bad
 
 
-def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
-    """out [M, N] for MXFP4 a and w on Hopper's FP8 tensor cores; None where that path does not apply. A
-    float32 output keeps the exact float32 path: the tensor core's sums of 32 products are not rounded to
-    float32 (its error, ~1e-5, is within the float16 / bfloat16 bounds only)."""
-    from ._device import device_arch, num_sms
-    if not (_W4A4_FP8 and a.format == "mxfp4" and w.format == "mxfp4" and np.dtype(out_dtype).name != "float32"
-            and device_arch() == 90 and rt.have_tensor_maps()):
+def _fp8_path(w, out_dtype, N: int):
+    """w's cached e4m3 rows and scales when the FP8 tensor-core GEMM applies (Hopper, MXFP4 w, a 16-bit
+    output, every weight row re-based), else None. A float32 output keeps the exact float32 path: the tensor
+    core's sums of 32 products are not rounded to float32 (its error, ~1e-5, is within the float16 / bfloat16
+    bounds only)."""
+    from ._device import device_arch
+    if not (_W4A4_FP8 and w.format == "mxfp4" and np.dtype(out_dtype).name != "float32" and device_arch() == 90
+            and rt.have_tensor_maps()):
         return None
-    wq = _fp8_weight(w, N)
+    return _fp8_weight(w, N)
+
+
+def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
+    """out [M, N] for MXFP4 a and w on Hopper's FP8 tensor cores; None where that path does not apply."""
+    wq = _fp8_path(w, out_dtype, N) if a.format == "mxfp4" else None
     if wq is None:
         return None
+    a8, mult, row_bad = _fp8_activations(a, M)
+    return _fp8_gemm(a8, a8.shape[1], mult, row_bad, wq, bias, act, out_dtype, M, N, out)
+
+
+def _w4a8_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
+    """out [M, N] for an FP8Tensor a (E4M3, a scale per row) and MXFP4 w on Hopper's FP8 tensor cores: the
+    codes go to the tensor cores as they are (no conversion pass), the row scale is each k-tile's multiplier.
+    None where that path does not apply (a non-power-of-two scale is fine: one FFMA per k-tile rounds as the
+    float32 path would)."""
+    wq = _fp8_path(w, out_dtype, N)
+    if wq is None:
+        return None
+    K = a.shape[-1]
+    a8 = a.data.reshape(M, K)
+    if K % 16 or a8.data.ptr % 16:  # TMA rows: a multiple of 16 bytes (columns past K are not read)
+        padded = _staged("fp4_matmul W4A8 padded activations", (M, rt.cdiv(K, 16) * 16), np.uint8)
+        padded[:, :K] = a8
+        a8 = padded
+    return _fp8_gemm(a8, K, a.scales.reshape(M), None, wq, bias, act, out_dtype, M, N, out)
+
+
+def _fp8_gemm(a8, K: int, mult, row_bad, wq, bias, act, out_dtype, M: int, N: int, out=None):
+    """fp8_gemm_mx on a8 [M, >= K] e4m3 bytes (16-byte aligned rows; columns past K are not read) and the
+    cached weight wq. mult: [M, blocks] float32 multipliers per 32-k block with row_bad [M] (W4A4), or [M] one
+    per row with row_bad None (W4A8). None when a tensor map cannot be encoded."""
+    from ._device import num_sms
     w8, w_scale = wq
     bias = None if bias is None else rt.ensure_contiguous(bias)
-    a8, mult, row_bad = _fp8_activations(a, M)
     kp = w8.shape[1]
-    tm_a = rt.tensor_map(a8.data.ptr, (kp, M), (kp,), (128, 128), elem_bytes=1)
+    tm_a = rt.tensor_map(a8.data.ptr, (K, M), (a8.shape[1],), (128, 128), elem_bytes=1)
     bn, cm = _FP8_BN, _FP8_CM
     tm_w = rt.tensor_map(w8.data.ptr, (kp, N), (kp,), (128, bn // cm), elem_bytes=1)
     if tm_a is None or tm_w is None:
@@ -763,9 +817,9 @@ def _w4a4_fp8(a, w, bias, act, out_dtype, M: int, N: int, out=None):
         cnt = _plans.scratch("fp4_matmul fp8 stream-K counters", slots * 4, zeroed=True)
     items = full + (units - full) * split
     rt.launch(rt.get_kernel(_FP8_SOURCE, _fp8_name(bn, cm), _EXTRA_OPTIONS), (cm * min(items, clusters),),
-              (384,), (tm_a, tm_w, mult, row_bad, w_scale, rt.NULL if bias is None else bias, out,
-                       np.int32(M), np.int32(N), np.int32(kp // 32), np.int32(flags), ws, cnt, np.int32(full),
-                       np.int32(split)),
+              (384,), (tm_a, tm_w, mult, rt.NULL if row_bad is None else row_bad, w_scale,
+                       rt.NULL if bias is None else bias, out, np.int32(M), np.int32(N), np.int32(kp // 32),
+                       np.int32(flags), ws, cnt, np.int32(full), np.int32(split), np.int32(row_bad is None)),
               shared_mem=_fp8_smem(bn))
     return out
 

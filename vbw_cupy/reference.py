@@ -150,6 +150,36 @@ def dequantize(t, dtype=np.float32):
     return out.astype(dtype)
 
 
+# FP8 rows: E4M3 values with a power-of-two float32 scale per row (the activations of W4A8 GEMMs).
+FP8_MIN_EXP = -126  # the smallest row scale, 2^-126 (rows with a smaller max|x| use it)
+
+
+def quantize_fp8(x: np.ndarray):
+    """E4M3 (fn) codes [..., K] and float32 scales [...] of x along its last axis: scale = 2^e, e the least
+    integer with max|row| <= 448 * 2^e (at least -126; 0 for a row of zeros), codes = E4M3(x * 2^-e) rounded to
+    nearest even (exact scaling: E4M3's rounding is the only one). A row holding NaN or Inf gets scale NaN and
+    codes 0x7F (NaN)."""
+    x32 = np.asarray(x).astype(np.float32)
+    amax = np.max(np.abs(x32), axis=-1)  # NaN wins
+    live = np.isfinite(amax) & (amax > 0)
+    m, E = np.frexp(np.where(live, amax, 1.0).astype(np.float64))  # amax = 2m * 2^(E - 1), 2m in [1, 2)
+    e = np.where(2 * m <= 1.75, E - 9, E - 8)  # 448 = 1.75 * 2^8
+    e = np.where(live, np.maximum(e, FP8_MIN_EXP), 0)
+    finite = np.isfinite(amax)
+    v = np.where(finite[..., None], x32, 0).astype(np.float64) * np.exp2(-e.astype(np.float64))[..., None]
+    a = np.abs(v)
+    mag = np.where(a > 0, e4m3_encode(np.where(a > 0, a, 1.0)), 0)  # e4m3_encode wants a > 0
+    codes = mag.astype(np.uint8) | (np.signbit(v).astype(np.uint8) << 7)
+    codes = np.where(finite[..., None], codes, np.uint8(0x7F)).astype(np.uint8)
+    scales = np.where(finite, np.exp2(e.astype(np.float64)), np.nan).astype(np.float32)
+    return codes, scales
+
+
+def dequantize_fp8(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float32 values [..., K]: E4M3(code) * the row's scale (exact: the scales are powers of two)."""
+    return (e4m3_decode(codes) * np.asarray(scales, dtype=np.float32)[..., None]).astype(np.float32)
+
+
 _ACTIVATIONS = {
     None: lambda z: z,
     "relu": lambda z: np.maximum(z, 0.0),
@@ -177,8 +207,11 @@ def apply_activation(z: np.ndarray, name) -> np.ndarray:
 
 def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None):
     """activation(a @ dequantize(w).T + bias) in float64, cast to out_dtype (default: a's dtype, or
-    float16 when `a` is itself an FP4Tensor, W4A4)."""
-    if hasattr(a, "format"):  # FP4Tensor
+    float16 when `a` is itself an FP4Tensor, W4A4, or an FP8Tensor, W4A8)."""
+    if getattr(a, "format", None) == "fp8":  # FP8Tensor (W4A8)
+        a64 = dequantize_fp8(np.asarray(a.data), np.asarray(a.scales)).astype(np.float64)
+        default_dtype = np.float16
+    elif hasattr(a, "format"):  # FP4Tensor
         a64 = dequantize(a).astype(np.float64)
         default_dtype = np.float16
     else:
