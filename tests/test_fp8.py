@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import vbw_cupy as vc
-from vbw_cupy import reference as ref
+from vbw_cupy import fp8, reference as ref
 from vbw_cupy.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
 
 BF16 = ml_dtypes.bfloat16
@@ -126,9 +126,13 @@ def test_fp4_matmul_w4a8_on_the_host_is_the_reference():
 # ---------------------------------------------------------------- GPU, bit for bit
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(64, 4096), (37, 4104), (21, 333), (9, 1), (2, 5, 1000), (1, 14336)])
-def test_gpu_matches_reference(dtype, shape):
+@pytest.mark.parametrize("shape", [(64, 4096), (37, 4104), (21, 333), (9, 1), (2, 5, 1000), (1, 14336),
+                                   (3, 40000)])
+@pytest.mark.parametrize("loads", fp8._LOAD_CHOICES)
+def test_gpu_matches_reference(dtype, shape, loads, monkeypatch):
+    """Every kernel variant (loads in flight; rows of one and of several chunks) bit for bit."""
     import cupy as cp
+    monkeypatch.setattr(fp8, "_LOADS", loads)
     x = rows_input(shape, dtype, seed=sum(shape))
     t = quantize_fp8(cp.asarray(x))
     assert t.is_gpu and t.shape == shape
@@ -162,7 +166,6 @@ def test_gpu_repeated_calls_replay_the_plan():
     """The second and later calls of a shape replay the first call's packed launch with the new arrays: each
     result matches the reference for its own input (an aligned and an unaligned input of one shape alternate)."""
     import cupy as cp
-    from vbw_cupy import fp8
     buf = cp.asarray(rows_input((6, 24, 4097), np.float16, seed=4))
     for i in range(6):
         x = cp.ascontiguousarray(buf[i, :, :4096]) if i % 2 == 0 else buf[i].ravel()[1:1 + 24 * 4096].reshape(24, 4096)

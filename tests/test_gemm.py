@@ -570,14 +570,14 @@ def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype, bn, cm, act, with_bi
 @pytest.mark.parametrize("cm", (1, 2))
 @pytest.mark.parametrize("act,with_bias", [("silu", True), (None, False), ("gelu", False)])
 def test_w4a8_fp8_activations_on_fp8_tensor_cores(M, N, K, out_dtype, cm, act, with_bias, monkeypatch):
-    """FP8 activations (an FP8Tensor: E4M3, a power-of-two scale per row, magnitudes 2^-12..2^12 apart across
-    rows) x MXFP4 weights: the codes go to the FP8 tensor cores as given (Hopper), within the bound, every output
+    """FP8 activations (an FP8Tensor: E4M3, a power-of-two scale per row, row magnitudes over 2^-8..2^4, float16
+    outputs stay finite) x MXFP4 weights: the codes go to the FP8 tensor cores as given (Hopper), within the bound, every output
     written (NaN-filled first); K = 1000 and 72 are not multiples of 16 (a padded copy for TMA); the public call
     takes the same path; elsewhere the float32 path on the dequantized activations."""
     cp = rt.require_cupy()
     monkeypatch.setattr(gemm, "_FP8_CM", cm)
     rs = cp.random.RandomState(M + N + K)
-    a = rs.standard_normal((M, K), dtype=cp.float32) * cp.exp2(rs.uniform(-12, 12, (M, 1))).astype(cp.float32)
+    a = rs.standard_normal((M, K), dtype=cp.float32) * cp.exp2(rs.uniform(-8, 4, (M, 1))).astype(cp.float32)
     qa = quantize_fp8(cp.asarray(a.get().astype(BF16)) if K % 16 else a)   # bfloat16 and float32 inputs
     w = quantize(rs.standard_normal((N, K), dtype=cp.float32), "mxfp4")
     bias = rs.standard_normal(N, dtype=cp.float32) if with_bias else None
