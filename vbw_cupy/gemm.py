@@ -13,6 +13,9 @@
   once and kept in ``w._cache``); other W4A4 cases, and weights with a row whose live block scales span more
   than 2^13 or lie past 2^+-64, dequantize ``a`` to float32 (exact) and take the float32 path. (bfloat16
   results beyond 2^64 or below 2^-62 in magnitude can lose bits there: the accumulator holds result / 2^s.)
+  ``a`` may also be an FP8Tensor (``vbw_cupy.quantize_fp8``: E4M3 with a scale per row; W4A8): with MXFP4 weights
+  and a 16-bit output on Hopper its codes go to the same FP8 kernel as they are (no conversion pass), the row
+  scale as each k-tile's multiplier; otherwise the float32 path on the dequantized activations.
 - ``w``: an FP4Tensor of logical shape ``[N, K]``. On first use the weight is re-laid out once for the kernel
   and kept in ``w._cache`` (as much memory again as ``w``); ``dequantize`` and the reference still see the
   layout of docs/formats.md.
