@@ -588,9 +588,31 @@ def test_w4a8_fp8_activations_on_fp8_tensor_cores(M, N, K, out_dtype, cm, act, w
         got = gemm.fp4_matmul(qa, w, bias, act, out_dtype)
     else:
         assert got is out
-        np.testing.assert_array_equal(gemm.fp4_matmul(qa, w, bias, act, out_dtype).get().view(np.uint16),
-                                      got.get().view(np.uint16))
+        if M > gemm._QUANTIZED_GEMV_M:  # fewer tokens: the public call takes the GEMV (test below)
+            np.testing.assert_array_equal(gemm.fp4_matmul(qa, w, bias, act, out_dtype).get().view(np.uint16),
+                                          got.get().view(np.uint16))
     err, bound = _check(got, qa, w, bias=bias, act=act)
+    assert err <= bound, (err, bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 5, 16, 17])
+@pytest.mark.parametrize("wfmt", ["nvfp4", "mxfp4"])
+def test_w4a8_few_tokens_take_the_gemv(M, wfmt):
+    """FP8 activations of <= 16 tokens go to the W4A16 decode GEMV as bfloat16 (the FP8 kernel would read 8-bit
+    weights), more tokens to the FP8 kernel (MXFP4 weights on Hopper): within the bound either way, with bias
+    and SiLU, every output written."""
+    cp = rt.require_cupy()
+    rs = cp.random.RandomState(M)
+    a = rs.standard_normal((M, 4096), dtype=cp.float32) * cp.exp2(rs.uniform(-8, 4, (M, 1))).astype(cp.float32)
+    qa = quantize_fp8(a)
+    w = quantize(rs.standard_normal((1000, 4096), dtype=cp.float32), wfmt)
+    bias = rs.standard_normal(1000, dtype=cp.float32)
+    got = gemm.fp4_matmul(qa, w, bias, "silu")
+    assert got.shape == (M, 1000) and got.dtype == np.float16
+    if M <= gemm._QUANTIZED_GEMV_M:
+        assert gemm.chosen_config(np.empty((M, 4096), BF16), w) is not None   # the W4A16 plan ran
+    err, bound = _check(got, qa, w, bias=bias, act="silu")
     assert err <= bound, (err, bound)
 
 

@@ -621,13 +621,16 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
     with dev:
         if a_fp4:
             out = None
-            if _config is None:
+            gemv = a_fp8 and M <= _QUANTIZED_GEMV_M
+            if _config is None and not gemv:
                 out = (_w4a8_fp8 if a_fp8 else _w4a4_fp8)(a, w, bias, activation, out_dtype, M, N)
             if out is not None:
                 return out.reshape(a_shape[:-1] + (N,))
-            # exact in float32 (the float32 path); staged in scratch, as the copies below, so that a CUDA
-            # graph captured around the call keeps memory it owns (_plans.scratch)
-            a2 = _staged("fp4_matmul dequantized activations", (M, K), np.float32)
+            # Few tokens (the decode GEMV reads 4-bit weights, the FP8 kernel 8-bit ones): FP8 rows as bfloat16,
+            # exact except for values below 2^-126 (bfloat16 subnormals; scales >= 2^-126 make those rare), on
+            # the W4A16 path. Otherwise exact in float32 (the float32 path). Staged in scratch, as the copies below,
+            # so that a CUDA graph captured around the call keeps memory it owns (_plans.scratch).
+            a2 = _staged("fp4_matmul dequantized activations", (M, K), _BF16 if gemv else np.float32)
             if a_fp8:
                 from .fp8 import _launch_dequantize
             else:
@@ -694,6 +697,11 @@ def _fp8_schedule(units: int, clusters: int, nkt: int) -> tuple[int, int]:
 def _fp8_name(bn: int, cm: int) -> str:
     return f"{_FP8_NS}fp8_gemm_mx<{bn}, {_FP8_STAGES[bn]}, {cm}>"
 
+
+# FP8 activations of at most this many tokens skip the FP8 tensor-core kernel (whose e4m3 weights are twice the
+# bytes of the FP4 ones the decode GEMV reads) and go to the W4A16 GEMV as bfloat16.
+_QUANTIZED_GEMV_M = 16
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 # MXFP4 x MXFP4 on sm_90 runs fp8_gemm.cu (False: the float32 path, for A/B runs)
 _W4A4_FP8 = True
