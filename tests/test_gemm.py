@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from vbw_cupy import _device
+from vbw_cupy import _device, _plans
 from vbw_cupy import _runtime as rt
 from vbw_cupy import gemm, reference as ref
 from vbw_cupy.fp4 import FP4Tensor, quantize
@@ -104,9 +104,13 @@ def test_chosen_config_is_the_newest_plan():
     a = np.zeros((16, 64), np.float16)
     old, new = {"BLOCK_N": 64}, {"BLOCK_N": 128}
     key = lambda gen: (16, 64, 64, "float16", 0, None, "float16", 0, 0, True, gen)  # noqa: E731
-    w = types.SimpleNamespace(_cache={"gemm_v1_plans": {key(0): (None, old), key(1): (None, new)}})
+    plans = _plans.PlanCache()   # what _matmul_gpu keeps in w._cache
+    plans.put(key(0), (None, old))
+    plans.put(key(1), (None, new))
+    w = types.SimpleNamespace(_cache={"gemm_v1_plans": plans})
     assert gemm.chosen_config(a, w) == new
     assert gemm.chosen_config(np.zeros((8, 64), np.float16), w) is None
+    assert gemm.chosen_config(a, types.SimpleNamespace(_cache={})) is None
 
 
 def test_regimes():

@@ -57,6 +57,10 @@ class PlanCache:
     def values(self) -> list:
         return list(self._d.values())
 
+    def items(self) -> list:
+        """(key, plan) pairs, least recently used first."""
+        return list(self._d.items())
+
     def __len__(self) -> int:
         return len(self._d)
 

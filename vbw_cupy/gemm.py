@@ -503,8 +503,9 @@ def _matmul_gpu(a2, w, bias, act, out_dtype, cfg=None, out=None):
 def chosen_config(a, w) -> dict | None:
     """The config the last fp4_matmul of this a-shape/dtype on w used (for benchmarks and tests)."""
     M = math.prod(a.shape[:-1])
-    # newest first: plans of earlier tuning generations (autotune._generation) stay until the dict is cleared
-    for key, plan in reversed(w._cache.get("gemm_v1_plans", {}).items()):
+    # most recently used first: plans of earlier tuning generations (autotune._generation) stay in the cache
+    plans = w._cache.get("gemm_v1_plans")
+    for key, plan in reversed(plans.items() if plans is not None else []):
         if key[0] == M and key[3] == np.dtype(a.dtype).name:
             return dict(plan[-1])
     return None
