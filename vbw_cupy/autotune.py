@@ -184,6 +184,12 @@ def registered() -> list[str]:
 
 
 _mode_last: tuple = (None, 1)  # (raw value, parsed): every fast-path call asks, the value rarely changes
+# os.environ.get costs ~1.3 us (key encoding, value decoding): a fast path's biggest Python item. CPython keeps the
+# raw (encoded) environment in os.environ._data, which putenv-ing assignments to os.environ update: read that.
+try:
+    _ENV_DATA, _ENV_KEY = os.environ._data, os.environ.encodekey(ENV_SWITCH)
+except (AttributeError, TypeError, ValueError):  # another Python: the public mapping
+    _ENV_DATA, _ENV_KEY = os.environ, ENV_SWITCH
 
 
 def mode() -> int:
@@ -191,9 +197,9 @@ def mode() -> int:
     other value: tune new keys except on a Tunable's settled archs) or 2 ("1", on, true, yes: tune new keys
     everywhere). Plan caches key on it, so changing the variable takes effect at the next call."""
     global _mode_last
-    raw = os.environ.get(ENV_SWITCH)
+    raw = _ENV_DATA.get(_ENV_KEY)
     if raw != _mode_last[0]:
-        v = (raw or "").strip().lower()
+        v = (os.environ.get(ENV_SWITCH) or "").strip().lower()
         _mode_last = (raw, 0 if v in ("0", "off", "false", "no") else 2 if v in ("1", "on", "true", "yes") else 1)
     return _mode_last[1]
 
