@@ -5,7 +5,7 @@ python bench/bare_read.py
 Each warp reads 36 consecutive "atoms" (512 data bytes as one 16-byte load per lane, and for strides above 512
 the atom's scale bytes as 8 bytes per 8 lanes, as fp4_gemm_mmv does), 4 atoms in flight, 2048 warps, buffers
 rotated past the L2, CUDA events over 10 back-to-back launches (median of 10). Stride 576 is the layout of
-fp4_gemm.cu (data and scales interleaved); 512 is data alone, 128-byte aligned; 640 pads each atom to the grid;
+fp4_gemm.cuh (data and scales interleaved); 512 is data alone, 128-byte aligned; 640 pads each atom to the grid;
 "pairs" keeps 576 bytes per atom but stores two atoms' data, then both scale blocks (1152 = 9 x 128 bytes).
 On the lent H100s (2026-11-22), two leases: 576: 2.09-2.11 TB/s on the first, 2.41-2.45 on the second; 512:
 2.38-2.43 on both; 640: 2.25-2.28, then 2.56-2.60; pairs (second only): 2.36-2.43. Compare within one run.

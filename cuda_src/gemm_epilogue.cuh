@@ -1,4 +1,4 @@
-// gemm_epilogue.cuh: the GEMM kernels' shared epilogue (fp4_gemm.cu, fp8_gemm.cu): bias, activation and the
+// gemm_epilogue.cuh: the GEMM kernels' shared epilogue (fp4_gemm_sm80.cu, fp4_gemm_sm90.cu, fp8_gemm.cu): bias, activation and the
 // output conversion of one element or of 8 consecutive ones, selected at run time by a flags word that gemm.py
 // builds.
 #pragma once

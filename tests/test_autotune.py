@@ -108,6 +108,13 @@ def test_source_hash_follows_the_file_and_headers(tmp_path, monkeypatch):
     monkeypatch.setattr(at.rt, "_src_hashes", {})
     (tmp_path / "common.cuh").write_text("shared")
     assert at.rt.source_hash("a.cu") != h2 and at.rt.source_hash("b.cu") != hb2   # a header edit invalidates all
+    # a tunable whose kernels live in two files hashes both: an edit to either invalidates its tuning
+    monkeypatch.setattr(at.rt, "_src_hashes", {})
+    hab = at.rt.source_hash(("a.cu", "b.cu"))
+    assert hab not in (at.rt.source_hash("a.cu"), at.rt.source_hash("b.cu"))
+    monkeypatch.setattr(at.rt, "_src_hashes", {})
+    (tmp_path / "b.cu").write_text("kernel b v2")
+    assert at.rt.source_hash(("a.cu", "b.cu")) != hab
 
 
 def test_arch_fallback_to_nearest(env):

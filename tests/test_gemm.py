@@ -76,7 +76,7 @@ def test_instances_cover_every_config():
     names = {n for _, n in instances}
     for f, n in instances:  # every instance names a kernel of the file it says
         assert re.search(n.split("<")[0].split("::")[1] + r"\s*\(", (rt.SOURCE_DIR / f).read_text()), (f, n)
-    assert {f for f, _ in instances} == {"fp4_gemm.cu", "fp8_gemm.cu"}
+    assert {f for f, _ in instances} == {"fp4_gemm_sm80.cu", "fp4_gemm_sm90.cu", "fp8_gemm.cu"}
     for blk in (16, 32):
         for T in ("__half", "__nv_bfloat16"):
             for cfg in gemm.TILES.values():

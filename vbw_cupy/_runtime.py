@@ -83,17 +83,19 @@ def sources_hash() -> str:
     return h.hexdigest()[:16]
 
 
-_src_hashes: dict[str, str] = {}
+_src_hashes: dict = {}  # filename or tuple of filenames -> hash
 
 
-def source_hash(filename: str) -> str:
-    """Hash of cuda_src/<filename> plus every .cuh header (headers are shared, so any header edit counts)."""
+def source_hash(filename) -> str:
+    """Hash of cuda_src/<filename> (or of each file of a tuple of names) plus every .cuh header (headers are
+    shared, so any header edit counts)."""
     if not filename:
         return "nosrc"
     h = _src_hashes.get(filename)
     if h is None:
+        names = (filename,) if isinstance(filename, str) else tuple(filename)
         d = hashlib.sha256()
-        paths = [SOURCE_DIR / filename] + sorted(p for p in SOURCE_DIR.glob("*.cuh"))
+        paths = [SOURCE_DIR / n for n in names] + sorted(p for p in SOURCE_DIR.glob("*.cuh"))
         for p in paths:
             d.update(p.name.encode())
             d.update(p.read_bytes() if p.is_file() else b"<missing>")

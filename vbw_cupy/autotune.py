@@ -13,7 +13,7 @@ A kernel module declares what can be tuned once, at import time::
                   86: ..., 89: ..., 90: ...},        # other archs use the nearest lower one
         bucket=lambda s: (autotune.pow2_bucket(s["M"], lo=16, hi=8192), s["N"], s["K"]),
         fits=lambda cfg, lim: smem_bytes(cfg) <= lim["smem_optin"],
-        source="fp4_gemm.cu",
+        source="fp4_gemm_sm80.cu",                  # a cuda_src/ file, or a tuple of them
         standard_shapes=(({"M": 4096, "N": 4096, "K": 4096}, "float16"),),   # for `vbw-cupy tune`
         bench=make_gemm_bench,                       # (shape, dtype) -> run(cfg), inputs built inside
     ))
@@ -131,7 +131,7 @@ class Tunable:
     uses the nearest lower one (or the lowest listed when the arch is below all of them).
     bucket: shape dict -> hashable tuple; shapes in one bucket share a tuned config.
     fits: (config, device limits) -> bool, prunes configs before timing (see ``device_limits``).
-    source: the cuda_src/ filename, hashed into the key. standard_shapes / bench: for ``tune``.
+    source: the cuda_src/ filename (or a tuple of them), hashed into the key. standard_shapes / bench: for ``tune``.
     warm_l2: time back-to-back launches on the caller's arrays instead of one launch after an L2 flush, for
     kernels whose repeated-call speed ranks the configs differently from a cold start (attention on an H200:
     with the flush, one-warpgroup tiles won and then ran 0.62x of the default in back-to-back calls).

@@ -2,7 +2,8 @@
 
 ``fp4_matmul(a, w, bias=None, activation=None, out_dtype=None)`` computes
 ``activation(a @ dequantize(w).T + bias)`` with float32 accumulation, the FP4 weights decoded in registers
-(``cuda_src/fp4_gemm.cu``; its header describes the kernels, the weight layout and the measured history).
+(``cuda_src/fp4_gemm_sm80.cu`` and ``fp4_gemm_sm90.cu``; ``fp4_gemm.cuh`` describes the kernels, the weight layout
+and the measured history).
 
 - ``a``: ``[..., K]`` float16 / bfloat16 (tensor-core operands of that type) or float32. float32 runs an
   exact split path (each value = three bfloat16 pieces, per-block partials summed in float64) so a float32
@@ -58,7 +59,13 @@ from . import _timing
 from . import autotune
 from . import reference as ref
 
-_SOURCE = "fp4_gemm.cu"
+_SOURCE = "fp4_gemm_sm80.cu"       # prepare, scale range, mma.sync and mmv kernels (any sm_80+)
+_SOURCE_SM90 = "fp4_gemm_sm90.cu"  # wgmma and wgrs kernels (Hopper)
+
+
+def _source(name: str) -> str:
+    """The cuda_src/ file holding kernel `name`."""
+    return _SOURCE_SM90 if ("fp4_gemm_wgmma<" in name or "fp4_gemm_wgrs<" in name) else _SOURCE
 _NS = "vbw_fp4gemm::"
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
 _IN_DTYPES = _checks.FLOAT_DTYPES
@@ -200,7 +207,7 @@ for _name, _mmax, _defs, _cands in _REGIMES:
     _defaults = {80: _defs[80], 86: _defs[80], 89: _defs[80], 90: _defs[90], 100: _defs[80]}
     _TUNABLES.append((_mmax, autotune.register(autotune.Tunable(
         name=_name, params=_PARAMS, candidates=tuple(_cands), defaults=_defaults, bucket=_bucket,
-        fits=_fits, source=_SOURCE, standard_shapes=tuple(_STD[_name]), bench=_bench_factory,
+        fits=_fits, source=(_SOURCE, _SOURCE_SM90), standard_shapes=tuple(_STD[_name]), bench=_bench_factory,
         settled=_SETTLED))))
 
 
@@ -258,9 +265,10 @@ def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
             for name, cfg in TILES.items():
                 if cfg["KIND"] in _WG and not hopper:
                     continue
-                out.append((_SOURCE, _kernel_name(T, blk, _SIR, cfg)))
+                n = _kernel_name(T, blk, _SIR, cfg)
+                out.append((_source(n), n))
                 if cfg["KIND"] == "wgrs":
-                    out.append((_SOURCE, _kernel_name(T, blk, _SIR, cfg, tma=True)))
+                    out.append((_SOURCE_SM90, _kernel_name(T, blk, _SIR, cfg, tma=True)))
                 if cfg["KIND"] in _MMV and hopper:
                     out += [(_SOURCE, _kernel_name(T, blk, _SIR, cfg, cl=c)) for c in _CLUSTERS]
             for name in _FPP_TILES:
@@ -274,7 +282,7 @@ def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------------------------------- weights
 def _scale_info(w):
     """(c, fp16_ok, bf16_ok): c = floor(log2(largest live block scale)) - 1; *_ok: every live block's
-    scale * 2^-c has a code for the scale-in-register mode of that dtype (see fp4_gemm.cu). One kernel
+    scale * 2^-c has a code for the scale-in-register mode of that dtype (see fp4_gemm.cuh). One kernel
     (fp4_scale_range) and one 12-byte copy, once per weight."""
     cp = rt.require_cupy()
     key = "gemm_v1_info"
@@ -394,8 +402,8 @@ def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
     # a decode kernel's split-K CTAs reduce as one cluster where the device has clusters
     cl = split if (cfg["KIND"] in _MMV and split in _CLUSTERS and _USE_CLUSTERS
                    and limits.get("arch") == 90) else 1
-    kern = rt.get_kernel(_SOURCE, _kernel_name(rt.ctype(adt), blk, mode, cfg, tma=bool(amap), cl=cl),
-                         _EXTRA_OPTIONS)
+    name = _kernel_name(rt.ctype(adt), blk, mode, cfg, tma=bool(amap), cl=cl)
+    kern = rt.get_kernel(_source(name), name, _EXTRA_OPTIONS)
     if smem > 48 * 1024 and kern.max_dynamic_shared_size_bytes < smem:
         kern.max_dynamic_shared_size_bytes = smem
     ws = cnt = None
