@@ -132,67 +132,6 @@ __global__ void __launch_bounds__(256, R <= 2 ? 6 : R <= 4 ? 4 : 2) fp8_rows_qua
   }
 }
 
-// The same codes, a warp per row (VEC only): 8 rows a CTA, R 16-byte loads in flight per lane (chunks of
-// 32 * N * R elements), a shuffle reduction instead of the CTA barrier, so one warp's reduction overlaps the
-// other warps' loads. A row of one chunk is read once (the codes come from the registers), longer rows twice.
-template <typename T, int R>
-__global__ void __launch_bounds__(256) fp8_rows_quantize_w(const T* __restrict__ x, u8* __restrict__ q,
-                                                           float* __restrict__ scales, long long K, long long rows) {
-  constexpr int N = Pack<T>::N;
-  constexpr long long CH = 32LL * N * R;
-  const int lane = threadIdx.x & 31;
-  const long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
-  if (r >= rows) return;
-  const T* row = x + r * K;
-  u8* qr = q + r * K;
-  Pack<T> p[R];
-  auto load = [&](long long c0) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const long long k = c0 + (long long)(i * 32 + lane) * N;
-      *reinterpret_cast<uint4*>(&p[i]) = k < K ? __ldg(reinterpret_cast<const uint4*>(row + k)) : make_uint4(0, 0, 0, 0);
-    }
-  };
-  float m = 0.f;
-  for (long long c0 = 0; c0 < K; c0 += CH) {
-    load(c0);
-#pragma unroll
-    for (int i = 0; i < R; ++i)
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const float a = fabsf(to_float(p[i].v[j]));
-        m = (a != a || a > m) ? a : m;
-      }
-  }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) {
-    const float w = __shfl_xor_sync(0xffffffffu, m, o);
-    m = (w != w || w > m) ? w : m;
-  }
-  const bool finite = m <= 3.402823466e38f;  // false for NaN and Inf
-  int e = 0;                                  // as fp8_rows_quantize
-  if (finite && m > 0.f) e = max(-126, vbw::floor_log2(m) - ((__float_as_uint(m) & 0x7FFFFFu) <= 0x600000u ? 8 : 7));
-  const float inv = __int_as_float((127 - e) << 23);
-  if (lane == 0) scales[r] = finite ? __int_as_float((127 + e) << 23) : __int_as_float(0x7fc00000);
-  for (long long c0 = 0; c0 < K; c0 += CH) {
-    if (K > CH) load(c0);  // one chunk: still in registers
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const long long k = c0 + (long long)(i * 32 + lane) * N;
-      if (k >= K) break;
-      u32 w[N / 4];
-#pragma unroll
-      for (int j = 0; j < N / 4; ++j) {
-        w[j] = 0;
-#pragma unroll
-        for (int b = 0; b < 4; ++b) w[j] |= (finite ? e4m3_code(to_float(p[i].v[4 * j + b]) * inv) : 0x7Fu) << (8 * b);
-      }
-      if (N == 8) *reinterpret_cast<uint2*>(qr + k) = make_uint2(w[0], w[N / 4 - 1]);
-      else *reinterpret_cast<u32*>(qr + k) = w[0];
-    }
-  }
-}
-
 // out[r, k] = E4M3(q[r, k]) * scales[r] in float32 (exact), then rounded to T (double: exact).
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(256) fp8_rows_dequantize(const u8* __restrict__ q, const float* __restrict__ scales,

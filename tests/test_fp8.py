@@ -128,12 +128,11 @@ def test_fp4_matmul_w4a8_on_the_host_is_the_reference():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(64, 4096), (37, 4104), (21, 333), (9, 1), (2, 5, 1000), (1, 14336),
                                    (3, 40000)])
-@pytest.mark.parametrize("variant", fp8._VARIANTS, ids=[f"{k}{r}" for k, r in fp8._VARIANTS])
-def test_gpu_matches_reference(dtype, shape, variant, monkeypatch):
-    """Every kernel variant (a CTA or a warp per row, loads in flight; rows of one and of several chunks; the
-    scalar path where rows are not 16-byte steps) bit for bit."""
+@pytest.mark.parametrize("loads", fp8._LOAD_CHOICES)
+def test_gpu_matches_reference(dtype, shape, loads, monkeypatch):
+    """Every kernel variant (loads in flight; rows of one and of several chunks) bit for bit."""
     import cupy as cp
-    monkeypatch.setattr(fp8, "_VARIANT", variant)
+    monkeypatch.setattr(fp8, "_LOADS", loads)
     x = rows_input(shape, dtype, seed=sum(shape))
     t = quantize_fp8(cp.asarray(x))
     assert t.is_gpu and t.shape == shape

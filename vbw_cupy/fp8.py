@@ -21,26 +21,15 @@ _SOURCE = "fp8_codec.cu"
 _NS = "vbw_fp8codec::"
 _THREADS = 256
 _OUT_DTYPES = _checks.FLOAT_DTYPES + ("float64",)
-# quantize kernels (fp8_codec.cu): ("cta", R) a CTA per row, ("warp", R) a warp per row, R 16-byte loads in flight
-# per thread. H100, fp16, M = 4096, fraction of a copy of the same bytes: K = 4096 cta2 0.55, cta4 0.45, cta8 0.30;
-# K = 8192 0.64 / 0.66 / 0.46; K = 14336 0.66 / 0.69 / 0.57. None: the rule in _variant (tests set each).
-_VARIANT = None
-_VARIANTS = (("cta", 2), ("cta", 4), ("cta", 8), ("warp", 8), ("warp", 16))
+# quantize: 16-byte loads in flight per thread (fp8_codec.cu's R). H100, fp16, M = 4096, fraction of a copy of
+# the same bytes: K = 4096 R=2 0.55, R=4 0.45, R=8 0.30; K = 8192 0.64 / 0.66 / 0.46; K = 14336 0.66 / 0.69 /
+# 0.57. None: 4 for rows of 16 KB or more, else 2 (tests set each).
+_LOADS = None
+_LOAD_CHOICES = (2, 4, 8)
 
 
-def _variant(row_bytes: int) -> tuple:
-    return _VARIANT or (("cta", 4) if row_bytes >= 16384 else ("cta", 2))
-
-
-def _quantize_launch(x, vec: bool):
-    """(kernel, grid) of the quantize kernel for x [rows, K] (rows of 16-byte steps when vec)."""
-    K = x.shape[-1]
-    rows = x.size // K
-    kind, r = _variant(K * x.itemsize) if vec else ("cta", 2)
-    T = rt.ctype(x.dtype)
-    if kind == "warp":
-        return rt.get_kernel(_SOURCE, f"{_NS}fp8_rows_quantize_w<{T}, {r}>"), (rt.cdiv(rows, 8),), (np.int64(rows),)
-    return rt.get_kernel(_SOURCE, f"{_NS}fp8_rows_quantize<{T}, {'true' if vec else 'false'}, {r}>"), (rows,), ()
+def _loads(row_bytes: int) -> int:
+    return _LOADS or (4 if row_bytes >= 16384 else 2)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -127,7 +116,7 @@ def quantize_fp8(x) -> FP8Tensor:
     key = None
     if cp is not None and type(x) is cp.ndarray and x.flags.c_contiguous:
         # a repeated call (shape, dtype, alignment, device): replay the packed launch of the first one
-        key = (x.shape, x.dtype, x.data.ptr % 16 == 0, _VARIANT, cp.cuda.runtime.getDevice())  # _VARIANT: tests
+        key = (x.shape, x.dtype, x.data.ptr % 16 == 0, _LOADS, cp.cuda.runtime.getDevice())  # _LOADS: tests
         plan = _q_plans.get(key)
         if plan is not None and x.data.device_id == key[-1]:
             launch, shape = plan
@@ -153,11 +142,13 @@ def quantize_fp8(x) -> FP8Tensor:
         x = rt.ensure_contiguous(x)
         data = cp.empty(shape, dtype=cp.uint8)
         scales = cp.empty(shape[:-1], dtype=cp.float32)
-        kern, grid, tail = _quantize_launch(x, _vec(x, 16 // x.itemsize))
-        args = (x, data, scales, np.int64(K)) + tail
-        rt.launch(kern, grid, (_THREADS,), args)
+        vec = _vec(x, 16 // x.itemsize)
+        kern = rt.get_kernel(_SOURCE, f"{_NS}fp8_rows_quantize<{rt.ctype(x.dtype)}, {'true' if vec else 'false'}, "
+                                      f"{_loads(K * x.itemsize)}>")
+        args = (x, data, scales, np.int64(K))
+        rt.launch(kern, (rows,), (_THREADS,), args)
         if key is not None and x is x_in and key[-1] == x.device.id and _plans.kernel_ptr(kern) is not None:
-            _q_plans.put(key, (_plans.Launch(kern, grid, (_THREADS,), args, (0, 1, 2)), shape))
+            _q_plans.put(key, (_plans.Launch(kern, (rows,), (_THREADS,), args, (0, 1, 2)), shape))
     return FP8Tensor._trusted(data, scales, shape)
 
 
@@ -190,12 +181,9 @@ def _launch_dequantize(t, out):
 
 def kernel_instances() -> list[tuple[str, str]]:
     out = []
-    for T in ("__half", "__nv_bfloat16", "float"):
-        out.append((_SOURCE, f"{_NS}fp8_rows_quantize<{T}, false, 2>"))
-        for kind, r in _VARIANTS:
-            out.append((_SOURCE, f"{_NS}fp8_rows_quantize_w<{T}, {r}>" if kind == "warp" else
-                        f"{_NS}fp8_rows_quantize<{T}, true, {r}>"))
     for flag in ("true", "false"):
+        out += [(_SOURCE, f"{_NS}fp8_rows_quantize<{T}, {flag}, {r}>") for T in ("__half", "__nv_bfloat16", "float")
+                for r in _LOAD_CHOICES]
         out += [(_SOURCE, f"{_NS}fp8_rows_dequantize<{T}, {flag}>")
                 for T in ("__half", "__nv_bfloat16", "float", "double")]
     return out
