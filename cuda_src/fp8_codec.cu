@@ -16,7 +16,9 @@
 //   v1 one 16-byte load in flight per thread, the row read twice: 88.8 us, 0.68 of copy (4096^2: 0.55).
 //   v2 R loads in flight, the first chunk kept in registers, one run: R = 2 (6 CTAs an SM) / 4 / 8 (2 CTAs):
 //      4096 x 14336 0.66 / 0.69 / 0.57 of copy, 4096 x 8192 0.64 / 0.66 / 0.46, 4096^2 0.55 / 0.45 / 0.30.
-//      fp8.py takes R = 4 for rows of 16 KB or more, else 2. Still short of copy speed: one CTA a row waits on
+//      fp8.py takes R = 4 for rows of 16 KB or more, else 2. Tried: a warp per row (8 rows a CTA, shuffle
+//      reduction, R = 8 / 16 loads a lane): 4096^2 0.55 / 0.47, 4096 x 8192 0.50 / 0.47, 4096 x 14336 0.55 /
+//      0.46 of copy in the same run as R = 2 / 4 above (0.55 / 0.67 / 0.71): no better, not kept. Still short of copy speed: one CTA a row waits on
 //      its block reduction between the two passes (rows in a grid-stride loop, the next row's loads issued
 //      before the reduction, would hide it).
 #include "fp4.cuh"
