@@ -129,7 +129,7 @@ def _to_gpu(v):
     import cupy as cp
     if isinstance(v, np.ndarray):
         return cp.asarray(v)
-    if isinstance(v, vc.FP4Tensor):
+    if isinstance(v, (vc.FP4Tensor, vc.FP8Tensor)):
         return v.to_gpu()
     return v
 
@@ -195,7 +195,7 @@ def _close(got, want, tol=None, gpu=False, scale=None):
         for g, w in zip(got, want):
             _close(g, w, tol, gpu)
         return
-    if isinstance(want, vc.FP4Tensor):
+    if isinstance(want, (vc.FP4Tensor, vc.FP8Tensor)):  # the codecs are bit-exact
         np.testing.assert_array_equal(_host(got.data), want.data)
         np.testing.assert_array_equal(_host(got.scales), want.scales)
         return
@@ -340,13 +340,24 @@ def quantize_case(draw):
 
 
 @st.composite
+def fp8_case(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 40), min_size=1, max_size=3)))
+    x = _rand(draw, shape, draw(st.sampled_from([F16, BF16, F32])), draw(st.sampled_from([1.0, 1e-3, 300.0])))
+    args = dict(x=x)
+    return args, _maybe_break(draw, args, ("x",), ()), ("x",)
+
+
+@st.composite
 def matmul_case(draw):
     M, N, K = draw(st.integers(1, 5)), draw(st.integers(1, 9)), draw(st.integers(1, 40))
     dt, fmt = draw(st.sampled_from([F16, BF16, F32])), draw(st.sampled_from(["nvfp4", "mxfp4"]))
     w = vc.quantize(_rand(draw, (N, K), F32), fmt)
-    a = vc.quantize(_rand(draw, (M, K), F32), fmt) if draw(st.integers(0, 4)) == 0 else _rand(draw, (M, K), dt)
+    a_kind = draw(st.integers(0, 5))   # 0: FP4 activations (W4A4), 1: FP8 rows (W4A8), else a plain array
+    a = (vc.quantize(_rand(draw, (M, K), F32), fmt) if a_kind == 0 else vc.quantize_fp8(_rand(draw, (M, K), dt))
+         if a_kind == 1 else _rand(draw, (M, K), dt))
+    quantized = isinstance(a, (vc.FP4Tensor, vc.FP8Tensor))
     bias = draw(st.sampled_from([None, "a", "f32"]))
-    bias = None if bias is None else _rand(draw, (N,), F32 if bias == "f32" or isinstance(a, vc.FP4Tensor) else dt)
+    bias = None if bias is None else _rand(draw, (N,), F32 if bias == "f32" or quantized else dt)
     args = dict(a=a, w=w, bias=bias, activation=draw(st.sampled_from([None, "relu", "silu"])), out_dtype=None)
     arrays = ("a", "bias") if isinstance(a, np.ndarray) else ("bias",)
     if bias is None:
@@ -429,13 +440,23 @@ def _quantize_oracle(args, t):
         assert np.abs(d - np.asarray(x, np.float64)).max() <= _quantize_bound(x, t)
 
 
+def _fp8_oracle(args, t):
+    """E4M3 rounding: each element within 2^-4 of itself, or (below E4M3's normals) 2^-10 of its row's scale."""
+    x = np.asarray(args["x"], np.float64)
+    assert isinstance(t, vc.FP8Tensor) and t.shape == x.shape and t.scales.shape == x.shape[:-1]
+    if _finite(x):
+        d = vc.dequantize(t, np.float64)
+        s = np.asarray(t.scales, np.float64)[..., None]
+        assert (np.abs(d - x) <= np.abs(x) * 2.0**-4 + s * 2.0**-10).all()
+
+
 def _act(z, name):
     return {None: z, "relu": np.maximum(z, 0), "silu": z / (1 + np.exp(-z))}.get(name, z)
 
 
 def _matmul_oracle(args, out):
     a, w, bias = args["a"], args["w"], args["bias"]
-    a64 = vc.dequantize(a, np.float64) if isinstance(a, vc.FP4Tensor) else np.asarray(a, np.float64)
+    a64 = vc.dequantize(a, np.float64) if isinstance(a, (vc.FP4Tensor, vc.FP8Tensor)) else np.asarray(a, np.float64)
     z = a64 @ vc.dequantize(w, np.float64).T + (0 if bias is None else np.asarray(bias, np.float64))
     if args["activation"] in (None, "relu", "silu"):
         with np.errstate(over="ignore"):
@@ -496,6 +517,13 @@ def test_fuzz_dequantize(case, dtype):
             x = np.asarray(args["x"], np.float64)
             assert np.abs(np.asarray(d, np.float64) - x).max() <= _quantize_bound(x, t) * 1.01 + 1e-30
     _run(vc.dequantize, call, broken, ("t",), oracle)
+
+
+@FUZZ
+@given(fp8_case())
+def test_fuzz_quantize_fp8(case):
+    args, broken, arrays = case
+    _run(vc.quantize_fp8, args, broken, arrays, _fp8_oracle)
 
 
 @FUZZ
@@ -575,7 +603,8 @@ def test_fuzz_paged_kv_cache(data):
 # ------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flash_attention", "flash_attention_varlen", "paged_attention",
-                                  "block_sparse_attention", "quantize", "dequantize", "fp4_matmul", "paged_kv_cache"])
+                                  "block_sparse_attention", "quantize", "quantize_fp8", "dequantize", "fp4_matmul",
+                                  "paged_kv_cache"])
 def test_gpu_fuzz(name):
     """The CPU fuzz of one op on CuPy inputs, in a subprocess of its own."""
     env = dict(os.environ, VBW_FUZZ_XP="cupy", VBW_CUPY_AUTOTUNE="0")
