@@ -614,8 +614,10 @@ def test_w4a8_few_tokens_take_the_gemv(M, wfmt):
     bias = rs.standard_normal(1000, dtype=cp.float32)
     got = gemm.fp4_matmul(qa, w, bias, "silu")
     assert got.shape == (M, 1000) and got.dtype == np.float16
-    if M <= gemm._QUANTIZED_GEMV_M:
-        assert gemm.chosen_config(np.empty((M, 4096), BF16), w) is not None   # the W4A16 plan ran
+    took_gemv = gemm.chosen_config(np.empty((M, 4096), BF16), w) is not None   # a bfloat16 W4A16 plan ran
+    assert took_gemv == (M <= gemm._QUANTIZED_GEMV_M)
+    if M > gemm._QUANTIZED_GEMV_M and wfmt == "mxfp4" and _hopper():
+        assert w._cache.get("fp8_v1")                                          # the FP8 kernel's weights
     err, bound = _check(got, qa, w, bias=bias, act="silu")
     assert err <= bound, (err, bound)
 
@@ -627,13 +629,33 @@ def test_w4a8_other_paths(wfmt):
     float32 path on the exactly dequantized activations: within the bound, every output written."""
     cp = rt.require_cupy()
     rs = cp.random.RandomState(7)
-    qa = quantize_fp8(rs.standard_normal((3, 5, 300), dtype=cp.float32))
+    qa = quantize_fp8(rs.standard_normal((3, 7, 300), dtype=cp.float32))   # 21 tokens: past the GEMV's 16
     w = quantize(rs.standard_normal((200, 300), dtype=cp.float32), wfmt)
     for odt in ((np.float16, np.float32) if wfmt == "nvfp4" else (np.float32,)):
         got = gemm.fp4_matmul(qa, w, out_dtype=odt)
-        assert got.shape == (3, 5, 200) and got.dtype == np.dtype(odt)
+        assert got.shape == (3, 7, 200) and got.dtype == np.dtype(odt)
+        assert gemm.chosen_config(np.empty((21, 300), np.float32), w) is not None   # the float32 path's plan
         err, bound = _check(got, qa, w)
         assert err <= bound, (odt, err, bound)
+
+
+@pytest.mark.gpu
+def test_w4a8_arbitrary_scales_stay_in_float32():
+    """An FP8Tensor built with scales that are not powers of two (absmax / 448, as other stacks make them):
+    never rounded through bfloat16; within the bound at 8 tokens (float32 path) and 40 (FP8 kernel), and
+    pow2_scales tells the two kinds apart."""
+    cp = rt.require_cupy()
+    rs = cp.random.RandomState(3)
+    w = quantize(rs.standard_normal((1000, 4096), dtype=cp.float32), "mxfp4")
+    for M in (8, 40):
+        x = rs.standard_normal((M, 4096), dtype=cp.float32)
+        s = (cp.abs(x).max(axis=1) / 448).astype(cp.float32)
+        codes = cp.asarray((x / s[:, None]).get().astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+        qa = FP8Tensor(codes, s, (M, 4096))
+        assert not qa.pow2_scales and quantize_fp8(x).pow2_scales
+        got = gemm.fp4_matmul(qa, w)
+        err, bound = _check(got, qa, w)
+        assert err <= bound, (M, err, bound)
 
 
 @pytest.mark.gpu

@@ -540,3 +540,29 @@ def test_programmatic_launches_need_a_cuda_12_3_driver(monkeypatch, driver, want
         assert not rt.pdl_enabled()
     finally:
         rt._pdl_driver_ok.cache_clear()
+
+
+def test_scratch_keeps_replaced_buffers_only_where_a_capture_may_use_them(kernels, monkeypatch):
+    """A replaced scratch buffer stays alive for the process when a captured graph may hold its address: always
+    for buffers whose address plans keep, and for per-call buffers once one was handed out during a capture;
+    a per-call buffer no capture has seen goes back to the pool."""
+    monkeypatch.setattr(_plans, "_scratch", {})
+    monkeypatch.setattr(_plans, "_retired", [])
+    monkeypatch.setattr(_plans, "_captured", set())
+    capturing = {"on": False}
+    monkeypatch.setattr(fc._Stream, "is_capturing", lambda self: capturing["on"])
+    small = _plans.scratch("staged", 100, per_call=True)
+    assert _plans.scratch("staged", 100, per_call=True) is small           # reused while it is large enough
+    _plans.scratch("staged", 1 << 20, per_call=True)                       # grows: no capture saw it
+    assert _plans._retired == []
+    capturing["on"] = True
+    big = _plans.scratch("staged", 100, per_call=True)                     # handed out during a capture
+    capturing["on"] = False
+    _plans.scratch("staged", 1 << 22, per_call=True)
+    assert len(_plans._retired) == 1 and _plans._retired[0] is big         # a graph may still use it
+    planned = _plans.scratch("partials", 100)
+    _plans.scratch("partials", 1 << 20)
+    assert _plans._retired[-1] is planned                                  # plans keep addresses: always kept
+    capturing["on"] = True
+    with pytest.raises(RuntimeError, match="make the same call once before capturing"):
+        _plans.scratch("staged", 1 << 24, per_call=True)

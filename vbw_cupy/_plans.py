@@ -68,17 +68,23 @@ class PlanCache:
 _scratch_lock = threading.Lock()
 _scratch: dict = {}   # (device, stream, name) -> CuPy uint8 array
 _retired: list = []   # replaced buffers: a captured graph may still use them
+_captured: set = set()  # keys of per-call buffers handed out during a capture
 
 
-def scratch(name: str, nbytes: int, zeroed: bool = False):
+def scratch(name: str, nbytes: int, zeroed: bool = False, per_call: bool = False):
     """A CuPy uint8 array of at least `nbytes` for this (device, current stream, name), reused by every call.
 
     `zeroed`: the buffer is zero when first made (for counters that the kernels reset themselves). Growing a
-    buffer while a CUDA graph is captured raises: make the largest call once before capturing."""
+    buffer while a CUDA graph is captured raises: make the largest call once before capturing.
+    `per_call`: the caller asks for the buffer on every call and keeps its address in no plan (the staged
+    copies of fp4_matmul's activations): then a buffer that no capture has used goes back to the pool when it
+    is replaced, instead of being kept for the life of the process."""
     cp = rt.require_cupy()
     stream = cp.cuda.get_current_stream()
     key = (cp.cuda.runtime.getDevice(), stream.ptr, name)
     buf = _scratch.get(key)
+    if per_call and buf is not None and key not in _captured and stream.is_capturing():
+        _captured.add(key)
     if buf is not None and buf.nbytes >= nbytes:
         return buf
     with _scratch_lock:
@@ -90,7 +96,7 @@ def scratch(name: str, nbytes: int, zeroed: bool = False):
                                "captured; make the same call once before capturing")
         size = max(int(nbytes), 1 << 16, 0 if buf is None else 2 * buf.nbytes)
         new = cp.zeros(size, dtype=cp.uint8) if zeroed else cp.empty(size, dtype=cp.uint8)
-        if buf is not None:
+        if buf is not None and (not per_call or key in _captured):
             _retired.append(buf)
         _scratch[key] = new
         return new

@@ -40,12 +40,16 @@ class FP8Tensor:
     scales: float32 [...], value = E4M3(code) * scale
     shape:  the logical shape [..., K] (= data's)
     data and scales are both NumPy or both CuPy arrays on one device. ``quantize_fp8`` makes scales powers of
-    two; other positive scales are accepted (fp4_matmul then rounds the dequantized activations to float32
-    where it does not run them on the FP8 tensor cores).
+    two, which keeps every dequantized value exact in bfloat16 and float32; other positive scales are accepted:
+    fp4_matmul then applies them in float32 (the FP8 tensor-core kernel's per-tile multiplier, or the float32
+    path) and never sends the activations through bfloat16. `pow2_scales` says which (known for tensors from
+    quantize_fp8 and for NumPy scales; CuPy scales built by hand count as arbitrary: checking them would
+    synchronize).
     """
     data: object
     scales: object
     shape: tuple
+    _pow2: bool = dataclasses.field(default=False, repr=False, compare=False)
     format = "fp8"
 
     def __post_init__(self):
@@ -68,13 +72,24 @@ class FP8Tensor:
                 object.__setattr__(self, name, arr.copy())
             elif isinstance(arr, np.ndarray) and not arr.flags.c_contiguous:
                 object.__setattr__(self, name, np.ascontiguousarray(arr))
+        if isinstance(self.scales, np.ndarray):  # NaN (a NaN row) or a positive power of two
+            with np.errstate(invalid="ignore"):
+                m, _ = np.frexp(self.scales)
+            object.__setattr__(self, "_pow2", bool((np.isnan(self.scales) | ((self.scales > 0) & (m == 0.5))).all()))
+        else:
+            object.__setattr__(self, "_pow2", False)
 
     @classmethod
-    def _trusted(cls, data, scales, shape) -> "FP8Tensor":
+    def _trusted(cls, data, scales, shape, pow2: bool = True) -> "FP8Tensor":
         """From parts the library has just built (dense, aligned, right shapes and dtypes): no checks."""
         t = object.__new__(cls)
-        t.__dict__.update(data=data, scales=scales, shape=shape)
+        t.__dict__.update(data=data, scales=scales, shape=shape, _pow2=pow2)
         return t
+
+    @property
+    def pow2_scales(self) -> bool:
+        """Whether every scale is known to be a power of two (or NaN)."""
+        return self._pow2
 
     @property
     def nbytes(self) -> int:
@@ -86,12 +101,15 @@ class FP8Tensor:
 
     def to_gpu(self) -> "FP8Tensor":
         cp = rt.require_cupy()
-        return FP8Tensor(cp.asarray(self.data), cp.asarray(self.scales), self.shape)
+        if self.is_gpu:
+            return self
+        # fresh device copies of dense host arrays: dense and aligned
+        return FP8Tensor._trusted(cp.asarray(self.data), cp.asarray(self.scales), self.shape, self._pow2)
 
     def to_cpu(self) -> "FP8Tensor":
         if not self.is_gpu:
-            return FP8Tensor(self.data, self.scales, self.shape)
-        return FP8Tensor._trusted(self.data.get(), self.scales.get(), self.shape)
+            return self
+        return FP8Tensor._trusted(self.data.get(), self.scales.get(), self.shape, self._pow2)
 
 
 def _vec(x, elems: int) -> bool:
@@ -103,9 +121,11 @@ def quantize_fp8(x) -> FP8Tensor:
     """Quantize `x` [..., K] (float16 / bfloat16 / float32) to E4M3 with one power-of-two scale per row.
 
     scale = 2^e with e the least integer such that max|row| <= 448 * 2^e (e >= -126; a row of zeros gets 1);
-    codes = E4M3(x / scale), round to nearest even: the relative error of an element is at most 2^-4 (E4M3's
-    3 mantissa bits) and elements below 2^-10 * scale become zero. A row holding NaN or Inf gets scale NaN and
-    NaN codes (no error is raised: nothing is read back, so the call never synchronizes).
+    codes = E4M3(x / scale), round to nearest even: an element of at least 2^-6 * scale (E4M3's normals) is within
+    2^-4 of itself (3 mantissa bits), smaller ones within 2^-10 * scale (elements up to 2^-10 * scale become
+    zero). A row holding NaN or Inf gets scale NaN and NaN codes (no error is raised: nothing is read back, so
+    the call never synchronizes). float32 rows with max|x| within 2^-4 of float32's largest value can round up to
+    a code whose dequantized value is Inf.
 
     >>> import numpy as np, vbw_cupy
     >>> t = vbw_cupy.quantize_fp8(np.array([[0.3, -1.2, 5.0, 6.5]], np.float32))
@@ -119,7 +139,7 @@ def quantize_fp8(x) -> FP8Tensor:
         key = (x.shape, x.dtype, x.data.ptr % 16 == 0, _LOADS, cp.cuda.runtime.getDevice())  # _LOADS: tests
         plan = _q_plans.get(key)
         if plan is not None and x.data.device_id == key[-1]:
-            launch, shape = plan
+            launch, shape, _ = plan
             data = cp.empty(shape, dtype=cp.uint8)
             scales = cp.empty(shape[:-1], dtype=cp.float32)
             launch((x.data.ptr, data.data.ptr, scales.data.ptr), cp.cuda.get_current_stream().ptr)
@@ -148,11 +168,12 @@ def quantize_fp8(x) -> FP8Tensor:
         args = (x, data, scales, np.int64(K))
         rt.launch(kern, (rows,), (_THREADS,), args)
         if key is not None and x is x_in and key[-1] == x.device.id and _plans.kernel_ptr(kern) is not None:
-            _q_plans.put(key, (_plans.Launch(kern, (rows,), (_THREADS,), args, (0, 1, 2)), shape))
+            # the kernel too: the packed launch holds only its driver handle
+            _q_plans.put(key, (_plans.Launch(kern, (rows,), (_THREADS,), args, (0, 1, 2)), shape, kern))
     return FP8Tensor._trusted(data, scales, shape)
 
 
-_q_plans = _plans.PlanCache()  # quantize_fp8 fast path: key -> (the packed launch, shape)
+_q_plans = _plans.PlanCache()  # quantize_fp8 fast path: key -> (the packed launch, shape, kernel)
 
 
 def dequantize_fp8(t: FP8Tensor, dtype=np.float32):

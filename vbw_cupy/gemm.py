@@ -16,7 +16,8 @@ and the measured history).
   results beyond 2^64 or below 2^-62 in magnitude can lose bits there: the accumulator holds result / 2^s.)
   ``a`` may also be an FP8Tensor (``vbw_cupy.quantize_fp8``: E4M3 with a scale per row; W4A8): with MXFP4 weights
   and a 16-bit output on Hopper its codes go to the same FP8 kernel as they are (no conversion pass), the row
-  scale as each k-tile's multiplier; otherwise the float32 path on the dequantized activations.
+  scale as each k-tile's multiplier; at most 16 tokens with power-of-two scales and a 16-bit output take the
+  W4A16 path on the activations as bfloat16; otherwise the float32 path on the dequantized activations.
 - ``w``: an FP4Tensor of logical shape ``[N, K]``. On first use the weight is re-laid out once for the kernel
   and kept in ``w._cache`` (as much memory again as ``w``); ``dequantize`` and the reference still see the
   layout of docs/formats.md.
@@ -522,7 +523,7 @@ def chosen_config(a, w) -> dict | None:
 def _staged(name: str, shape: tuple, dtype):
     """A [shape] array of dtype in this stream's scratch buffer `name` (valid until the next call using it)."""
     n = math.prod(shape) * np.dtype(dtype).itemsize
-    return _plans.scratch(name, n)[:n].view(dtype).reshape(shape)
+    return _plans.scratch(name, n, per_call=True)[:n].view(dtype).reshape(shape)
 
 
 def _is_fp4(x) -> bool:
@@ -544,10 +545,11 @@ def _fast_key(a, bias, activation, out_dtype):
 
 
 def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None):
-    """activation(a @ dequantize(w).T + bias): a [..., K] (float16 / bfloat16 / float32, or an FP4Tensor),
-    w an FP4Tensor [N, K], bias [N] (a's dtype or float32), activation None / "relu" / "gelu" (erf) /
-    "gelu_tanh" / "silu"; float32 accumulation; returns [..., N] of out_dtype (default a's dtype; float16 when
-    a is an FP4Tensor). NumPy inputs run the float64 reference. See the module docstring for the numerics."""
+    """activation(a @ dequantize(w).T + bias): a [..., K] (float16 / bfloat16 / float32, or quantized: an
+    FP4Tensor, W4A4, or an FP8Tensor, W4A8), w an FP4Tensor [N, K], bias [N] (a's dtype, or float32; float32
+    for quantized a), activation None / "relu" / "gelu" (erf) / "gelu_tanh" / "silu"; float32 accumulation;
+    returns [..., N] of out_dtype (default a's dtype; float16 for quantized a). NumPy inputs run the float64
+    reference. See the module docstring for the numerics and the paths."""
     # Fast path: a call identical in shapes, dtypes, device and stream to an earlier one that was checked in
     # full below; only the properties that can differ between such calls are re-checked (a few us saved).
     cp = rt.cupy
@@ -630,14 +632,15 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
     with dev:
         if a_fp4:
             out = None
-            gemv = a_fp8 and M <= _QUANTIZED_GEMV_M
+            gemv = (a_fp8 and M <= _QUANTIZED_GEMV_M and a.pow2_scales
+                    and np.dtype(out_dtype).name in ("float16", "bfloat16"))
             if _config is None and not gemv:
                 out = (_w4a8_fp8 if a_fp8 else _w4a4_fp8)(a, w, bias, activation, out_dtype, M, N)
             if out is not None:
                 return out.reshape(a_shape[:-1] + (N,))
-            # Few tokens (the decode GEMV reads 4-bit weights, the FP8 kernel 8-bit ones): FP8 rows as bfloat16,
-            # exact except for values below 2^-126 (bfloat16 subnormals; scales >= 2^-126 make those rare), on
-            # the W4A16 path. Otherwise exact in float32 (the float32 path). Staged in scratch, as the copies below,
+            # Few tokens (the decode GEMV reads 4-bit weights, the FP8 kernel 8-bit ones), power-of-two scales and
+            # a 16-bit output: FP8 rows as bfloat16, exact except for values below 2^-126 (bfloat16 subnormals;
+            # scales >= 2^-126 make those rare), on the W4A16 path. Otherwise exact in float32 (the float32 path). Staged in scratch, as the copies below,
             # so that a CUDA graph captured around the call keeps memory it owns (_plans.scratch).
             a2 = _staged("fp4_matmul dequantized activations", (M, K), _BF16 if gemv else np.float32)
             if a_fp8:
