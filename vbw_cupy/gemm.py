@@ -62,11 +62,6 @@ from . import reference as ref
 
 _SOURCE = "fp4_gemm_sm80.cu"       # prepare, scale range, mma.sync and mmv kernels (any sm_80+)
 _SOURCE_SM90 = "fp4_gemm_sm90.cu"  # wgmma and wgrs kernels (Hopper)
-
-
-def _source(name: str) -> str:
-    """The cuda_src/ file holding kernel `name`."""
-    return _SOURCE_SM90 if ("fp4_gemm_wgmma<" in name or "fp4_gemm_wgrs<" in name) else _SOURCE
 _NS = "vbw_fp4gemm::"
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
 _IN_DTYPES = _checks.FLOAT_DTYPES
@@ -245,6 +240,11 @@ def _mmv_name(T, blk, cfg, cl=1):
 
 # split-K factors the decode kernels can run as one thread-block cluster per tile (sm_90)
 _CLUSTERS = (2,)
+
+
+def _source(name: str) -> str:
+    """The cuda_src/ file holding kernel `name`."""
+    return _SOURCE_SM90 if ("fp4_gemm_wgmma<" in name or "fp4_gemm_wgrs<" in name) else _SOURCE
 
 
 def _kernel_name(T, blk, mode, cfg, tma=False, cl=1):
@@ -575,8 +575,8 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
     if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of None, 'relu', 'gelu', 'gelu_tanh', 'silu', got {activation!r}")
     a_fp8 = _is_fp8(a)
-    a_fp4 = a_fp8 or _is_fp4(a)  # quantized activations (W4A4 / W4A8)
-    if a_fp4:
+    a_quant = a_fp8 or _is_fp4(a)  # quantized activations (W4A4 / W4A8)
+    if a_quant:
         if a.shape[-1] != K:
             raise ValueError(f"a: {type(a).__name__} of shape {tuple(a.shape)} does not match w's K = {K} "
                              f"(w is {tuple(w.shape)})")
@@ -600,11 +600,11 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
         raise ValueError(f"a, w: dimensions too large (a {a_shape}, w {tuple(w.shape)}; each must be < 2^31)")
     out_dtype_arg = out_dtype
     if out_dtype is None:
-        out_dtype = np.dtype(np.float16) if a_fp4 else a_dtype
+        out_dtype = np.dtype(np.float16) if a_quant else a_dtype
     else:
         out_dtype = _checks.check_float_dtype("out_dtype", out_dtype)
     host = not w.is_gpu
-    a_host = a.is_gpu is False if a_fp4 else isinstance(a, np.ndarray)
+    a_host = a.is_gpu is False if a_quant else isinstance(a, np.ndarray)
     if a_host != host:
         raise ValueError(f"a and w: both must be NumPy (reference) or both on the GPU; got a on "
                          f"{'host' if a_host else 'GPU'}, w on {'host' if host else 'GPU'}")
@@ -625,12 +625,12 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
 
     cp = rt.require_cupy()
     dev = w.data.device
-    if a_fp4:
+    if a_quant:
         rt.check_same_device(a=a.data, w=w.data, **({} if bias is None else {"bias": bias}))
     else:
         rt.check_same_device(a=a, w=w.data, **({} if bias is None else {"bias": bias}))
     with dev:
-        if a_fp4:
+        if a_quant:
             out = None
             gemv = (a_fp8 and M <= _QUANTIZED_GEMV_M and a.pow2_scales
                     and np.dtype(out_dtype).name in ("float16", "bfloat16"))
@@ -640,8 +640,9 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
                 return out.reshape(a_shape[:-1] + (N,))
             # Few tokens (the decode GEMV reads 4-bit weights, the FP8 kernel 8-bit ones), power-of-two scales and
             # a 16-bit output: FP8 rows as bfloat16, exact except for values below 2^-126 (bfloat16 subnormals;
-            # scales >= 2^-126 make those rare), on the W4A16 path. Otherwise exact in float32 (the float32 path). Staged in scratch, as the copies below,
-            # so that a CUDA graph captured around the call keeps memory it owns (_plans.scratch).
+            # scales >= 2^-126 make those rare), on the W4A16 path. Otherwise exact in float32 (the float32
+            # path). Staged in scratch, as the copies below, so that a CUDA graph captured around the call keeps
+            # memory it owns (_plans.scratch).
             a2 = _staged("fp4_matmul dequantized activations", (M, K), _BF16 if gemv else np.float32)
             if a_fp8:
                 from .fp8 import _launch_dequantize
@@ -663,7 +664,7 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
             bias = rt.ensure_contiguous(bias)
         out, plan = _matmul_gpu(a2, w, bias, activation, out_dtype, cfg=_config)
         out = out.reshape(a_shape[:-1] + (N,))
-        if (_config is None and not a_fp4 and type(a) is cp.ndarray and a2.data.ptr == a.data.ptr and
+        if (_config is None and not a_quant and type(a) is cp.ndarray and a2.data.ptr == a.data.ptr and
                 a.flags.c_contiguous and (bias is None or bias is bias_in) and
                 cp.cuda.runtime.getDevice() == dev.id):
             fast = w._cache.get("gemm_v1_fast")
