@@ -317,7 +317,8 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
   // Epilogue: normalize, LSE, stage O through shared memory, store. Q's buffer is free: with STAGES == 1 every
   // warp passed the barrier after its last Q K^T; with STAGES == 2 a warp only ever reads its own rows of Q,
-  // which are the rows it overwrites here.
+  // which are the rows it overwrites here (after a __syncwarp: every lane's last ldmatrix of them first).
+  __syncwarp();
   const vbw_attn::Cta ce = VBW_CTA();
   const int m0 = ce.m0;
   const int rows_e = min(BLOCK_M, ce.sq - m0);

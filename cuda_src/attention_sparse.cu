@@ -307,7 +307,9 @@ attn_sparse_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     }
   }
 
-  // Epilogue: normalize, LSE, O through Q's buffer (a warp only ever read its own rows of Q), 16-byte stores.
+  // Epilogue: normalize, LSE, O through Q's buffer (a warp only ever read its own rows of Q; the __syncwarp
+  // orders its lanes' last ldmatrix of them before any lane's store: racecheck flagged the pair), 16-byte stores.
+  __syncwarp();
   T* og = o + q_row0 * q_rs + (long long)h * d;
   const long long lse_base = ((long long)b * heads + h) * sq + m0;
 #pragma unroll

@@ -433,3 +433,21 @@ def test_gpu_programmatic_launches_equal_plain_launches():
     assert np.isfinite(plain).all()
     vc.check_errors()
 
+
+
+@pytest.mark.gpu
+def test_gpu_flash_fast_path_new_addresses_each_call():
+    """The fast path keeps one packed launch per (q, k, v) addresses under a plan (the wgmma kernel's tensor maps
+    hold them), at most attention._LAUNCHES_PER_PLAN: every call on fresh arrays reads its own inputs."""
+    cp = pytest.importorskip("cupy")
+    from vbw_cupy import reference as ref
+    rng = np.random.default_rng(3)
+    n = attention._LAUNCHES_PER_PLAN + 5
+    cases = [[cp.asarray(rng.standard_normal((1, 200, 4, 64)).astype(np.float16)) for _ in range(3)]
+             for _ in range(n)]
+    outs = [vc.flash_attention(q, k, v, causal=True) for q, k, v in cases * 2]  # each address twice
+    for (q, k, v), o in zip(cases * 2, outs):
+        want = ref.flash_attention(*(x.get().astype(np.float32) for x in (q, k, v)), causal=True)
+        assert ref.rel_error(o.get().astype(np.float32), want) <= 2e-3
+    plans = attention._fast_plans.values()
+    assert plans and all(len(p[-1]) <= attention._LAUNCHES_PER_PLAN for p in plans)

@@ -473,7 +473,7 @@ def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, o
         launch = _Launch.dense(q, k, v, scale=scale, window=win, softcap=softcap, out=o, lse=lse)
         bound = launch.run(launch.pick(config))
     if fast_key is not None and q.size and q.data.device_id == cp.cuda.runtime.getDevice():
-        _fast_plans.put(fast_key, bound + (launch.vec, q.data.device_id))
+        _fast_plans.put(fast_key, bound + (launch.vec, q.data.device_id, {}))
     return (o, lse) if return_lse else o
 
 
@@ -482,7 +482,7 @@ def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, o
 # contiguity, device, 16-byte alignment) is re-checked. This saves ~40 us a call, which a short attention
 # (S = 1024) would otherwise pay in full.
 _fast_plans = _plans.PlanCache()
-_fast_launches = _plans.PlanCache()  # (fast key, q / k / v addresses) -> _plans.Launch
+_LAUNCHES_PER_PLAN = 16  # packed launches a plan keeps, one per (q, k, v) addresses seen (oldest out first)
 
 
 def _fast_key(q, k, v, causal, softmax_scale, window, softcap, return_lse):
@@ -505,16 +505,16 @@ def _flash_fast(key, q, k, v, return_lse):
     plan = _fast_plans.get(key)
     if plan is None:
         return None
-    kern, grid, block, smem, scalars, wg, boxes, vec, dev = plan
+    kern, grid, block, smem, scalars, wg, boxes, vec, dev, launches = plan
     if not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous) or \
             not (q.data.device_id == k.data.device_id == v.data.device_id == dev):
         return None
-    if vec != (q.shape[-1] % 8 == 0 and (q.data.ptr | k.data.ptr | v.data.ptr) % 16 == 0):
+    ptrs = (q.data.ptr, k.data.ptr, v.data.ptr)
+    if vec != (q.shape[-1] % 8 == 0 and (ptrs[0] | ptrs[1] | ptrs[2]) % 16 == 0):
         return None
     cp = rt.cupy
     # a packed launch per (plan, q, k, v addresses): the tensor maps hold the addresses, only o / lse change
-    lkey = (key, q.data.ptr, k.data.ptr, v.data.ptr)
-    launch = _fast_launches.get(lkey)
+    launch = launches.get(ptrs)
     if launch is None:
         maps = _map_args(q, k, v, boxes) if wg else ()  # the maps hold the array addresses: new arrays, new maps
         if maps is None:
@@ -527,7 +527,12 @@ def _flash_fast(key, q, k, v, return_lse):
             kern(grid, block, args, shared_mem=smem)
             return (o, lse) if lse is not None else o
         launch = _plans.Launch(kern, grid, block, args, (3, 4) if lse is not None else (3,), smem)
-        _fast_launches.put(lkey, launch)
+        if len(launches) >= _LAUNCHES_PER_PLAN:
+            try:
+                del launches[next(iter(launches))]
+            except (KeyError, RuntimeError, StopIteration):  # another thread changed it in between
+                pass
+        launches[ptrs] = launch
     launch((o.data.ptr, lse.data.ptr) if lse is not None else (o.data.ptr,), cp.cuda.get_current_stream().ptr)
     return (o, lse) if lse is not None else o
 
