@@ -47,6 +47,8 @@
 //   v5 (H100) TMA loads of Q, K, V, STAGES K/V slots: D=64 1.07-1.39x, D=128 1.12-1.60x, D=256 1.16-1.95x
 //      (239-556 TFLOP/s); vs cuDNN 0.66-0.93x.
 //   The SPARSE instance of attn_fwd_wg (block_sparse_attention) came after v5; the dense instances are unchanged.
+//   v6 (H100) HEAD_DIM 192 (wgmma RS N = 192), and head dims 96 / 160 / 224 on the 128 / 192 / 256 instances
+//      (columns past d zero-filled): 0.97-1.89x the mma.sync kernel, 0.95-2.06x FLASH (vbw_cupy/attention.py).
 //   SPARSE: Q's TMA load issued before the block list is read (H100, S = 16k, D = 128, 10% of the blocks, one
 //   run: 0.131-0.133x the dense time vs 0.145x with Q after the list).
 //
@@ -413,7 +415,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   constexpr int BLOCK_M = 64 * WGS;
   constexpr int NT = 128 * WGS;
   static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 192, "BLOCK_N: a wgmma N");
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM: a wgmma N");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 192 || HEAD_DIM == 256, "HEAD_DIM: a wgmma N");
   static_assert(STAGES >= 2 && STAGES <= 4 && (!OVERLAP || STAGES == 2), "STAGES");
   constexpr int NS = BLOCK_N / 2;    // S accumulators a thread
   constexpr int NO = HEAD_DIM / 2;   // O accumulators a thread

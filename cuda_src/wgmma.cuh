@@ -113,6 +113,8 @@ template <int N> struct WgmmaSS8;
   VBW_WGMMA_RS(__nv_bfloat16, "bf16", 64, TB, 32, 32, 33, 34, 35, 36, 37)                                 \
   VBW_WGMMA_RS(__half, "f16", 128, TB, 64, 64, 65, 66, 67, 68, 69)                                        \
   VBW_WGMMA_RS(__nv_bfloat16, "bf16", 128, TB, 64, 64, 65, 66, 67, 68, 69)                                \
+  VBW_WGMMA_RS(__half, "f16", 192, TB, 96, 96, 97, 98, 99, 100, 101)                                       \
+  VBW_WGMMA_RS(__nv_bfloat16, "bf16", 192, TB, 96, 96, 97, 98, 99, 100, 101)                               \
   VBW_WGMMA_RS(__half, "f16", 256, TB, 128, 128, 129, 130, 131, 132, 133)                                 \
   VBW_WGMMA_RS(__nv_bfloat16, "bf16", 256, TB, 128, 128, 129, 130, 131, 132, 133)
 VBW_WGMMA_ALL(0)

@@ -499,10 +499,10 @@ def test_tile_tables():
 
 
 def test_wgmma_kernel_only_where_it_can_run():
-    """The wgmma kernel is the sm_90 default for aligned inputs of head dims 64 / 128 / 256; never elsewhere
+    """The wgmma kernel is the sm_90 default for aligned inputs of head dims above 32; never elsewhere
     (a wgmma on another target is an illegal instruction), and the tuner may not time it elsewhere."""
     for hd in A.HEAD_DIMS:
-        assert (A.default_config(hd, 90)["KIND"] != "mma") == (hd in (64, 128, 256))
+        assert (A.default_config(hd, 90)["KIND"] != "mma") == (hd != 32)
         for arch in (80, 86, 89, 100, 120):
             assert A.default_config(hd, arch)["KIND"] == "mma", (hd, arch)
         assert A.default_config(hd, 90, vec=False)["KIND"] == "mma"
@@ -513,7 +513,13 @@ def test_wgmma_kernel_only_where_it_can_run():
         # on sm_90 the tuner times the wgmma configs only where that kernel runs, the mma.sync ones elsewhere
         hopper = dict(lim, arch=90)
         timed = [c for c in A._all_configs(hd, True) if fits(c, hopper)]
-        assert timed and all((c["KIND"] != "mma") == (hd in (64, 128, 256)) for c in timed), (hd, timed)
+        assert timed and all((c["KIND"] != "mma") == (hd != 32) for c in timed), (hd, timed)
+        # every wgmma config compiles for a wgmma width (64 / 128 / 192 / 256) at or above the bucket
+        for c in A._all_configs(hd, True):
+            if c["KIND"] != "mma":
+                name = A.instance_name("float16", hd, c, True, True)
+                wd = int(name.split(",")[1])
+                assert wd in (64, 128, 192, 256) and hd <= wd, name
         from vbw_cupy import autotune as at
         for arch in (100, 120):  # the tuner's default above sm_90 is a runnable (mma) config
             assert at.default_config(A._tunable_name(hd), arch)["KIND"] == "mma", (hd, arch)

@@ -13,9 +13,10 @@ autotuner's pick (``vbw_cupy.autotune``, one Tunable per head dim, named ``atten
 back-to-back launches (``warm_l2``); shape bucket = (pow2 of the longest query sequence, pow2 of the longest key
 sequence, each clamped to [64, 16384], 1 if a causal/window mask applies, and `bh_bucket`: batch x query heads
 in eighths of the SM count, pow2, clamped to [1, 16], so a call whose grid is a fraction of a wave does not share
-its tile with one that fills the GPU many times over). On sm_90 the aligned head dims 64 / 128 / 256 run the
-wgmma kernel (``attn_fwd_wg``) by default, everything else the mma.sync one; a wgmma config is never launched
-off sm_90 or on unaligned inputs (``_runnable``).
+its tile with one that fills the GPU many times over). On sm_90, aligned inputs of every head dim above 32 run the
+wgmma kernel (``attn_fwd_wg``) by default, compiled for the next wgmma width of 64 / 128 / 192 / 256 (96 on 128,
+160 on 192, 224 on 256: the padded columns cost less than mma.sync's lower rate), everything else the mma.sync
+one; a wgmma config is never launched off sm_90 or on unaligned inputs (``_runnable``).
 
 Host cost: a `flash_attention` call whose shapes, dtypes, options, device, stream and tuning state match an
 earlier checked call replays its launch, re-checking only array types, contiguity, devices and alignment.
@@ -99,10 +100,20 @@ for _d in _DEFAULTS.values():
 # best geometric mean over S = 1024 / 4096, full and causal, in an interleaved A/B against FLASH on a later lease
 # (D=64 64x64 1.15x, 128x64 1.07x, 64x128 1.08x; D=128 2-stage 1.19x, 3-stage 1.17x): S = 1024 causal is where
 # they differ (64x64 1.09x, 128x64 0.99x; D=128 2-stage 1.03x, 3-stage 0.99x).
-_WG_DEFAULTS = {64: _wg(64, 1), 128: _wg(128), 256: _wg(64)}
+# The other head dims run the wgmma kernel compiled for the next wgmma width (_WG_HEAD_DIM; the columns past D are
+# zero-filled by the TMA bounds and never stored): 96 on 128, 160 and 192 on 192, 224 on 256. H100, fp16, H = 16,
+# B * S = 16k, same run, time of the mma.sync default / this (S = 1024 / 4096, full; causal): D=96 1.09 / 1.39x
+# (0.97 / 1.26x), D=160 1.46 / 1.76x (1.38 / 1.67x), D=192 1.71 / 1.89x (1.58 / 1.89x), D=224 1.47 / 1.87x
+# (1.53 / 1.85x); against torch SDPA FLASH 0.95-1.25x at D=96, 1.40-2.06x at the others.
+_WG_HEAD_DIM = {64: 64, 96: 128, 128: 128, 160: 192, 192: 192, 224: 256, 256: 256}
+_WG_DEFAULTS = {64: _wg(64, 1), 96: _wg(128), 128: _wg(128), 160: _wg(64), 192: _wg(64), 224: _wg(64),
+                256: _wg(64)}
 _WG_CANDIDATES = {64: (_wg(64), _wg(128, 1), _wg(192, 1), _wg(64, 1), _wg(128, 1, stages=3)),
                   128: (_wg(128), _wg(128, stages=3), _wg(64, 2, True), _wg(64, stages=4)),
+                  192: (_wg(64), _wg(64, stages=3), _wg(64, 1, stages=3)),
                   256: (_wg(64), _wg(64, 1, stages=3))}
+for _d, _w in _WG_HEAD_DIM.items():
+    _WG_CANDIDATES.setdefault(_d, _WG_CANDIDATES[_w])
 _CANDIDATES = {
     32: (_C(128, 128, 4, 1, 2), _C(128, 64, 4, 1, 2), _C(128, 128, 4, 1, 1)),
     64: (_C(128, 128, 4, 0, 2), _C(128, 64, 4, 1, 2), _C(128, 128, 4, 0, 1), _C(128, 64, 4, 1, 1)),
@@ -142,7 +153,7 @@ def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     elements; wg: the same unpadded (swizzled rows), 1 KB to align the base to 1024 bytes and 128 bytes of TMA
     mbarriers."""
     if cfg["KIND"] != "mma":
-        return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * head_dim * itemsize + 1024 + 128
+        return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * _WG_HEAD_DIM[head_dim] * itemsize + 1024 + 128
     return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize
 
 
@@ -153,7 +164,7 @@ def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True, tma: bool =
     if cfg["KIND"] != "mma":
         if not vec:
             raise ValueError(f"attention config {cfg}: the wgmma kernel needs 16-byte aligned rows (d % 8 == 0)")
-        return (f"attn_fwd_wg<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_N']}, {cfg['BLOCK_M'] // 64}, "
+        return (f"attn_fwd_wg<{rt.ctype(dtype)}, {_WG_HEAD_DIM[head_dim]}, {cfg['BLOCK_N']}, {cfg['BLOCK_M'] // 64}, "
                 f"{b(cfg['KIND'] == 'wgp')}, {b(tma)}, {cfg['STAGES']}, {b(sparse)}>")
     return (f"attn_fwd<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['WARPS']}, "
             f"{b(cfg['Q_REGS'])}, {cfg['STAGES']}, {b(vec)}>")
@@ -181,9 +192,9 @@ def kernel_instances(arch: int | None = None, head_dims=None) -> list[tuple[str,
     """Every (file, template instance) this module can launch, fp16 and bf16; with `arch`, those it can launch on
     that architecture (the wgmma kernels on sm_90 only); with `head_dims` (real D values), those of their buckets."""
     hds = HEAD_DIMS if head_dims is None else sorted({head_dim_bucket(int(d)) for d in head_dims})
-    return [(SOURCE, instance_name(dt, hd, c, vec, tma)) for dt in ("float16", "bfloat16") for hd in hds
-            for vec in (True, False) for c in _all_configs(hd, vec) if arch in (None, 90) or c["KIND"] == "mma"
-            for tma in ((False, True) if c["KIND"] != "mma" else (False,))]
+    return _unique([(SOURCE, instance_name(dt, hd, c, vec, tma)) for dt in ("float16", "bfloat16") for hd in hds
+                    for vec in (True, False) for c in _all_configs(hd, vec) if arch in (None, 90) or c["KIND"] == "mma"
+                    for tma in ((False, True) if c["KIND"] != "mma" else (False,))])
 
 
 def default_config(head_dim: int, arch: int, vec: bool = True) -> dict:
