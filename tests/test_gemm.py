@@ -537,6 +537,26 @@ def _w4a4_operands(M, N, K, seed, with_bias):
     return qa, w, (rs.standard_normal(N, dtype=cp.float32) if with_bias else None)
 
 
+def _check_fp8_path(internal, qa, w, bias, act, out_dtype, public_same):
+    """The FP8-tensor-core launcher `internal` (gemm._w4a4_fp8 / _w4a8_fp8) into a NaN-filled output: on Hopper it
+    writes every element within the bound (and, with public_same, fp4_matmul returns the same bits); elsewhere it
+    declines (None) and the public call's float32 path is checked instead."""
+    cp = rt.require_cupy()
+    M, N = qa.shape[0], w.shape[0]
+    out = cp.full((M, N), np.nan, dtype=out_dtype)
+    got = internal(qa, w, bias, act, np.dtype(out_dtype), M, N, out=out)
+    if not _hopper():
+        assert got is None
+        got = gemm.fp4_matmul(qa, w, bias, act, out_dtype)
+    else:
+        assert got is out
+        if public_same:
+            np.testing.assert_array_equal(gemm.fp4_matmul(qa, w, bias, act, out_dtype).get().view(np.uint16),
+                                          got.get().view(np.uint16))
+    err, bound = _check(got, qa, w, bias=bias, act=act)
+    assert err <= bound, (err, bound)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", [(300, 520, 800), (1, 256, 4096), (1000, 1100, 4160), (4096, 2048, 2048),
                                    (256, 384, 14336), (200, 200, 800)])
@@ -550,21 +570,11 @@ def test_w4a4_mxfp4_on_fp8_tensor_cores(M, N, K, out_dtype, bn, cm, act, with_bi
     with and without clusters of two token tiles (M = 300: the last pair's second tile is past M). Tokens
     128..255 have blocks whose scales span 2^-24..2^4 within a 128-k chunk: their tile takes the per-32 path,
     the others one scale per chunk."""
-    cp = rt.require_cupy()
     monkeypatch.setattr(gemm, "_FP8_BN", bn)
     monkeypatch.setattr(gemm, "_FP8_CM", cm)
     qa, w, bias = _w4a4_operands(M, N, K, M + N + K, with_bias)
-    out = cp.full((M, N), np.nan, dtype=out_dtype)
-    got = gemm._w4a4_fp8(qa, w, bias, act, np.dtype(out_dtype), M, N, out=out)
-    if not _hopper():
-        assert got is None
-        got = gemm.fp4_matmul(qa, w, bias, act, out_dtype)
-    else:
-        assert got is out and w._cache["fp8_v1"] is not False
-        np.testing.assert_array_equal(gemm.fp4_matmul(qa, w, bias, act, out_dtype).get().view(np.uint16),
-                                      got.get().view(np.uint16))   # the public call takes this path
-    err, bound = _check(got, qa, w, bias=bias, act=act)
-    assert err <= bound, (err, bound)
+    _check_fp8_path(gemm._w4a4_fp8, qa, w, bias, act, out_dtype, public_same=True)
+    assert not _hopper() or w._cache["fp8_v1"] is not False
 
 
 @pytest.mark.gpu
@@ -585,18 +595,8 @@ def test_w4a8_fp8_activations_on_fp8_tensor_cores(M, N, K, out_dtype, cm, act, w
     qa = quantize_fp8(cp.asarray(a.get().astype(BF16)) if K % 16 else a)   # bfloat16 and float32 inputs
     w = quantize(rs.standard_normal((N, K), dtype=cp.float32), "mxfp4")
     bias = rs.standard_normal(N, dtype=cp.float32) if with_bias else None
-    out = cp.full((M, N), np.nan, dtype=out_dtype)
-    got = gemm._w4a8_fp8(qa, w, bias, act, np.dtype(out_dtype), M, N, out=out)
-    if not _hopper():
-        assert got is None
-        got = gemm.fp4_matmul(qa, w, bias, act, out_dtype)
-    else:
-        assert got is out
-        if M > gemm._QUANTIZED_GEMV_M:  # fewer tokens: the public call takes the GEMV (test below)
-            np.testing.assert_array_equal(gemm.fp4_matmul(qa, w, bias, act, out_dtype).get().view(np.uint16),
-                                          got.get().view(np.uint16))
-    err, bound = _check(got, qa, w, bias=bias, act=act)
-    assert err <= bound, (err, bound)
+    # fewer tokens than _QUANTIZED_GEMV_M: the public call takes the GEMV (test below)
+    _check_fp8_path(gemm._w4a8_fp8, qa, w, bias, act, out_dtype, public_same=M > gemm._QUANTIZED_GEMV_M)
 
 
 @pytest.mark.gpu
