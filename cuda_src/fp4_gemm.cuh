@@ -170,34 +170,17 @@ using vbw_gemm::activate;
 using vbw_gemm::bias_at;
 using vbw_gemm::store_out;
 
-// Split-K: write this CTA's partial, the last CTA of the tile sums all of them (fixed order) into acc.
-// Returns false for the CTAs that must stop. acc is a flat register array of NACC values per thread.
+// Split-K: write this CTA's partial, the last CTA of the tile sums all of them (fixed order) into acc
+// (vbw_gemm::split_parts_reduce). Returns false for the CTAs that must stop. acc is a flat register array of NACC
+// values per thread.
 template <int NACC, int NT, typename Acc>
 __device__ __forceinline__ bool splitk_reduce(Acc (&acc)[NACC], void* ws, int* counters) {
   const int nsplit = gridDim.z;
   if (nsplit == 1) return true;
-  __shared__ int s_last;
-  const int tid = threadIdx.x;
   const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-  Acc* base = static_cast<Acc*>(ws) + (size_t)tile * nsplit * NACC * NT;
-  Acc* mine = base + (size_t)blockIdx.z * NACC * NT;
-#pragma unroll
-  for (int r = 0; r < NACC; ++r) mine[r * NT + tid] = acc[r];
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) s_last = atomicAdd(&counters[tile], 1) == nsplit - 1;
-  __syncthreads();
-  if (!s_last) return false;
-  __threadfence();
-#pragma unroll
-  for (int r = 0; r < NACC; ++r) acc[r] = 0;
-  for (int z = 0; z < nsplit; ++z) {  // own partial re-read too: one fixed order, deterministic
-    const Acc* p = base + (size_t)z * NACC * NT + tid;
-#pragma unroll
-    for (int r = 0; r < NACC; ++r) acc[r] += __ldcg(p + r * NT);
-  }
-  if (tid == 0) counters[tile] = 0;  // ready for the next launch on this stream
-  return true;
+  return vbw_gemm::split_parts_reduce<NACC, NT>(acc, static_cast<Acc*>(ws) + (size_t)tile * nsplit * NACC * NT,
+                                                (int)blockIdx.z, nsplit, counters + tile, (int)threadIdx.x,
+                                                [](bool v) { return __syncthreads_or(v) != 0; });
 }
 
 // Split-K over a thread-block cluster (sm_90): the CL CTAs of one tile (gridDim.z == CL, cluster 1 x 1 x CL)

@@ -244,22 +244,9 @@ __device__ __forceinline__ void scale_in(float (&acc)[NACC], const float (&p)[NA
 template <int NACC>
 __device__ __forceinline__ bool split_finish(float (&acc)[NACC], float* __restrict__ ws, int* __restrict__ counters,
                                              int slot, int part, int parts, int bar) {
-  const int ltid = threadIdx.x & 127;
-  float* base = ws + (size_t)slot * parts * NACC * 128 + ltid;
-#pragma unroll
-  for (int r = 0; r < NACC; ++r) base[((size_t)part * NACC + r) * 128] = acc[r];
-  __threadfence();
-  vbw::named_bar(bar, 128);
-  const bool last = vbw::named_bar_or(bar, 128, ltid == 0 && atomicAdd(&counters[slot], 1) == parts - 1);
-  if (!last) return false;
-  __threadfence();
-#pragma unroll
-  for (int r = 0; r < NACC; ++r) acc[r] = 0.f;
-  for (int p = 0; p < parts; ++p)
-#pragma unroll
-    for (int r = 0; r < NACC; ++r) acc[r] += __ldcg(base + ((size_t)p * NACC + r) * 128);
-  if (ltid == 0) counters[slot] = 0;
-  return true;
+  return vbw_gemm::split_parts_reduce<NACC, 128>(acc, ws + (size_t)slot * parts * NACC * 128, part, parts,
+                                                 counters + slot, (int)(threadIdx.x & 127),
+                                                 [bar](bool v) { return vbw::named_bar_or(bar, 128, v); });
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

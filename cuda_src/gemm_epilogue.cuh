@@ -63,4 +63,31 @@ __device__ __forceinline__ void store8(void* out, size_t idx, const float (&v)[8
   }
 }
 
+// Split-K in a fixed order (deterministic): part `part` of `parts` writes the partial of its NT threads (NACC
+// values a thread; layout [part][r][NT] from `base`, coalesced); the group whose arrival completes `*counter`
+// sums every part in part order into acc, resets the counter for the next launch and returns true; the others
+// return false. bar_or(v): a barrier over the NT threads returning v ORed over them (__syncthreads_or for a
+// CTA, a named barrier for a warpgroup); lt: the thread's index among them. Used by fp4_gemm's splitk_reduce
+// (a CTA per part) and fp8_gemm's stream-K tail (a warpgroup per part).
+template <int NACC, int NT, typename Acc, typename BarOr>
+__device__ __forceinline__ bool split_parts_reduce(Acc (&acc)[NACC], Acc* base, int part, int parts, int* counter,
+                                                   int lt, BarOr bar_or) {
+  Acc* mine = base + (size_t)part * NACC * NT + lt;
+#pragma unroll
+  for (int r = 0; r < NACC; ++r) mine[r * NT] = acc[r];
+  __threadfence();
+  bar_or(false);  // every partial is written before the count moves
+  if (!bar_or(lt == 0 && atomicAdd(counter, 1) == parts - 1)) return false;
+  __threadfence();
+#pragma unroll
+  for (int r = 0; r < NACC; ++r) acc[r] = 0;
+  for (int p = 0; p < parts; ++p) {  // own partial re-read too: one order whoever comes last
+    const Acc* q = base + (size_t)p * NACC * NT + lt;
+#pragma unroll
+    for (int r = 0; r < NACC; ++r) acc[r] += __ldcg(q + r * NT);
+  }
+  if (lt == 0) *counter = 0;
+  return true;
+}
+
 }  // namespace vbw_gemm
