@@ -228,7 +228,7 @@ def test_fast_key_is_strict():
 
 # ---- varlen ---------------------------------------------------------------------------------------------
 @gpu
-@pytest.mark.parametrize("D,causal", [(64, False), (128, True), (256, False)])
+@pytest.mark.parametrize("D,causal", [(64, False), (128, True), (192, True), (256, False)])
 def test_varlen_next_sequence_never_leaks(D, causal):
     """Packed TMA loads read past a sequence's end into the next sequence's tokens: those keys must be masked
     and those values zeroed. The second sequence's K and V are +-Inf / NaN; the first sequence's output (100
@@ -262,7 +262,7 @@ VARLEN = [
 
 @gpu
 @pytest.mark.parametrize("case", range(len(VARLEN)))
-@pytest.mark.parametrize("D", [64, 80, 128])
+@pytest.mark.parametrize("D", [64, 80, 128, 160])
 def test_varlen(case, D):
     cp = pytest.importorskip("cupy")
     lq, lk, kw = VARLEN[case]
