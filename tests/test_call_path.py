@@ -436,18 +436,27 @@ def test_gpu_programmatic_launches_equal_plain_launches():
 
 
 @pytest.mark.gpu
-def test_gpu_flash_fast_path_new_addresses_each_call():
+def test_gpu_flash_fast_path_new_addresses_each_call(monkeypatch):
     """The fast path keeps one packed launch per (q, k, v) addresses under a plan (the wgmma kernel's tensor maps
-    hold them), at most attention._LAUNCHES_PER_PLAN: every call on fresh arrays reads its own inputs."""
+    hold them), at most attention._LAUNCHES_PER_PLAN, least recently used out: after the first call every call
+    takes it, and each reads its own inputs."""
     cp = pytest.importorskip("cupy")
     from vbw_cupy import reference as ref
+    full = []
+    real = attention._flash_gpu
+    monkeypatch.setattr(attention, "_flash_gpu", lambda *a, **k: full.append(1) or real(*a, **k))
+    attention._fast_plans.clear()
     rng = np.random.default_rng(3)
     n = attention._LAUNCHES_PER_PLAN + 5
     cases = [[cp.asarray(rng.standard_normal((1, 200, 4, 64)).astype(np.float16)) for _ in range(3)]
              for _ in range(n)]
-    outs = [vc.flash_attention(q, k, v, causal=True) for q, k, v in cases * 2]  # each address twice
-    for (q, k, v), o in zip(cases * 2, outs):
+    order = cases + cases[::-1]  # each address twice, the second pass past the cache's size again
+    outs = [vc.flash_attention(q, k, v, causal=True) for q, k, v in order]
+    assert len(full) == 1, "the fast path missed"
+    for (q, k, v), o in zip(order, outs):
         want = ref.flash_attention(*(x.get().astype(np.float32) for x in (q, k, v)), causal=True)
         assert ref.rel_error(o.get().astype(np.float32), want) <= 2e-3
-    plans = attention._fast_plans.values()
-    assert plans and all(len(p[-1]) <= attention._LAUNCHES_PER_PLAN for p in plans)
+    (plan,) = attention._fast_plans.values()
+    assert len(plan[-1]) == attention._LAUNCHES_PER_PLAN
+    kept = {p for p in plan[-1]}
+    assert {tuple(x.data.ptr for x in c) for c in cases[:attention._LAUNCHES_PER_PLAN]} == kept  # the recent ones

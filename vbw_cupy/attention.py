@@ -91,8 +91,8 @@ _DEFAULTS = {
 }
 for _d in _DEFAULTS.values():
     _d[89] = _d[86]
-# sm_90a, 16-byte aligned inputs, head dims whose bucket is a wgmma N (64 / 128 / 256): the wgmma kernel, Q, K and
-# V by TMA (dense and varlen). H100, fp16, TFLOP/s at S = 1024 / 4096 / 16384 (full; causal),
+# sm_90a, 16-byte aligned inputs, head dims above 32: the wgmma kernel, Q, K and V by TMA (dense and varlen).
+# Measured on its own widths 64 / 128 / 256 first: H100, fp16, TFLOP/s at S = 1024 / 4096 / 16384 (full; causal),
 # bench_attention.py --sweep: D=64 128x64 296 / 373 / 359 (200 / 314 / 395), 64x192 272 / 388 / 389 (188 / 343 /
 # 375), 64x64 296 / 367 / 346 (212 / 328 / 340); D=128 128x128 3-stage 378 / 495 / 496 (239 / 439 / 544), 2-stage
 # 383 / 477 / 498 (241 / 427 / 482); D=256 128x64 519 (440) at S = 4096. Never best and dropped: 128x128 and the
@@ -150,8 +150,8 @@ def head_dim_bucket(D: int) -> int:
 
 def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     """Dynamic shared memory of one CTA. mma: Q [BLOCK_M] + K, V [STAGES][BLOCK_N] rows of HEAD_DIM + 8
-    elements; wg: the same unpadded (swizzled rows), 1 KB to align the base to 1024 bytes and 128 bytes of TMA
-    mbarriers."""
+    elements; wg: the same rows of the wgmma width _WG_HEAD_DIM[head_dim], unpadded (swizzled), 1 KB to align
+    the base to 1024 bytes and 128 bytes of TMA mbarriers."""
     if cfg["KIND"] != "mma":
         return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * _WG_HEAD_DIM[head_dim] * itemsize + 1024 + 128
     return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize
@@ -207,9 +207,9 @@ def default_config(head_dim: int, arch: int, vec: bool = True) -> dict:
 
 
 def _runnable(head_dim: int, cfg: dict, vec: bool) -> dict:
-    """cfg, or the mma default where the wgmma kernel cannot run (not sm_90a, unaligned inputs): a wgmma
-    instruction on another target is an illegal instruction that poisons the CUDA context."""
-    if cfg["KIND"] != "mma" and not (vec and _device.device_arch() == 90):
+    """cfg, or the mma default where the wgmma kernel cannot run (not sm_90a, unaligned inputs, head dims of 32
+    and below): a wgmma instruction on another target is an illegal instruction that poisons the CUDA context."""
+    if cfg["KIND"] != "mma" and not (vec and _device.device_arch() == 90 and head_dim in _WG_HEAD_DIM):
         return default_config(head_dim, _device.device_arch(), vec=False)
     return cfg
 
@@ -484,7 +484,8 @@ def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, o
         launch = _Launch.dense(q, k, v, scale=scale, window=win, softcap=softcap, out=o, lse=lse)
         bound = launch.run(launch.pick(config))
     if fast_key is not None and q.size and q.data.device_id == cp.cuda.runtime.getDevice():
-        _fast_plans.put(fast_key, bound + (launch.vec, q.data.device_id, {}))
+        prev = _fast_plans.get(fast_key)  # the same key replans the same launch: keep its packed launches
+        _fast_plans.put(fast_key, bound + (launch.vec, q.data.device_id, {} if prev is None else prev[-1]))
     return (o, lse) if return_lse else o
 
 
@@ -493,7 +494,7 @@ def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, o
 # contiguity, device, 16-byte alignment) is re-checked. This saves ~40 us a call, which a short attention
 # (S = 1024) would otherwise pay in full.
 _fast_plans = _plans.PlanCache()
-_LAUNCHES_PER_PLAN = 16  # packed launches a plan keeps, one per (q, k, v) addresses seen (oldest out first)
+_LAUNCHES_PER_PLAN = 64  # packed launches a plan keeps, one per (q, k, v) addresses (least recently used out)
 
 
 def _fast_key(q, k, v, causal, softmax_scale, window, softcap, return_lse):
@@ -526,6 +527,11 @@ def _flash_fast(key, q, k, v, return_lse):
     cp = rt.cupy
     # a packed launch per (plan, q, k, v addresses): the tensor maps hold the addresses, only o / lse change
     launch = launches.get(ptrs)
+    if launch is not None and len(launches) >= _LAUNCHES_PER_PLAN:  # full: a hit moves to the back (LRU)
+        try:
+            launches[ptrs] = launches.pop(ptrs)
+        except KeyError:  # another thread dropped it in between
+            pass
     if launch is None:
         maps = _map_args(q, k, v, boxes) if wg else ()  # the maps hold the array addresses: new arrays, new maps
         if maps is None:

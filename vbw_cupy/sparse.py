@@ -105,7 +105,7 @@ def _wg_config(q, k, v, o, block_q, block_k, causal, Sq, Sk, n_k_blocks):
     """The wgmma config for this call, or None when the mma.sync kernel runs (not sm_90a, unaligned, another
     head dim or block shape, TMA maps unavailable, or causal with Sq != Sk: the wgmma kernel aligns the
     diagonal bottom-right, this op top-left)."""
-    hd = _attn.head_dim_bucket(q.shape[-1])   # the wgmma kernel's own bucket (32 and 96 are not wgmma widths)
+    hd = _attn.head_dim_bucket(q.shape[-1])   # the mma.sync bucket: only those of _WG_TILES have wgmma tiles
     if _device.device_arch() != 90 or hd not in _WG_TILES or (causal and Sq != Sk) or not rt.have_tensor_maps():
         return None
     if q.shape[-1] % 8 or any(a.data.ptr % 16 for a in (q, k, v, o)):
