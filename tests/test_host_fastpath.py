@@ -227,6 +227,51 @@ def test_paged_other_device_or_stream_is_another_signature(kernels):
     assert len(paged._sigs) == n + 1
 
 
+def test_per_thread_default_stream_keeps_plans_and_scratch_per_thread(kernels):
+    """CuPy's per-thread default stream has one handle (2) for a different stream in every thread: plans and
+    scratch are keyed by the thread too there, so two threads never share split-K partials; an explicit stream
+    shared by threads keys by its handle alone."""
+    import threading
+    d = _paged_case(B=2, lens=(3000, 20), Hq=32, Hkv=8, D=128, bs=16)   # long: split-K partials (scratch)
+    fc.set_stream(2)
+    keys, bufs = [], []
+    both = threading.Barrier(2)  # both threads alive at once (an ended thread's id can be reused)
+    turn = threading.Lock()      # the fake CuPy is not thread-safe: one call at a time
+
+    def call():
+        both.wait()
+        with turn:
+            keys.append(_plans.stream_key())
+            paged.paged_attention(*d, check=False)
+            bufs.append(_plans.scratch("paged_attention partials", 4).data.ptr)
+        both.wait()
+
+    n = len(paged._sigs)
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert keys[0] != keys[1] and all(k[0] == 2 for k in keys)
+    assert len(paged._sigs) == n + 2 and bufs[0] != bufs[1]
+    fc.set_stream(77)
+    keys.clear()
+    for _ in range(2):
+        t = threading.Thread(target=lambda: keys.append(_plans.stream_key()))
+        t.start()
+        t.join()
+    assert keys == [77, 77]
+    fc.set_stream(0)
+
+
+def test_launch_replays_under_a_lock():
+    """Two threads replaying one packed launch cannot interleave pointer writes and the launch."""
+    assert "lock" in _plans.Launch.__slots__
+    import inspect
+    src = inspect.getsource(_plans.Launch.__call__)
+    assert src.index("with self.lock") < src.index("w[i] = p") < src.index("launchKernel")
+
+
 def test_paged_retune_invalidates_plans(kernels, monkeypatch):
     calls = []
     real_pick = autotune.pick

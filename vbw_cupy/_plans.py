@@ -8,6 +8,11 @@ Scratch memory (split-K partials, counters) never comes from CuPy's pool inside 
 around the call would keep addresses that the pool hands to someone else later. `scratch()` gives each
 (device, stream, name) one buffer that only grows; a buffer it replaces is kept for the life of the process,
 because a captured graph may still write to it.
+
+Threads: plans and scratch are per stream (`stream_key`), so threads that launch on streams of their own never
+share them; CuPy's per-thread default stream (one handle, 2, for a different stream in every thread) counts as
+each thread's own. Threads sharing one stream share its plans; their launches are still safe (a `Launch`
+replays under a lock), and the stream orders their use of its scratch.
 """
 from __future__ import annotations
 
@@ -20,6 +25,15 @@ from . import _runtime as rt
 
 
 MAX_PLANS = 256  # plans a cache keeps by default
+_PER_THREAD_STREAM = 2  # cudaStreamPerThread: the handle of every thread's own default stream
+
+
+def stream_key(stream=None):
+    """What plan and scratch keys hold for the current (or the given CuPy) stream: its handle, or with CuPy's
+    per-thread default stream (the same handle in every thread, a different stream in each) the handle and the
+    calling thread."""
+    ptr = (stream if stream is not None else rt.cupy.cuda.get_current_stream()).ptr
+    return ptr if ptr != _PER_THREAD_STREAM else (ptr, threading.get_ident())
 
 
 class PlanCache:
@@ -81,7 +95,7 @@ def scratch(name: str, nbytes: int, zeroed: bool = False, per_call: bool = False
     is replaced, instead of being kept for the life of the process."""
     cp = rt.require_cupy()
     stream = cp.cuda.get_current_stream()
-    key = (cp.cuda.runtime.getDevice(), stream.ptr, name)
+    key = (cp.cuda.runtime.getDevice(), stream_key(stream), name)
     buf = _scratch.get(key)
     if per_call and buf is not None and key not in _captured and stream.is_capturing():
         _captured.add(key)
@@ -129,10 +143,11 @@ class Launch:
 
     `args` are the launch's arguments as CuPy takes them (CuPy arrays, NumPy scalars, NumPy records such as
     tensor maps); `dynamic` the indices of the arrays a call replaces (their new device pointers are passed to
-    `__call__` in that order); other arrays (scratch, the error word) stay as packed. A Launch belongs to one
-    stream's plan: two threads must not replay the same Launch at once (the driver copies the argument block
-    when the launch is issued, so consecutive replays are safe)."""
-    __slots__ = ("fptr", "dims", "smem", "buf", "words", "params", "pptr", "slots", "empty", "driver", "pdl")
+    `__call__` in that order); other arrays (scratch, the error word) stay as packed. Threads may replay the same
+    Launch: the pointers are written and the kernel launched under a lock (the driver copies the argument
+    block when the launch is issued)."""
+    __slots__ = ("fptr", "dims", "smem", "buf", "words", "params", "pptr", "slots", "empty", "driver", "pdl",
+                 "lock")
 
     def __init__(self, kernel, grid, block, args, dynamic=(), shared_mem: int = 0):
         from cupy_backends.cuda.api import driver
@@ -169,15 +184,17 @@ class Launch:
         self.pdl = bool(getattr(kernel, "pdl", False))  # launched as a programmatic dependent when enabled
         self.dims = grid + block
         self.smem = int(shared_mem)
+        self.lock = threading.Lock()
 
     def __call__(self, ptrs, stream_ptr: int) -> None:
         if self.empty:
             return
         w = self.words
-        for i, p in zip(self.slots, ptrs):
-            w[i] = p
-        if self.pdl and rt.pdl_enabled():
-            rt.launch_programmatic(self.fptr, self.dims, self.smem, stream_ptr, self.pptr)
-            return
-        g0, g1, g2, b0, b1, b2 = self.dims
-        self.driver.launchKernel(self.fptr, g0, g1, g2, b0, b1, b2, self.smem, stream_ptr, self.pptr, 0)
+        with self.lock:
+            for i, p in zip(self.slots, ptrs):
+                w[i] = p
+            if self.pdl and rt.pdl_enabled():
+                rt.launch_programmatic(self.fptr, self.dims, self.smem, stream_ptr, self.pptr)
+                return
+            g0, g1, g2, b0, b1, b2 = self.dims
+            self.driver.launchKernel(self.fptr, g0, g1, g2, b0, b1, b2, self.smem, stream_ptr, self.pptr, 0)

@@ -503,7 +503,7 @@ def _fast_key(q, k, v, causal, softmax_scale, window, softcap, return_lse):
         # window's element types too: (1, 0) == (True, 0) == (1.0, 0), but only the first passes check_window
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, type(causal), causal, type(softmax_scale),
                softmax_scale, type(window), window, type(softcap), softcap, type(return_lse), return_lse,
-               cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr,
+               cp.cuda.runtime.getDevice(), _plans.stream_key(),
                _autotune is not None and _autotune.mode(), getattr(_autotune, "_generation", 0), _variant(),
                tuple(map(type, window)) if type(window) is tuple else None)
         hash(key)

@@ -489,7 +489,7 @@ def _matmul_gpu(a2, w, bias, act, out_dtype, cfg=None, out=None):
         _launch(plan, a2, out, bias)
         return out, plan
     tuned = autotune.mode()
-    key = (M, K, lda, adt, bias_kind, act, out_dtype.name, cp.cuda.Device().id, cp.cuda.get_current_stream().ptr,
+    key = (M, K, lda, adt, bias_kind, act, out_dtype.name, cp.cuda.Device().id, _plans.stream_key(),
            tuned, autotune._generation, _variant())
     plans = w._cache.get("gemm_v1_plans")
     if plans is None:
@@ -540,7 +540,7 @@ def _fast_key(a, bias, activation, out_dtype):
     cp = rt.cupy
     return (a.shape, a.dtype.char, activation, out_dtype,
             None if bias is None else (bias.shape, bias.dtype.char, bias.flags.c_contiguous, bias.data.device_id),
-            cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr, autotune.mode(), autotune._generation,
+            cp.cuda.runtime.getDevice(), _plans.stream_key(), autotune.mode(), autotune._generation,
             _variant())
 
 
