@@ -527,6 +527,19 @@ def test_wgmma_kernel_only_where_it_can_run():
         A.instance_name("float16", 64, A.default_config(64, 90), vec=False)
 
 
+def test_wgmma_config_falls_back_where_it_cannot_run(monkeypatch):
+    """An explicit wgmma config (config= / the sweep) at a head dim the wgmma kernel does not cover (<= 32), on
+    unaligned inputs or off sm_90 runs the mma.sync default instead of failing or launching wgmma."""
+    wg = A._wg(128)
+    monkeypatch.setattr(A._device, "device_arch", lambda: 90)
+    assert A._runnable(128, wg, True) is wg
+    assert A._runnable(32, wg, True) == A.default_config(32, 90, vec=False)
+    assert A._runnable(128, wg, False) == A.default_config(128, 90, vec=False)
+    monkeypatch.setattr(A._device, "device_arch", lambda: 80)
+    assert A._runnable(128, wg, True) == A.default_config(128, 80, vec=False)
+    assert all(A._runnable(hd, wg, True)["KIND"] == "mma" for hd in A.HEAD_DIMS)
+
+
 # ---------------------------------------------------------------- NaN rules on the GPU (issue 18)
 # What the kernels must meet of the reference's rules (tests/test_reference_attention.py): a NaN query row is
 # NaN, and rows whose query tile never loads the bad key stay as they were. Rows that share a key tile with a
