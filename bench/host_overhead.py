@@ -19,6 +19,7 @@ import cupy as cp
 import numpy as np
 
 import vbw_cupy as vc
+from vbw_cupy import _plans
 
 _spin = cp.RawKernel(r"""
 extern "C" __global__ void vbw_spin(long long cycles) {
@@ -109,6 +110,9 @@ def cases():
     yield "  same, no scale (amax read: syncs)", lambda: vc.quantize(x, "nvfp4")
     yield "quantize mxfp4 4096^2 fp16", lambda: vc.quantize(x, "mxfp4")
     yield "  bare CuPy kernel launch", lambda: _spin((1,), (1,), (np.int64(0),))
+    packed = _plans.Launch(_spin, (1,), (1,), (np.int64(0),))  # what every fast path replays: the floor
+    yield "  the same, packed driver launch", lambda: packed((), cp.cuda.get_current_stream().ptr)
+    yield "  cp.empty of flash's output", lambda: cp.empty(q.shape, dtype=q.dtype)
 
 
 HOST_BAR_US = 10.0  # the call-path issue's bar for a repeated call of vbw_cupy's ops (rows not indented)
