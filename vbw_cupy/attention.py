@@ -485,7 +485,8 @@ def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, o
         bound = launch.run(launch.pick(config))
     if fast_key is not None and q.size and q.data.device_id == cp.cuda.runtime.getDevice():
         prev = _fast_plans.get(fast_key)  # the same key replans the same launch: keep its packed launches
-        _fast_plans.put(fast_key, bound + (launch.vec, q.data.device_id, {} if prev is None else prev[-1]))
+        launches = _plans.PlanCache(_LAUNCHES_PER_PLAN) if prev is None else prev[-1]
+        _fast_plans.put(fast_key, bound + (launch.vec, q.data.device_id, launches))
     return (o, lse) if return_lse else o
 
 
@@ -527,11 +528,6 @@ def _flash_fast(key, q, k, v, return_lse):
     cp = rt.cupy
     # a packed launch per (plan, q, k, v addresses): the tensor maps hold the addresses, only o / lse change
     launch = launches.get(ptrs)
-    if launch is not None and len(launches) >= _LAUNCHES_PER_PLAN:  # full: a hit moves to the back (LRU)
-        try:
-            launches[ptrs] = launches.pop(ptrs)
-        except KeyError:  # another thread dropped it in between
-            pass
     if launch is None:
         maps = _map_args(q, k, v, boxes) if wg else ()  # the maps hold the array addresses: new arrays, new maps
         if maps is None:
@@ -544,12 +540,7 @@ def _flash_fast(key, q, k, v, return_lse):
             kern(grid, block, args, shared_mem=smem)
             return (o, lse) if lse is not None else o
         launch = _plans.Launch(kern, grid, block, args, (3, 4) if lse is not None else (3,), smem)
-        if len(launches) >= _LAUNCHES_PER_PLAN:
-            try:
-                del launches[next(iter(launches))]
-            except (KeyError, RuntimeError, StopIteration):  # another thread changed it in between
-                pass
-        launches[ptrs] = launch
+        launches.put(ptrs, launch)
     launch((o.data.ptr, lse.data.ptr) if lse is not None else (o.data.ptr,), cp.cuda.get_current_stream().ptr)
     return (o, lse) if lse is not None else o
 
