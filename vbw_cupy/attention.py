@@ -209,7 +209,7 @@ def default_config(head_dim: int, arch: int, vec: bool = True) -> dict:
 def _runnable(head_dim: int, cfg: dict, vec: bool) -> dict:
     """cfg, or the mma default where the wgmma kernel cannot run (not sm_90a, unaligned inputs, head dims of 32
     and below): a wgmma instruction on another target is an illegal instruction that poisons the CUDA context."""
-    if cfg["KIND"] != "mma" and not (vec and _device.device_arch() == 90 and head_dim in _WG_HEAD_DIM):
+    if cfg["KIND"] != "mma" and not (vec and _device.device_arch() == 90 and head_dim in _WG_DEFAULTS):
         return default_config(head_dim, _device.device_arch(), vec=False)
     return cfg
 
