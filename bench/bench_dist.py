@@ -1,8 +1,9 @@
 """Issue 19's bars on 2 GPUs of one host, each against the same code on 1 GPU (random weights and inputs):
 
 - tensor-parallel Llama, 7B shape, nvfp4 weights: decode tokens/s at batch 16 (>= 1.6x), prefill of one
-  8192-token prompt (>= 1.7x); `TPGroup.on_gpus(size=2)` against `TPGroup.on_gpus(size=1)`, both through
-  `models.generate_ids` (greedy, the tokens back on the host every step);
+  8192-token prompt (>= 1.7x); `TPGroup.on_gpus(size=2)` (a `TPLlamaGPU` a rank, each decode step one CUDA
+  graph per rank with its all-reduces) against `LlamaGPU` on one GPU, both through `models.generate_ids`
+  (greedy, sampled on the GPU, the ids back on the host every step);
 - ring attention, causal, S = 256k total, D = 128 (32 query heads, 8 KV heads), float16: >= 1.8x the one-GPU
   `flash_attention` at the same S, or, where one GPU cannot hold S, >= 0.85 x 2 x the one-GPU TFLOP/s at the
   largest S it holds.
@@ -30,7 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vbw_cupy.dist import NcclComm, TPGroup, ring_attention, run_ranks, zigzag_bounds  # noqa: E402
-from vbw_cupy.models import LlamaConfig, generate_ids  # noqa: E402
+from vbw_cupy.models import LlamaConfig, LlamaGPU, generate_ids  # noqa: E402
 from vbw_cupy.models.llama import random_weights  # noqa: E402
 
 SHAPE_7B = LlamaConfig(dim=4096, hidden_dim=11008, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
@@ -49,12 +50,19 @@ def bench_model(cfg: LlamaConfig, fmt: str, batch: int, prompt: int, new: int, p
     long_prompt = [[1] + rng.integers(3, cfg.vocab_size, prefill_len - 1).tolist()]
     out = {}
     for size in sizes:
-        group = TPGroup.on_gpus(cfg, weights, size, fmt)
+        if size == 1:
+            import cupy as cp
+            with cp.cuda.Device(0):
+                group = LlamaGPU(cfg, weights, fmt)
+        else:
+            group = TPGroup.on_gpus(cfg, weights, size, fmt)
         never = frozenset()   # random weights: no stop id ends a sequence early
         generate_ids(group, decode_prompts[:2], max_new_tokens=4, stop_ids=never)          # warm-up: compile
         dec = generate_ids(group, decode_prompts, max_new_tokens=new, stop_ids=never)
         generate_ids(group, [long_prompt[0][:1024]], max_new_tokens=1, stop_ids=never)     # warm-up
         pre = generate_ids(group, long_prompt, max_new_tokens=1, stop_ids=never)
+        if size > 1:
+            group._run.close()
         out[size] = {"decode_tokens_per_s": dec.decode_tokens_per_s, "prefill_tokens_per_s": pre.prefill_tokens_per_s}
         print(f"tp {size}: decode {dec.decode_tokens_per_s:.1f} tokens/s (batch {batch}), prefill "
               f"{pre.prefill_tokens_per_s:.0f} tokens/s ({prefill_len} tokens)", file=sys.stderr)

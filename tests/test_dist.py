@@ -222,3 +222,48 @@ def test_ring_attention_names_a_wrong_part():
     q = np.zeros((1, 5, 2, 8), np.float32)
     with pytest.raises(ValueError, match=r"q: expected \[B, 4, H, D\] \(rank 0's 4 of 8 positions over 2 ranks\)"):
         SimGroup(2).run(lambda c: ring_attention(q, q, q, c, seq_len=8))
+
+
+# ---------------------------------------------------------------------------------------------- RankThreads
+class _Rank:
+    def __init__(self, rank):
+        self.rank, self.activated = rank, 0
+
+    def activate(self):
+        self.activated += 1
+
+
+def test_rank_threads_run_each_rank_on_its_own_long_lived_thread():
+    from vbw_cupy.dist import RankThreads
+    comms = [_Rank(r) for r in range(3)]
+    run = RankThreads(comms)
+    first = run(lambda c: (c.rank, threading.get_ident()))
+    second = run(lambda c: (c.rank * 10, threading.get_ident()))
+    assert [r for r, _ in first] == [0, 1, 2] and [r for r, _ in second] == [0, 10, 20]
+    assert [t for _, t in first] == [t for _, t in second]            # the same threads every call
+    assert len({t for _, t in first} | {threading.get_ident()}) == 4   # one a rank, none the caller's
+    assert [c.activated for c in comms] == [1, 1, 1]                  # the device made current once
+    run.close()
+
+
+def test_rank_threads_raise_a_rank_error_and_stay_usable():
+    from vbw_cupy.dist import RankThreads
+
+    def body(c):
+        if c.rank == 1:
+            raise ValueError("rank 1 failed")
+        return c.rank
+    run = RankThreads([_Rank(r) for r in range(2)])
+    with pytest.raises(ValueError, match="rank 1 failed"):
+        run(body)
+    assert run(lambda c: c.rank + 1) == [1, 2]
+    run.close()
+
+
+def test_simulated_group_has_no_gpu_sampling():
+    """generate_ids samples on the GPU only where the ranks can (LlamaGPU): a NumPy group has no decode_sample."""
+    cfg = LlamaConfig(dim=64, hidden_dim=96, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=50, seq_len=32)
+    group = TPGroup.simulated(cfg, random_weights(cfg, seed=1), 2)
+    assert not hasattr(group, "decode_sample")
+    with pytest.raises(AttributeError):
+        group.no_such_thing

@@ -154,6 +154,51 @@ def run_ranks(fn, comms, *args, on_error=None, **kwargs) -> list:
     return results
 
 
+class RankThreads:
+    """`run_ranks` on long-lived threads, one a comm (its device made current once): calling it with fn runs
+    fn(comm) on every rank and returns the results in rank order, raising the first exception. A model's
+    decode step goes through this every token, where starting threads each call would cost more than the
+    step's host work. close() (or dropping the object) ends the threads."""
+
+    def __init__(self, comms):
+        self.comms = list(comms)
+        self._jobs = [queue.SimpleQueue() for _ in self.comms]
+        self._done = queue.SimpleQueue()
+        self._lock = threading.Lock()   # one call at a time: the ranks' queues stay in step
+        for i in range(len(self.comms)):
+            threading.Thread(target=self._loop, args=(self.comms[i], self._jobs[i], self._done, i),
+                             name=f"rank{i}", daemon=True).start()
+
+    @staticmethod
+    def _loop(comm, jobs, done, i):   # holds no reference to the RankThreads, so dropping it ends the thread
+        comm.activate()
+        while (fn := jobs.get()) is not None:
+            try:
+                done.put((i, None, fn(comm)))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.put((i, e, None))
+
+    def __call__(self, fn) -> list:
+        with self._lock:
+            for q in self._jobs:
+                q.put(fn)
+            results, errors = [None] * len(self.comms), []
+            for _ in self.comms:
+                i, err, res = self._done.get()
+                results[i] = res
+                if err is not None:
+                    errors.append(err)
+        if errors:
+            raise errors[0]
+        return results
+
+    def close(self) -> None:
+        for q in self._jobs:
+            q.put(None)
+
+    __del__ = close
+
+
 # ---------------------------------------------------------------------------------------------- NCCL
 def _nccl():
     try:

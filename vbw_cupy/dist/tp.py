@@ -8,9 +8,10 @@ read only its KV heads, and its KV cache holds only those), and a slice of the F
 - row-parallel (columns): wo by heads, w2 by FFN units; their partial outputs are summed by `Comm.all_reduce`;
 - replicated: the embedding, the norms, the classifier (every rank computes the same logits).
 
-`TPLlama` is `models.Llama` on a shard: the same forward pass (`Llama._blocks`, whose head counts come from the
-weights' shapes) with `_reduce` an all-reduce. `TPGroup` drives the N ranks from one host thread, so
-`models.generate_ids` runs a group as it runs one model.
+`TPLlama` is `models.Llama` on a shard (NumPy ranks, the CPU test bed) and `TPLlamaGPU` is `models.LlamaGPU` on
+a shard (fused GEMMs, the decode step with its two all-reduces a layer captured in one CUDA graph per rank):
+the same forward pass, whose head counts come from the weights' shapes, with `_reduce` an all-reduce.
+`TPGroup` drives the N ranks from one host thread, so `models.generate_ids` runs a group as it runs one model.
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ import dataclasses
 
 import numpy as np
 
+from ..models.gpu import LlamaGPU
 from ..models.llama import Llama, LlamaConfig, LlamaKVCache, LlamaWeights
 from ..models.ops import ArrayOps, numpy_ops
-from .comm import Comm, NcclComm, SimGroup, run_ranks
+from .comm import Comm, NcclComm, RankThreads, SimGroup
 
 
 def check_tp(config: LlamaConfig, size: int) -> None:
@@ -84,6 +86,22 @@ class TPLlama(Llama):
         return self.comm.all_reduce(partial)
 
 
+class TPLlamaGPU(LlamaGPU):
+    """Rank `comm.rank` of a tensor-parallel `LlamaGPU`: its shard of the full host `weights` (q, k, v fused per
+    rank: its wq rows, then its wk rows, then its wv rows; gate / up likewise), an all-reduce over `comm` (an
+    `NcclComm`, on the current stream, so the decode graph captures it) after the O and down projections.
+    Every rank computes the same logits; its KV cache holds n_kv_heads / N heads."""
+
+    def __init__(self, config: LlamaConfig, weights: LlamaWeights, comm: Comm, weight_format: str = "fp16", *,
+                 act_dtype=np.float16):
+        super().__init__(config, shard_weights(config, weights, comm.rank, comm.size), weight_format,
+                         act_dtype=act_dtype)
+        self.comm = comm
+
+    def _reduce(self, partial):
+        return self.comm.all_reduce(partial)
+
+
 class _GroupCache:
     """The KV caches of a group's ranks, one each, freed together."""
 
@@ -123,15 +141,14 @@ class TPGroup:
                                       "GPUs and NCCL: --device gpu)")
 
     @classmethod
-    def on_gpus(cls, config: LlamaConfig, weights: LlamaWeights, size: int, weight_format: str = "fp16"):
-        """`size` ranks on GPUs 0..size-1 of this host, one thread each, NCCL between them; each rank runs the
-        `ArrayOps` forward pass on CuPy (the library's kernels one op at a time, not LlamaGPU's fused graph)."""
+    def on_gpus(cls, config: LlamaConfig, weights: LlamaWeights, size: int, weight_format: str = "fp16", *,
+                act_dtype=np.float16):
+        """`size` ranks on GPUs 0..size-1 of this host, one long-lived thread each (`RankThreads`), NCCL
+        between them; each rank is a `TPLlamaGPU` (decode steps replayed from one CUDA graph per rank)."""
         check_tp(config, size)
         require_gpus(size)
-        import cupy
-        comms = NcclComm.init_all(range(size))
-        run = lambda fn: run_ranks(fn, comms)  # noqa: E731
-        models = run(lambda comm: TPLlama(config, weights, comm, ArrayOps(cupy, np.float16), weight_format))
+        run = RankThreads(NcclComm.init_all(range(size)))
+        models = run(lambda comm: TPLlamaGPU(config, weights, comm, weight_format, act_dtype=act_dtype))
         return cls(models, run, f"gpu, tp {size} over NCCL")
 
     def new_cache(self, max_batch: int, max_tokens: int) -> _GroupCache:
@@ -141,8 +158,21 @@ class TPGroup:
         return self._run(lambda comm: self.models[comm.rank].prefill(prompts, cache.ranks[comm.rank], slots,
                                                                      all_logits))[0]
 
-    def decode(self, tokens, cache: _GroupCache, slots):
-        return self._run(lambda comm: self.models[comm.rank].decode(tokens, cache.ranks[comm.rank], slots))[0]
+    def decode(self, tokens, cache: _GroupCache, slots, **kwargs):
+        return self._run(lambda comm: self.models[comm.rank].decode(tokens, cache.ranks[comm.rank], slots,
+                                                                    **kwargs))[0]
+
+    def __getattr__(self, name):
+        # decode_sample where the ranks have it (LlamaGPU): generate_ids then samples on the GPU. Every rank
+        # samples the same ids from the same logits; rank 0's come back, and a rank whose ids differed would
+        # be handed rank 0's with the next step's tokens.
+        models = self.__dict__.get("models")
+        if name == "decode_sample" and models and hasattr(models[0], name):
+            def decode_sample(tokens, cache, slots, **kwargs):
+                return self._run(lambda comm: self.models[comm.rank].decode_sample(
+                    tokens, cache.ranks[comm.rank], slots, **kwargs))[0]
+            return decode_sample
+        raise AttributeError(name)
 
 
 def require_gpus(size: int) -> None:

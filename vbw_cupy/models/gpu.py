@@ -128,6 +128,10 @@ class LlamaGPU:
     into one [dim + 2 kv_dim, dim] weight and gate / up into one [2 hidden_dim, dim] weight (an FP4 tensor
     quantizes each row on its own, so fusing changes nothing but NVFP4's per-tensor scale). The classifier is
     a linear layer of the same format; norms and the embedding stay float32.
+
+    Head counts and the FFN width are read from the weights' shapes, so a tensor-parallel rank
+    (`dist.TPLlamaGPU`) runs this class on its shard; `_reduce` (the identity here) joins the ranks' partial
+    outputs of the O and down projections.
     """
 
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, weight_format: str = "fp16", *,
@@ -139,6 +143,9 @@ class LlamaGPU:
         if act_dtype.name not in _ACT:
             raise TypeError(f"act_dtype: expected float16 or bfloat16, got {act_dtype}")
         self.config, self.weight_format, self.act_dtype = config, weight_format, act_dtype
+        hd, lw0 = config.head_dim, weights.layers[0]
+        self.n_heads, self.n_kv_heads = lw0.wq.shape[0] // hd, lw0.wk.shape[0] // hd   # this model's (or shard's)
+        self.hidden_dim = lw0.w1.shape[0]
         self._t = _ACT[act_dtype.name]
         self.ops = ArrayOps(cp, act_dtype)  # generate_ids uses ops.to_host
         f32 = lambda a: cp.asarray(a, dtype=cp.float32)
@@ -159,14 +166,18 @@ class LlamaGPU:
         layers = []
         for L in self.layers:
             qkv, w13 = L["wqkv"].dense(), L["w13"].dense()
+            q, kv, ffn = self.n_heads * c.head_dim, self.n_kv_heads * c.head_dim, self.hidden_dim
             layers.append(LayerWeights(
-                rms_att=L["rms_att"].get(), wq=qkv[:c.dim], wk=qkv[c.dim:c.dim + c.kv_dim], wv=qkv[c.dim + c.kv_dim:],
-                wo=L["wo"].dense(), rms_ffn=L["rms_ffn"].get(), w1=w13[:c.hidden_dim], w2=L["w2"].dense(),
-                w3=w13[c.hidden_dim:]))
+                rms_att=L["rms_att"].get(), wq=qkv[:q], wk=qkv[q:q + kv], wv=qkv[q + kv:],
+                wo=L["wo"].dense(), rms_ffn=L["rms_ffn"].get(), w1=w13[:ffn], w2=L["w2"].dense(), w3=w13[ffn:]))
         return LlamaWeights(self.embedding.get(), layers, self.rms_final.get(), self.classifier.dense())
 
     def new_cache(self, max_batch: int, max_tokens: int) -> GPUKVCache:
-        return GPUKVCache(self.config, max_batch, max_tokens, self.act_dtype)
+        return GPUKVCache(self.config, max_batch, max_tokens, self.act_dtype, n_kv_heads=self.n_kv_heads)
+
+    def _reduce(self, partial):
+        """The O and down projections' outputs joined over tensor-parallel ranks (one model: as they are)."""
+        return partial
 
     # -- the kernels
     def _norm(self, x, delta, w):
@@ -187,15 +198,16 @@ class LlamaGPU:
     def _rope_store(self, qkv, pos, slots, cache: GPUKVCache, layer: int, packed_kv: bool):
         cp, c = rt.cupy, self.config
         T, D = qkv.shape[0], c.head_dim
-        q = cp.empty((T, c.n_heads, D), dtype=self.act_dtype)
-        k = cp.empty((T, c.n_kv_heads, D), dtype=self.act_dtype) if packed_kv else None
-        v = cp.empty((T, c.n_kv_heads, D), dtype=self.act_dtype) if packed_kv else None
+        Hq, Hkv = self.n_heads, self.n_kv_heads
+        q = cp.empty((T, Hq, D), dtype=self.act_dtype)
+        k = cp.empty((T, Hkv, D), dtype=self.act_dtype) if packed_kv else None
+        v = cp.empty((T, Hkv, D), dtype=self.act_dtype) if packed_kv else None
         bt = cache.block_table
-        rt.launch(_kernel(f"rope_store<{self._t}>"), (T, c.n_heads + c.n_kv_heads), (D // 2,),
+        rt.launch(_kernel(f"rope_store<{self._t}>"), (T, Hq + Hkv), (D // 2,),
                   (qkv, pos, slots, self.rope, np.int32(c.seq_len), q, rt.NULL if k is None else k,
                    rt.NULL if v is None else v, cache.k[layer], cache.v[layer], bt,
                    np.int32(bt.shape[0]), np.int32(bt.shape[1]), np.int32(cache.num_blocks),
-                   np.int32(cache.block_size), np.int32(c.n_heads), np.int32(c.n_kv_heads), np.int32(D),
+                   np.int32(cache.block_size), np.int32(Hq), np.int32(Hkv), np.int32(D),
                    np.int32(0 if c.rope_style == "adjacent" else 1), _errors.buffer(cp.cuda.Device().id)))
         return q, k, v
 
@@ -216,8 +228,8 @@ class LlamaGPU:
         for i, L in enumerate(self.layers):
             q, k, v = self._rope_store(L["wqkv"](h), pos, slots, cache, i, packed_kv)
             o = attend(i, q, k, v)
-            h = self._norm(x, L["wo"](o.reshape(T, c.dim)), L["rms_ffn"])
-            d = L["w2"](self._swiglu(L["w13"](h)))
+            h = self._norm(x, self._reduce(L["wo"](o.reshape(T, self.n_heads * c.head_dim))), L["rms_ffn"])
+            d = self._reduce(L["w2"](self._swiglu(L["w13"](h))))
             h = self._norm(x, d, self.layers[i + 1]["rms_att"] if i + 1 < len(self.layers) else self.rms_final)
         return self.classifier(h, out_dtype=np.float32)
 
