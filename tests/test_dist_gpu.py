@@ -163,3 +163,31 @@ def test_tp_greedy_generation_equals_one_gpu(size):
     for s, t in zip(got.sequences, want.sequences):
         common = next((i for i, (a, b) in enumerate(zip(s.ids, t.ids)) if a != b), min(len(s.ids), len(t.ids)))
         assert common >= min(8, len(t.ids)), (s.ids, t.ids)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_lse_merge_kernel_equals_one_call(dtype):
+    """ring.py's merge kernel (one GPU, no NCCL): flash_attention over key blocks merged by log-sum-exp equals
+    the float64 attention over all keys; rows a block does not reach (lse_b = -inf, o_b NaN) are left as they
+    were, and rows outside [row0, row0 + n) are never touched."""
+    if not rt.gpu_available():
+        pytest.skip("no CUDA device")
+    import cupy as cp
+    import ml_dtypes
+    from vbw_cupy.dist.ring import _merge
+    dt = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((2, n, h, 64)).astype(dt) for n, h in ((300, 4), (700, 2), (700, 2)))
+    want = reference.flash_attention(q, k, v)
+    dq, dk, dv = (cp.asarray(a) for a in (q, k, v))
+    out = cp.full((2, 400, 4, 64), 7.0, cp.float32)        # rows 100..399 hold the result, the rest stays 7
+    lse = cp.full((2, 4, 400), 7.0, cp.float32)
+    out[:, 100:], lse[:, :, 100:] = 0.0, -np.inf
+    for a, b in ((0, 250), (250, 600), (600, 700)):
+        o_b, lse_b = flash_attention(dq, dk[:, a:b], dv[:, a:b], return_lse=True)
+        _merge(cp, out, lse, 100, o_b, lse_b)
+    o_nan, lse_none = cp.full((2, 300, 4, 64), np.nan, dt), cp.full((2, 4, 300), -np.inf, cp.float32)
+    _merge(cp, out, lse, 100, o_nan, lse_none)              # a block no row saw: nothing read, nothing changed
+    got = out.get()
+    assert (got[:, :100] == 7.0).all() and (lse.get()[:, :, :100] == 7.0).all()
+    assert rel(got[:, 100:], want) <= ATTN_BOUND

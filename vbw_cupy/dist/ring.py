@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _runtime as rt
 from ..attention import flash_attention
 from .comm import Comm
+
+_SOURCE = "lse_merge.cu"
+_T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
 def zigzag_bounds(seq_len: int, size: int) -> np.ndarray:
@@ -55,7 +59,7 @@ def ring_attention(q, k, v, comm: Comm, *, seq_len: int | None = None, causal: b
     q [B, L, Hq, D], k and v [B, L, Hkv, D]: this rank's positions `zigzag_positions(seq_len, rank, size)`
     (L = seq_len / size when 2 size divides seq_len; seq_len defaults to L * size). NumPy arrays run the reference
     per block; CuPy arrays the GPU kernel (float16 / bfloat16) with NCCL. The merge is in float64 on NumPy,
-    float32 on the GPU. causal=True is the usual mask over the whole sequence (Sq == Sk). Returns o [B, L, Hq, D]
+    float32 on the GPU (one kernel a block, cuda_src/lse_merge.cu). causal=True is the usual mask over the whole sequence (Sq == Sk). Returns o [B, L, Hq, D]
     in q's dtype and, with return_lse=True, lse float32 [B, Hq, L], this rank's rows of the unsplit result.
 
     >>> qs, ks, vs = (zigzag_split(a, 2) for a in (q, k, v))                           # doctest: +SKIP
@@ -103,16 +107,33 @@ def ring_attention(q, k, v, comm: Comm, *, seq_len: int | None = None, causal: b
                                              xp.ascontiguousarray(kv[0, :, k0:k0 + kn]),
                                              xp.ascontiguousarray(kv[1, :, k0:k0 + kn]),
                                              causal=causal and kc == qc, softmax_scale=softmax_scale, return_lse=True)
-                _merge(xp, out[:, q0:q0 + qn], lse[:, :, q0:q0 + qn], o_b, lse_b)
+                _merge(xp, out, lse, q0, o_b, lse_b)
         if pending is not None:
             kv = pending.wait()
     o = out.astype(q.dtype)
     return (o, lse.astype(np.float32)) if return_lse else o
 
 
-def _merge(xp, out, lse, o_b, lse_b):
-    """out, lse (views of the running result) <- their log-sum-exp merge with a block's o_b [B, n, H, D],
-    lse_b [B, H, n]; rows that have seen no key yet stay 0 / -inf."""
+def kernel_instances() -> list[tuple[str, str]]:
+    return [(_SOURCE, f"vbw_ring::lse_merge<{t}>") for t in ("__half", "__nv_bfloat16")]
+
+
+def _merge(xp, out, lse, row0, o_b, lse_b):
+    """Rows row0 .. row0 + n of the running result out [B, L, H, D], lse [B, H, L] <- their log-sum-exp merge
+    with a block's o_b [B, n, H, D], lse_b [B, H, n]; rows that have seen no key yet stay 0 / -inf. On the GPU
+    one kernel (cuda_src/lse_merge.cu); on NumPy the same maths in float64."""
+    B, n, H, D = o_b.shape
+    if xp is not np:
+        if o_b.dtype.name not in _T:
+            raise TypeError(f"o_b: expected float16 or bfloat16, got {o_b.dtype}")
+        o_b, lse_b = xp.ascontiguousarray(o_b), xp.ascontiguousarray(lse_b, dtype=xp.float32)
+        rows = B * n * H
+        rt.launch(rt.get_kernel(_SOURCE, f"vbw_ring::lse_merge<{_T[o_b.dtype.name]}>"),
+                  (max(1, min(-(-rows // 8), 65535)),), (256,),
+                  (out, lse, o_b, lse_b, np.int32(B), np.int32(out.shape[1]), np.int32(row0), np.int32(n),
+                   np.int32(H), np.int32(D)))
+        return
+    out, lse = out[:, row0:row0 + n], lse[:, :, row0:row0 + n]
     new = xp.logaddexp(lse, lse_b)
     safe = xp.where(xp.isfinite(new), new, 0.0)
     w_old = xp.exp(lse - safe).transpose(0, 2, 1)[..., None]
@@ -126,3 +147,25 @@ def _xp(x):
         return np
     import cupy
     return cupy.get_array_module(x)
+
+
+def selftest_cases():
+    def case():
+        from .. import _timing, reference
+        cp = rt.require_cupy()
+        rng = np.random.default_rng(7)
+        q, k, v = (rng.standard_normal((1, n, h, 128)).astype(np.float16) for n, h in ((2048, 8), (3000, 2), (3000, 2)))
+        want = reference.flash_attention(q, k, v)
+        dq, dk, dv = (cp.asarray(a) for a in (q, k, v))
+        out, lse = cp.zeros(q.shape, cp.float32), cp.full((1, 8, 2048), -np.inf, cp.float32)
+        parts = [flash_attention(dq, dk[:, a:a + 1000], dv[:, a:a + 1000], return_lse=True) for a in (0, 1000, 2000)]
+        for o_b, lse_b in parts:
+            _merge(cp, out, lse, 0, o_b, lse_b)
+        got = out.get().astype(np.float64)
+        err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        t = _timing.time_ms(lambda: _merge(cp, out, lse, 0, *parts[0]), warmup=3, rep=20)
+        return {"op": "ring lse_merge", "shape": "3 key blocks of 1000, q 2048 x 8/2 heads D=128 float16",
+                "error": err, "bound": 2e-3, "ok": bool(err <= 2e-3), "time_ms": t,
+                "peer": "copy of the out bytes", "peer_ms": _timing.copy_time_ms(out.nbytes)}
+    case.__qualname__ = "ring_attention merge[3 key blocks vs one call]"
+    return [case]

@@ -67,14 +67,16 @@ def rope_table(config: LlamaConfig) -> np.ndarray:
 
 class GPUKVCache:
     """Every layer's paged KV cache in one pair of arrays [n_layers, num_blocks, block_size, Hkv, D], with one
-    block table and one seq_lens shared by the layers. Slot b owns blocks b * per_seq .. (b + 1) * per_seq - 1
-    for its whole life (reserved at creation), so decoding never allocates."""
+    block table and one seq_lens shared by the layers (Hkv: n_kv_heads, a tensor-parallel rank's own). Slot b
+    owns blocks b * per_seq .. (b + 1) * per_seq - 1 for its whole life (reserved at creation), so decoding
+    never allocates."""
 
-    def __init__(self, config: LlamaConfig, max_batch: int, max_tokens: int, dtype, block_size: int = 16):
+    def __init__(self, config: LlamaConfig, max_batch: int, max_tokens: int, dtype, block_size: int = 16,
+                 n_kv_heads: int | None = None):
         cp = rt.require_cupy()
         per_seq = -(-max_tokens // block_size)
         nb = max_batch * per_seq
-        shape = (config.n_layers, nb, block_size, config.n_kv_heads, config.head_dim)
+        shape = (config.n_layers, nb, block_size, n_kv_heads or config.n_kv_heads, config.head_dim)
         self.block_size, self.num_blocks, self.capacity = block_size, nb, per_seq * block_size
         self.k = cp.zeros(shape, dtype=dtype)
         self.v = cp.zeros(shape, dtype=dtype)
