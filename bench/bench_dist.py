@@ -62,7 +62,7 @@ def bench_model(cfg: LlamaConfig, fmt: str, batch: int, prompt: int, new: int, p
         generate_ids(group, [long_prompt[0][:1024]], max_new_tokens=1, stop_ids=never)     # warm-up
         pre = generate_ids(group, long_prompt, max_new_tokens=1, stop_ids=never)
         if size > 1:
-            group._run.close()
+            group.close()
         out[size] = {"decode_tokens_per_s": dec.decode_tokens_per_s, "prefill_tokens_per_s": pre.prefill_tokens_per_s}
         print(f"tp {size}: decode {dec.decode_tokens_per_s:.1f} tokens/s (batch {batch}), prefill "
               f"{pre.prefill_tokens_per_s:.0f} tokens/s ({prefill_len} tokens)", file=sys.stderr)

@@ -165,6 +165,7 @@ class RankThreads:
         self._jobs = [queue.SimpleQueue() for _ in self.comms]
         self._done = queue.SimpleQueue()
         self._lock = threading.Lock()   # one call at a time: the ranks' queues stay in step
+        self.closed = False
         for i in range(len(self.comms)):
             threading.Thread(target=self._loop, args=(self.comms[i], self._jobs[i], self._done, i),
                              name=f"rank{i}", daemon=True).start()
@@ -179,6 +180,8 @@ class RankThreads:
                 done.put((i, e, None))
 
     def __call__(self, fn) -> list:
+        if self.closed:
+            raise RuntimeError("the rank threads were closed (TPGroup.close)")
         with self._lock:
             for q in self._jobs:
                 q.put(fn)
@@ -193,8 +196,10 @@ class RankThreads:
         return results
 
     def close(self) -> None:
-        for q in self._jobs:
-            q.put(None)
+        if not self.closed:
+            self.closed = True
+            for q in self._jobs:
+                q.put(None)
 
     __del__ = close
 
@@ -273,6 +278,30 @@ class NcclComm(Comm):
         self._comm.allReduce(x.data.ptr, x.data.ptr, x.size, _nccl_dtype(self._nccl, x.dtype), self._nccl.NCCL_SUM,
                              cupy.cuda.get_current_stream().ptr)
         return x
+
+    def all_reduce_async(self, x) -> Pending:
+        """all_reduce on this rank's side stream, after the work queued so far on the current stream; wait()
+        makes the current stream wait for it and returns x. x must stay referenced and unwritten until then."""
+        import cupy
+        side = self._stream
+        side.wait_event(cupy.cuda.get_current_stream().record())
+        with side:
+            self.all_reduce(x)
+        done = side.record()
+
+        def wait():
+            cupy.cuda.get_current_stream().wait_event(done)
+            return x
+        return Pending(wait)
+
+    def close(self) -> None:
+        """Destroy the NCCL communicator (after the work queued on this device); the comm is unusable after."""
+        import cupy
+        if self._comm is not None:
+            with cupy.cuda.Device(self.device):
+                cupy.cuda.Device().synchronize()
+                self._comm.destroy()
+            self._comm = None
 
     def sendrecv(self, x, dst: int, out, src: int) -> Pending:
         import cupy

@@ -16,6 +16,7 @@ the same forward pass, whose head counts come from the weights' shapes, with `_r
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 
@@ -85,6 +86,20 @@ class TPLlama(Llama):
     def _reduce(self, partial):
         return self.comm.all_reduce(partial)
 
+    def _reduce_async(self, partial):
+        return self.comm.all_reduce_async(partial).wait
+
+    def _row_chunks(self, T: int) -> list:
+        # prefill of many rows: 4 chunks (multiples of 64 rows), so 3 of each layer's 4 all-reduces hide under GEMMs
+        if self.comm.size == 1 or T < PREFILL_CHUNK_ROWS:
+            return [slice(0, T)]
+        step = -(-T // 4 // 64) * 64
+        return [slice(a, min(a + step, T)) for a in range(0, T, step)]
+
+
+#: prefills of at least this many tokens overlap their all-reduces with the GEMMs (TPLlamaGPU._row_chunks)
+PREFILL_CHUNK_ROWS = 1024
+
 
 class TPLlamaGPU(LlamaGPU):
     """Rank `comm.rank` of a tensor-parallel `LlamaGPU`: its shard of the full host `weights` (q, k, v fused per
@@ -100,6 +115,16 @@ class TPLlamaGPU(LlamaGPU):
 
     def _reduce(self, partial):
         return self.comm.all_reduce(partial)
+
+    def _reduce_async(self, partial):
+        return self.comm.all_reduce_async(partial).wait
+
+    def _row_chunks(self, T: int) -> list:
+        # prefill of many rows: 4 chunks (multiples of 64 rows), so 3 of each layer's 4 all-reduces hide under GEMMs
+        if self.comm.size == 1 or T < PREFILL_CHUNK_ROWS:
+            return [slice(0, T)]
+        step = -(-T // 4 // 64) * 64
+        return [slice(a, min(a + step, T)) for a in range(0, T, step)]
 
 
 class _GroupCache:
@@ -149,7 +174,14 @@ class TPGroup:
         require_gpus(size)
         run = RankThreads(NcclComm.init_all(range(size)))
         models = run(lambda comm: TPLlamaGPU(config, weights, comm, weight_format, act_dtype=act_dtype))
-        return cls(models, run, f"gpu, tp {size} over NCCL")
+        group = cls(models, run, f"gpu, tp {size} over NCCL")
+        weakref.finalize(group, _close_ranks, models, run)   # in order, at exit too (not left to the teardown)
+        return group
+
+    def close(self) -> None:
+        """End the ranks: every rank drops its captured graphs (they hold NCCL work) before its communicator is
+        destroyed, then the rank threads stop. The group is unusable after; a GPU group closes itself at exit."""
+        _close_ranks(self.models, self._run)
 
     def new_cache(self, max_batch: int, max_tokens: int) -> _GroupCache:
         return _GroupCache(self._run(lambda comm: self.models[comm.rank].new_cache(max_batch, max_tokens)))
@@ -173,6 +205,22 @@ class TPGroup:
                     tokens, cache.ranks[comm.rank], slots, **kwargs))[0]
             return decode_sample
         raise AttributeError(name)
+
+
+def _close_ranks(models, run) -> None:
+    if not isinstance(run, RankThreads) or run.closed:
+        return
+
+    def drop(comm):
+        model = models[comm.rank]
+        if hasattr(model, "_graphs"):
+            model._graphs.clear()
+        import gc
+        gc.collect()
+        if hasattr(comm, "close"):
+            comm.close()
+    run(drop)
+    run.close()
 
 
 def require_gpus(size: int) -> None:

@@ -98,8 +98,9 @@ class GPUKVCache:
         """Empty slot `slot` (its blocks stay reserved for the next sequence put there). It stays idle in decode
         steps (no position, nothing stored) until a prefill fills it again."""
         self._lens[slot] = 0
-        self.seq_lens[slot] = 1
-        self.active[slot] = 0
+        with self.seq_lens.device:   # a tensor-parallel rank's cache, freed from the caller's thread
+            self.seq_lens[slot] = 1
+            self.active[slot] = 0
         self._active[slot] = 0
 
 
@@ -181,10 +182,19 @@ class LlamaGPU:
         """The O and down projections' outputs joined over tensor-parallel ranks (one model: as they are)."""
         return partial
 
+    def _reduce_async(self, partial):
+        """`_reduce` started on a side stream: returns a function that makes the current stream wait for it and
+        gives the joined array (which must stay referenced, unwritten, until then)."""
+        return lambda: self._reduce(partial)
+
+    def _row_chunks(self, T: int) -> list:
+        """Row slices the O projection and the FFN run in, one after another (one model: all rows at once)."""
+        return [slice(0, T)]
+
     # -- the kernels
-    def _norm(self, x, delta, w):
+    def _norm(self, x, delta, w, out=None):
         cp = rt.cupy
-        out = cp.empty(x.shape, dtype=self.act_dtype)
+        out = cp.empty(x.shape, dtype=self.act_dtype) if out is None else out
         rt.launch(_kernel(f"add_rmsnorm<{self._t}, {self._t}>"), (x.shape[0],), (1024,),
                   (x, rt.NULL if delta is None else delta, w, out, np.int32(x.shape[1]), np.float32(self.config.norm_eps)))
         return out
@@ -222,18 +232,38 @@ class LlamaGPU:
                   (gu, out, np.int32(H), np.int64(n)))
         return out
 
-    def _forward(self, x, pos, slots, cache, attend, packed_kv):
-        """The blocks and the classifier over x [T, dim] float32 (consumed): float32 logits [T, vocab]."""
+    def _forward(self, x, pos, slots, cache, attend, packed_kv, rows=None):
+        """The blocks and the classifier over x [T, dim] float32 (consumed): float32 logits [T, vocab], or of
+        the rows `rows` (a CuPy index array) only."""
         c = self.config
         T = x.shape[0]
+        chunks = self._row_chunks(T)
         h = self._norm(x, None, self.layers[0]["rms_att"])
         for i, L in enumerate(self.layers):
             q, k, v = self._rope_store(L["wqkv"](h), pos, slots, cache, i, packed_kv)
-            o = attend(i, q, k, v)
-            h = self._norm(x, self._reduce(L["wo"](o.reshape(T, self.n_heads * c.head_dim))), L["rms_ffn"])
-            d = self._reduce(L["w2"](self._swiglu(L["w13"](h))))
-            h = self._norm(x, d, self.layers[i + 1]["rms_att"] if i + 1 < len(self.layers) else self.rms_final)
-        return self.classifier(h, out_dtype=np.float32)
+            o = attend(i, q, k, v).reshape(T, self.n_heads * c.head_dim)
+            nxt = self.layers[i + 1]["rms_att"] if i + 1 < len(self.layers) else self.rms_final
+            if len(chunks) == 1:
+                h = self._norm(x, self._reduce(L["wo"](o)), L["rms_ffn"])
+                d = self._reduce(L["w2"](self._swiglu(L["w13"](h))))
+                h = self._norm(x, d, nxt)
+            else:
+                h = self._chunked_tail(x, o, L, nxt, chunks)
+        return self.classifier(h if rows is None else h[rows], out_dtype=np.float32)
+
+    def _chunked_tail(self, x, o, L, nxt, chunks):
+        """A block after attention in row chunks (tensor-parallel prefill): each chunk's O-projection and FFN
+        all-reduces run on a side stream while the next chunk's GEMMs run, instead of stopping the GPU's
+        compute for one all-reduce of every row. Returns the next block's normed input."""
+        h = rt.cupy.empty((x.shape[0], self.config.dim), dtype=self.act_dtype)
+        parts = [(sl, self._reduce_async(L["wo"](o[sl]))) for sl in chunks]
+        downs = []
+        for sl, joined in parts:
+            hc = self._norm(x[sl], joined(), L["rms_ffn"])
+            downs.append((sl, self._reduce_async(L["w2"](self._swiglu(L["w13"](hc))))))
+        for sl, joined in downs:
+            self._norm(x[sl], joined(), nxt, out=h[sl])
+        return h
 
     # -- prefill
     def prefill(self, prompts, cache: GPUKVCache, slots, all_logits: bool = False):
@@ -261,12 +291,13 @@ class LlamaGPU:
         def attend(layer, q, k, v):
             return flash_attention_varlen(q, k, v, cu, cu, max_seqlen_q=max_len, max_seqlen_k=max_len, causal=True)
 
-        logits = self._forward(self._embed(ids), pos, tok_slot, cache, attend, packed_kv=True)
+        logits = self._forward(self._embed(ids), pos, tok_slot, cache, attend, packed_kv=True,
+                               rows=None if all_logits else cp.asarray(cu_h[1:] - 1))
         cache._lens[slots] = lens
         cache.seq_lens[cp.asarray(slots)] = cp.asarray(lens.astype(np.int32))
         cache.active[cp.asarray(slots)] = 1
         cache._active[slots] = 1
-        return logits if all_logits else logits[cp.asarray(cu_h[1:] - 1)]
+        return logits
 
     # -- decode
     def _decode_step(self, st: "_StepState", cache: GPUKVCache, bucket: int):
