@@ -67,9 +67,7 @@ def _seconds(model, fn, reps: int) -> float:
 def bench_model(cfg: LlamaConfig, fmt: str, batch: int, prompt: int, steps: int, prefill_len: int, sizes) -> dict:
     """Per tensor-parallel size: decode tokens/s of `batch` sequences of about `prompt` tokens (`steps` steps of
     `decode_sample`, the user's loop: greedy ids back on the host each step, graphs replayed, within one
-    context bucket), and prefill tokens/s of one `prefill_len`-token prompt; for size > 1 the prefill also
-    without row chunks (tp.PREFILL_CHUNK_ROWS out of reach), the A/B of the all-reduce overlap."""
-    from vbw_cupy.dist import tp
+    context bucket), and prefill tokens/s of one `prefill_len`-token prompt."""
     print(f"random weights for dim {cfg.dim}, {cfg.n_layers} layers ...", file=sys.stderr)
     weights = random_weights(cfg, seed=0, dtype=np.float16)
     rng = np.random.default_rng(0)
@@ -97,12 +95,6 @@ def bench_model(cfg: LlamaConfig, fmt: str, batch: int, prompt: int, steps: int,
         pcache = model.new_cache(1, prefill_len)
         row["prefill_tokens_per_s"] = prefill_len / _seconds(model, lambda: model.prefill(long_prompt, pcache, [0]), 2)
         if size > 1:
-            keep, tp.PREFILL_CHUNK_ROWS = tp.PREFILL_CHUNK_ROWS, 10 ** 9
-            try:
-                row["prefill_unchunked_tokens_per_s"] = prefill_len / _seconds(
-                    model, lambda: model.prefill(long_prompt, pcache, [0]), 2)
-            finally:
-                tp.PREFILL_CHUNK_ROWS = keep
             model.close()
         out[size] = row
         print(f"tp {size}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.items()), file=sys.stderr)
@@ -217,11 +209,9 @@ def main(argv=None) -> int:
             m = bench_model(SHAPE_7B, args.fmt, 16, 120, 64, 8192, (1, args.size))
         dec = m[args.size]["decode_tokens_per_s"] / m[1]["decode_tokens_per_s"]
         pre = m[args.size]["prefill_tokens_per_s"] / m[1]["prefill_tokens_per_s"]
-        pre_whole = m[args.size].get("prefill_unchunked_tokens_per_s", float("nan")) / m[1]["prefill_tokens_per_s"]
-        res["model"] = {"per_size": m, "decode_speedup": dec, "prefill_speedup": pre, "prefill_unchunked_speedup": pre_whole,
+        res["model"] = {"per_size": m, "decode_speedup": dec, "prefill_speedup": pre,
                         "decode_passed": dec >= BARS["decode"], "prefill_passed": pre >= BARS["prefill"]}
-        print(f"model: decode {dec:.2f}x (bar {BARS['decode']}x), prefill {pre:.2f}x (bar {BARS['prefill']}x; "
-              f"without row chunks {pre_whole:.2f}x)")
+        print(f"model: decode {dec:.2f}x (bar {BARS['decode']}x), prefill {pre:.2f}x (bar {BARS['prefill']}x)")
     if args.only in (None, "ring"):
         S = 32768 if args.quick else 262144
         r = bench_ring(S, 32, 8, 128, args.size, 2 if args.quick else 3)

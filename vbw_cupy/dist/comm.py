@@ -279,21 +279,6 @@ class NcclComm(Comm):
                              cupy.cuda.get_current_stream().ptr)
         return x
 
-    def all_reduce_async(self, x) -> Pending:
-        """all_reduce on this rank's side stream, after the work queued so far on the current stream; wait()
-        makes the current stream wait for it and returns x. x must stay referenced and unwritten until then."""
-        import cupy
-        side = self._stream
-        side.wait_event(cupy.cuda.get_current_stream().record())
-        with side:
-            self.all_reduce(x)
-        done = side.record()
-
-        def wait():
-            cupy.cuda.get_current_stream().wait_event(done)
-            return x
-        return Pending(wait)
-
     def close(self) -> None:
         """Destroy the NCCL communicator (after the work queued on this device); the comm is unusable after."""
         import cupy

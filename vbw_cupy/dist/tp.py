@@ -86,20 +86,6 @@ class TPLlama(Llama):
     def _reduce(self, partial):
         return self.comm.all_reduce(partial)
 
-    def _reduce_async(self, partial):
-        return self.comm.all_reduce_async(partial).wait
-
-    def _row_chunks(self, T: int) -> list:
-        # prefill of many rows: 4 chunks (multiples of 64 rows), so 3 of each layer's 4 all-reduces hide under GEMMs
-        if self.comm.size == 1 or T < PREFILL_CHUNK_ROWS:
-            return [slice(0, T)]
-        step = -(-T // 4 // 64) * 64
-        return [slice(a, min(a + step, T)) for a in range(0, T, step)]
-
-
-#: prefills of at least this many tokens overlap their all-reduces with the GEMMs (TPLlamaGPU._row_chunks)
-PREFILL_CHUNK_ROWS = 1024
-
 
 class TPLlamaGPU(LlamaGPU):
     """Rank `comm.rank` of a tensor-parallel `LlamaGPU`: its shard of the full host `weights` (q, k, v fused per
@@ -115,16 +101,6 @@ class TPLlamaGPU(LlamaGPU):
 
     def _reduce(self, partial):
         return self.comm.all_reduce(partial)
-
-    def _reduce_async(self, partial):
-        return self.comm.all_reduce_async(partial).wait
-
-    def _row_chunks(self, T: int) -> list:
-        # prefill of many rows: 4 chunks (multiples of 64 rows), so 3 of each layer's 4 all-reduces hide under GEMMs
-        if self.comm.size == 1 or T < PREFILL_CHUNK_ROWS:
-            return [slice(0, T)]
-        step = -(-T // 4 // 64) * 64
-        return [slice(a, min(a + step, T)) for a in range(0, T, step)]
 
 
 class _GroupCache:

@@ -182,19 +182,10 @@ class LlamaGPU:
         """The O and down projections' outputs joined over tensor-parallel ranks (one model: as they are)."""
         return partial
 
-    def _reduce_async(self, partial):
-        """`_reduce` started on a side stream: returns a function that makes the current stream wait for it and
-        gives the joined array (which must stay referenced, unwritten, until then)."""
-        return lambda: self._reduce(partial)
-
-    def _row_chunks(self, T: int) -> list:
-        """Row slices the O projection and the FFN run in, one after another (one model: all rows at once)."""
-        return [slice(0, T)]
-
     # -- the kernels
-    def _norm(self, x, delta, w, out=None):
+    def _norm(self, x, delta, w):
         cp = rt.cupy
-        out = cp.empty(x.shape, dtype=self.act_dtype) if out is None else out
+        out = cp.empty(x.shape, dtype=self.act_dtype)
         rt.launch(_kernel(f"add_rmsnorm<{self._t}, {self._t}>"), (x.shape[0],), (1024,),
                   (x, rt.NULL if delta is None else delta, w, out, np.int32(x.shape[1]), np.float32(self.config.norm_eps)))
         return out
@@ -237,33 +228,14 @@ class LlamaGPU:
         the rows `rows` (a CuPy index array) only."""
         c = self.config
         T = x.shape[0]
-        chunks = self._row_chunks(T)
         h = self._norm(x, None, self.layers[0]["rms_att"])
         for i, L in enumerate(self.layers):
             q, k, v = self._rope_store(L["wqkv"](h), pos, slots, cache, i, packed_kv)
             o = attend(i, q, k, v).reshape(T, self.n_heads * c.head_dim)
-            nxt = self.layers[i + 1]["rms_att"] if i + 1 < len(self.layers) else self.rms_final
-            if len(chunks) == 1:
-                h = self._norm(x, self._reduce(L["wo"](o)), L["rms_ffn"])
-                d = self._reduce(L["w2"](self._swiglu(L["w13"](h))))
-                h = self._norm(x, d, nxt)
-            else:
-                h = self._chunked_tail(x, o, L, nxt, chunks)
+            h = self._norm(x, self._reduce(L["wo"](o)), L["rms_ffn"])
+            d = self._reduce(L["w2"](self._swiglu(L["w13"](h))))
+            h = self._norm(x, d, self.layers[i + 1]["rms_att"] if i + 1 < len(self.layers) else self.rms_final)
         return self.classifier(h if rows is None else h[rows], out_dtype=np.float32)
-
-    def _chunked_tail(self, x, o, L, nxt, chunks):
-        """A block after attention in row chunks (tensor-parallel prefill): each chunk's O-projection and FFN
-        all-reduces run on a side stream while the next chunk's GEMMs run, instead of stopping the GPU's
-        compute for one all-reduce of every row. Returns the next block's normed input."""
-        h = rt.cupy.empty((x.shape[0], self.config.dim), dtype=self.act_dtype)
-        parts = [(sl, self._reduce_async(L["wo"](o[sl]))) for sl in chunks]
-        downs = []
-        for sl, joined in parts:
-            hc = self._norm(x[sl], joined(), L["rms_ffn"])
-            downs.append((sl, self._reduce_async(L["w2"](self._swiglu(L["w13"](hc))))))
-        for sl, joined in downs:
-            self._norm(x[sl], joined(), nxt, out=h[sl])
-        return h
 
     # -- prefill
     def prefill(self, prompts, cache: GPUKVCache, slots, all_logits: bool = False):
