@@ -13,7 +13,7 @@ Ranks are threads of this process, one GPU each, joined by NCCL (`NcclComm.init_
 after an all-reduce and a synchronize of every rank and ends with a synchronize of every rank; compile and
 autotune runs are warm-ups outside the timings.
 
-    python bench/bench_dist.py [--quick] [--json PATH] [--only model|ring]
+    python bench/bench_dist.py [--quick] [--json PATH] [--only model|ring|allreduce]
 
 A script, not a pytest-benchmark file: its timings span several GPUs and threads, which pytest-benchmark's
 host timer over one callable does not describe.
@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vbw_cupy.dist import NcclComm, TPGroup, ring_attention, run_ranks, zigzag_bounds  # noqa: E402
+from vbw_cupy.dist import NcclComm, RankThreads, TPGroup, ring_attention, run_ranks, zigzag_bounds  # noqa: E402
 from vbw_cupy.models import LlamaConfig, LlamaGPU  # noqa: E402
 from vbw_cupy.models.llama import random_weights  # noqa: E402
 
@@ -64,6 +64,31 @@ def _seconds(model, fn, reps: int) -> float:
     return statistics.median(times)
 
 
+GRAPH_REPS = 30
+
+
+def _graph_step_ms(model, reps: int = GRAPH_REPS) -> list:
+    """GPU time of one decode step, its captured graph replayed `reps` times back to back (no host work
+    between steps), per rank (CUDA events). Set beside the host loop's step time it splits a TP step into GPU
+    work (all-reduces included) and what the host adds (GIL, rank skew). The replays advance the cache's
+    device lengths by `reps` (the caller leaves room for them in the context bucket)."""
+    import cupy as cp
+
+    def one(m):
+        st = next(iter(m._graphs.values()))
+        g = st.graphs[max(st.graphs)]
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(g.stream)
+        for _ in range(reps):
+            g.graph.launch(stream=g.stream)
+        end.record(g.stream)
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) / reps
+    if isinstance(model, TPGroup):
+        return model._run(lambda comm: one(model.models[comm.rank]))
+    return [one(model)]
+
+
 def bench_model(cfg: LlamaConfig, fmt: str, batch: int, prompt: int, steps: int, prefill_len: int, sizes) -> dict:
     """Per tensor-parallel size: decode tokens/s of `batch` sequences of about `prompt` tokens (`steps` steps of
     `decode_sample`, the user's loop: greedy ids back on the host each step, graphs replayed, within one
@@ -82,22 +107,23 @@ def bench_model(cfg: LlamaConfig, fmt: str, batch: int, prompt: int, steps: int,
         else:
             model = TPGroup.on_gpus(cfg, weights, size, fmt)
         slots = list(range(batch))
-        cache = model.new_cache(batch, prompt + 2 * steps + 2)
+        cache = model.new_cache(batch, prompt + 2 * steps + GRAPH_REPS + 2)
         model.prefill(decode_prompts, cache, slots)
         held = [np.full(batch, 5)]
 
         def decode():
             for _ in range(steps):
                 held[0] = model.decode_sample(held[0], cache, slots)
-        # the warm-up run and the timed one stay in one context bucket (prompt + 2 steps <= a power of two)
+        # the warm-up, the timed run and the graph replays stay in one context bucket (a power of two)
         t_dec = _seconds(model, decode, 1)
-        row = {"decode_tokens_per_s": batch * steps / t_dec}
+        row = {"decode_tokens_per_s": batch * steps / t_dec, "decode_step_ms": t_dec / steps * 1e3,
+               "decode_graph_ms": max(_graph_step_ms(model))}
         pcache = model.new_cache(1, prefill_len)
         row["prefill_tokens_per_s"] = prefill_len / _seconds(model, lambda: model.prefill(long_prompt, pcache, [0]), 2)
         if size > 1:
             model.close()
         out[size] = row
-        print(f"tp {size}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.items()), file=sys.stderr)
+        print(f"tp {size}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), file=sys.stderr)
         model = cache = pcache = None   # freed before the next size
         _free_all(size)
     return out
@@ -184,12 +210,53 @@ def bench_ring(S: int, Hq: int, Hkv: int, D: int, size: int, reps: int) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------------ all-reduce
+def bench_allreduce(size: int, reps: int = 20) -> dict:
+    """Microseconds per NCCL all-reduce (float16, in place) of a decode step's [16, 4096] and a prefill's
+    [8192, 4096], eager and inside a captured graph of 64 (a 7B model's count a step), per rank, slowest
+    rank reported."""
+    import cupy as cp
+    comms = NcclComm.init_all(range(size))
+    run, out = RankThreads(comms), {}
+    for rows in (16, 8192):
+        def body(comm):
+            x = cp.ones((rows, 4096), dtype=cp.float16)
+            stream = cp.cuda.Stream(non_blocking=True)
+            with stream:
+                comm.all_reduce(x)   # NCCL sets itself up outside the capture
+                stream.synchronize()
+                start, end = cp.cuda.Event(), cp.cuda.Event()
+                start.record()
+                for _ in range(64 * reps // 4):
+                    comm.all_reduce(x)
+                end.record()
+                end.synchronize()
+                eager = cp.cuda.get_elapsed_time(start, end) * 1e3 / (64 * reps // 4)
+                stream.begin_capture()
+                for _ in range(64):
+                    comm.all_reduce(x)
+                graph = stream.end_capture()
+                graph.launch(stream=stream)
+                start.record()
+                for _ in range(reps):
+                    graph.launch(stream=stream)
+                end.record()
+                end.synchronize()
+                return eager, cp.cuda.get_elapsed_time(start, end) * 1e3 / (64 * reps)
+        res = run(body)
+        out[f"{rows}x4096_eager_us"] = max(r[0] for r in res)
+        out[f"{rows}x4096_graph_us"] = max(r[1] for r in res)
+    run(lambda comm: comm.close())
+    run.close()
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small shapes: checks the script, not the bars")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--only", choices=("model", "ring"))
+    p.add_argument("--only", choices=("model", "ring", "allreduce"))
     p.add_argument("--size", type=int, default=2, help="GPUs (default 2)")
     p.add_argument("--fmt", default="nvfp4", choices=("fp16", "nvfp4", "mxfp4"))
     args = p.parse_args(argv)
@@ -204,14 +271,17 @@ def main(argv=None) -> int:
         if args.quick:
             cfg = LlamaConfig(dim=1024, hidden_dim=2816, n_layers=4, n_heads=8, n_kv_heads=8, vocab_size=32000,
                               seq_len=2048 + 64)
-            m = bench_model(cfg, args.fmt, 16, 64, 16, 2048, (1, args.size))
+            m = bench_model(cfg, args.fmt, 16, 40, 16, 2048, (1, args.size))   # 40 + 32 + 30 <= 128
         else:
-            m = bench_model(SHAPE_7B, args.fmt, 16, 120, 64, 8192, (1, args.size))
+            m = bench_model(SHAPE_7B, args.fmt, 16, 120, 48, 8192, (1, args.size))   # 120 + 96 + 30 <= 256
         dec = m[args.size]["decode_tokens_per_s"] / m[1]["decode_tokens_per_s"]
         pre = m[args.size]["prefill_tokens_per_s"] / m[1]["prefill_tokens_per_s"]
         res["model"] = {"per_size": m, "decode_speedup": dec, "prefill_speedup": pre,
                         "decode_passed": dec >= BARS["decode"], "prefill_passed": pre >= BARS["prefill"]}
         print(f"model: decode {dec:.2f}x (bar {BARS['decode']}x), prefill {pre:.2f}x (bar {BARS['prefill']}x)")
+    if args.only in (None, "allreduce"):
+        res["allreduce"] = a = bench_allreduce(args.size)
+        print("all-reduce (us, slowest rank): " + ", ".join(f"{k} {v:.1f}" for k, v in a.items()))
     if args.only in (None, "ring"):
         S = 32768 if args.quick else 262144
         r = bench_ring(S, 32, 8, 128, args.size, 2 if args.quick else 3)
