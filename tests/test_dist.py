@@ -267,3 +267,43 @@ def test_simulated_group_has_no_gpu_sampling():
     assert not hasattr(group, "decode_sample")
     with pytest.raises(AttributeError):
         group.no_such_thing
+
+
+def test_rank_threads_with_on_error_break_once_and_refuse_later_calls():
+    from vbw_cupy.dist import RankThreads
+    calls = []
+    run = RankThreads([_Rank(r) for r in range(3)], on_error=lambda: calls.append(1))
+
+    def body(c):
+        if c.rank:
+            raise ValueError(f"rank {c.rank} failed")
+        return c.rank
+    with pytest.raises(ValueError, match="failed"):
+        run(body)
+    assert calls == [1]                       # once, though two ranks failed
+    with pytest.raises(RuntimeError, match="earlier rank error"):
+        run(lambda c: c.rank)
+    run.close()
+
+
+def test_rank_threads_drop_stale_results_and_refuse_calls_from_a_rank():
+    import gc
+    import weakref
+    from vbw_cupy.dist import RankThreads
+    run = RankThreads([_Rank(r) for r in range(2)])
+    run._done.put((0, 0, None, "stale"))      # what a call interrupted on the host leaves behind
+    assert run(lambda c: c.rank) == [0, 1]
+    with pytest.raises(RuntimeError, match="cannot call its own group"):
+        run(lambda c: run(lambda d: d.rank))
+
+    class Held:
+        pass
+    held = Held()
+    ref = weakref.ref(held)
+    run(lambda c: held is not None)
+    del held
+    gc.collect()
+    assert ref() is None                      # an idle rank thread keeps no closure alive
+    run.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        run(lambda c: c.rank)

@@ -158,39 +158,63 @@ class RankThreads:
     """`run_ranks` on long-lived threads, one a comm (its device made current once): calling it with fn runs
     fn(comm) on every rank and returns the results in rank order, raising the first exception. A model's
     decode step goes through this every token, where starting threads each call would cost more than the
-    step's host work. close() (or dropping the object) ends the threads."""
+    step's host work. close() (or dropping the object) ends the threads.
 
-    def __init__(self, comms):
+    on_error(), when given, runs once at the first rank error (NCCL groups abort their communicators there, so
+    a rank blocked on a peer that failed is released instead of hanging) and the object is broken after it:
+    every later call raises. Without it a rank error leaves the threads usable (a simulated group's)."""
+
+    def __init__(self, comms, on_error=None):
         self.comms = list(comms)
         self._jobs = [queue.SimpleQueue() for _ in self.comms]
         self._done = queue.SimpleQueue()
         self._lock = threading.Lock()   # one call at a time: the ranks' queues stay in step
-        self.closed = False
-        for i in range(len(self.comms)):
-            threading.Thread(target=self._loop, args=(self.comms[i], self._jobs[i], self._done, i),
-                             name=f"rank{i}", daemon=True).start()
+        self._seq = 0
+        self._on_error = on_error
+        self.closed, self.broken = False, None
+        self.threads = [threading.Thread(target=self._loop, args=(self.comms[i], self._jobs[i], self._done, i),
+                                         name=f"rank{i}", daemon=True) for i in range(len(self.comms))]
+        for t in self.threads:
+            t.start()
 
     @staticmethod
     def _loop(comm, jobs, done, i):   # holds no reference to the RankThreads, so dropping it ends the thread
         comm.activate()
-        while (fn := jobs.get()) is not None:
+        while (job := jobs.get()) is not None:
+            seq, fn = job
+            job = None   # the closure (and what it holds, a model say) is not kept alive by an idle thread
             try:
-                done.put((i, None, fn(comm)))
+                res, err = fn(comm), None
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                done.put((i, e, None))
+                res, err = None, e
+            fn = None
+            done.put((seq, i, err, res))
+            res = err = None
 
     def __call__(self, fn) -> list:
         if self.closed:
             raise RuntimeError("the rank threads were closed (TPGroup.close)")
+        if self.broken is not None:
+            raise RuntimeError("the ranks stopped at an earlier rank error") from self.broken
+        if threading.current_thread() in self.threads:
+            raise RuntimeError("a rank thread cannot call its own group")
         with self._lock:
+            self._seq += 1
+            seq = self._seq
             for q in self._jobs:
-                q.put(fn)
-            results, errors = [None] * len(self.comms), []
-            for _ in self.comms:
-                i, err, res = self._done.get()
+                q.put((seq, fn))
+            results, errors, got = [None] * len(self.comms), [], 0
+            while got < len(self.comms):
+                s, i, err, res = self._done.get()
+                if s != seq:   # left over from a call interrupted on the host (KeyboardInterrupt): dropped
+                    continue
+                got += 1
                 results[i] = res
                 if err is not None:
                     errors.append(err)
+                    if self._on_error is not None and self.broken is None:
+                        self.broken = err
+                        self._on_error()
         if errors:
             raise errors[0]
         return results
@@ -275,9 +299,21 @@ class NcclComm(Comm):
         import cupy
         if not x.flags.c_contiguous:
             raise ValueError("x: expected a C-contiguous array")
-        self._comm.allReduce(x.data.ptr, x.data.ptr, x.size, _nccl_dtype(self._nccl, x.dtype), self._nccl.NCCL_SUM,
+        self._live().allReduce(x.data.ptr, x.data.ptr, x.size, _nccl_dtype(self._nccl, x.dtype), self._nccl.NCCL_SUM,
                              cupy.cuda.get_current_stream().ptr)
         return x
+
+    def _live(self):
+        if self._comm is None:
+            raise RuntimeError(f"rank {self.rank}: the NCCL communicator was closed or aborted")
+        return self._comm
+
+    def abort(self) -> None:
+        """Abort the NCCL communicator: its pending work stops (a rank waiting for a failed peer is released);
+        the comm is unusable after. Safe from any thread."""
+        if self._comm is not None:
+            comm, self._comm = self._comm, None
+            comm.abort()
 
     def close(self) -> None:
         """Destroy the NCCL communicator (after the work queued on this device); the comm is unusable after."""
@@ -295,9 +331,10 @@ class NcclComm(Comm):
                 raise ValueError(f"{name}: expected a C-contiguous array")
         nccl, side = self._nccl, self._stream
         side.wait_event(cupy.cuda.get_current_stream().record())   # x is written, out free to overwrite
+        comm = self._live()
         nccl.groupStart()   # both in one group: a ring of blocking sends would deadlock
-        self._comm.send(x.data.ptr, x.nbytes, nccl.NCCL_UINT8, dst, side.ptr)
-        self._comm.recv(out.data.ptr, out.nbytes, nccl.NCCL_UINT8, src, side.ptr)
+        comm.send(x.data.ptr, x.nbytes, nccl.NCCL_UINT8, dst, side.ptr)
+        comm.recv(out.data.ptr, out.nbytes, nccl.NCCL_UINT8, src, side.ptr)
         nccl.groupEnd()
         done = side.record()
 

@@ -126,6 +126,11 @@ def _merge(xp, out, lse, row0, o_b, lse_b):
     if xp is not np:
         if o_b.dtype.name not in _T:
             raise TypeError(f"o_b: expected float16 or bfloat16, got {o_b.dtype}")
+        L = out.shape[1]
+        if out.dtype != xp.float32 or lse.dtype != xp.float32 or not (out.flags.c_contiguous and lse.flags.c_contiguous) \
+                or out.shape != (B, L, H, D) or lse.shape != (B, H, L) or lse_b.shape != (B, H, n) or not 0 <= row0 <= L - n:
+            raise ValueError(f"_merge: expected contiguous float32 out [B, L, H, D] and lse [B, H, L] with rows "
+                             f"{row0}..{row0 + n} inside L, got {out.shape} {out.dtype}, {lse.shape} {lse.dtype}")
         o_b, lse_b = xp.ascontiguousarray(o_b), xp.ascontiguousarray(lse_b, dtype=xp.float32)
         rows = B * n * H
         rt.launch(rt.get_kernel(_SOURCE, f"vbw_ring::lse_merge<{_T[o_b.dtype.name]}>"),

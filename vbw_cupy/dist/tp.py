@@ -15,6 +15,7 @@ the same forward pass, whose head counts come from the weights' shapes, with `_r
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import weakref
 
@@ -102,6 +103,11 @@ class TPLlamaGPU(LlamaGPU):
     def _reduce(self, partial):
         return self.comm.all_reduce(partial)
 
+    def __del__(self):
+        # the decode graphs hold NCCL work of this rank's communicator: destroyed first, while the communicator
+        # (which this model keeps alive until now) still exists
+        self._graphs = {}
+
 
 class _GroupCache:
     """The KV caches of a group's ranks, one each, freed together."""
@@ -148,16 +154,34 @@ class TPGroup:
         between them; each rank is a `TPLlamaGPU` (decode steps replayed from one CUDA graph per rank)."""
         check_tp(config, size)
         require_gpus(size)
-        run = RankThreads(NcclComm.init_all(range(size)))
-        models = run(lambda comm: TPLlamaGPU(config, weights, comm, weight_format, act_dtype=act_dtype))
+        comms = NcclComm.init_all(range(size))
+        # a rank that fails aborts every communicator: its peers, waiting in NCCL for it, get errors, not a hang
+        run = RankThreads(comms, on_error=lambda: [c.abort() for c in comms])
+        try:
+            models = run(lambda comm: TPLlamaGPU(config, weights, comm, weight_format, act_dtype=act_dtype))
+        except BaseException:
+            run.close()
+            raise
         group = cls(models, run, f"gpu, tp {size} over NCCL")
-        weakref.finalize(group, _close_ranks, models, run)   # in order, at exit too (not left to the teardown)
+        _live_groups.add(group)
         return group
 
     def close(self) -> None:
         """End the ranks: every rank drops its captured graphs (they hold NCCL work) before its communicator is
-        destroyed, then the rank threads stop. The group is unusable after; a GPU group closes itself at exit."""
+        destroyed, then the rank threads stop. The group is unusable after. GPU groups still open at exit are
+        closed then (atexit); a group dropped unclosed frees each rank's graphs before its communicator."""
+        _live_groups.discard(self)
         _close_ranks(self.models, self._run)
+
+    def host_weights(self) -> LlamaWeights:
+        """The weights as the GPU ranks compute with them (FP4 shards dequantized), float32 on the host and put
+        back together: the reference a TP model is checked against (`LlamaGPU.host_weights` of one GPU)."""
+        parts = self._run(lambda comm: self.models[comm.rank].host_weights())
+        cat = lambda name, axis, i: np.concatenate([getattr(p.layers[i], name) for p in parts], axis=axis)  # noqa: E731
+        layers = [dataclasses.replace(parts[0].layers[i], wq=cat("wq", 0, i), wk=cat("wk", 0, i), wv=cat("wv", 0, i),
+                                      wo=cat("wo", 1, i), w1=cat("w1", 0, i), w3=cat("w3", 0, i), w2=cat("w2", 1, i))
+                  for i in range(len(parts[0].layers))]
+        return dataclasses.replace(parts[0], layers=layers)
 
     def new_cache(self, max_batch: int, max_tokens: int) -> _GroupCache:
         return _GroupCache(self._run(lambda comm: self.models[comm.rank].new_cache(max_batch, max_tokens)))
@@ -186,17 +210,21 @@ class TPGroup:
 def _close_ranks(models, run) -> None:
     if not isinstance(run, RankThreads) or run.closed:
         return
-
-    def drop(comm):
-        model = models[comm.rank]
+    for model in models:   # graphs first (they hold NCCL work), from this thread: a broken group runs no jobs
         if hasattr(model, "_graphs"):
-            model._graphs.clear()
-        import gc
-        gc.collect()
-        if hasattr(comm, "close"):
-            comm.close()
-    run(drop)
+            model._graphs = {}
+    if run.broken is None:
+        run(lambda comm: comm.close() if hasattr(comm, "close") else None)
     run.close()
+
+
+_live_groups = weakref.WeakSet()   # GPU groups not closed yet: closed at exit, in order
+
+
+@atexit.register
+def _close_live_groups():
+    for group in list(_live_groups):
+        group.close()
 
 
 def require_gpus(size: int) -> None:
