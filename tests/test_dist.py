@@ -298,12 +298,99 @@ def test_rank_threads_drop_stale_results_and_refuse_calls_from_a_rank():
 
     class Held:
         pass
-    held = Held()
-    ref = weakref.ref(held)
-    run(lambda c: held is not None)
-    del held
+
+    def make():
+        held = Held()
+        return weakref.ref(held), (lambda c: held is not None)
+    ref, fn = make()
+    assert run(fn) == [True, True]
+    del fn
     gc.collect()
     assert ref() is None                      # an idle rank thread keeps no closure alive
     run.close()
     with pytest.raises(RuntimeError, match="closed"):
         run(lambda c: c.rank)
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+_RANK_SCRIPT = """
+import os, sys, time
+from vbw_cupy.dist.launch import env_rank, rendezvous
+rank, size, folder = env_rank()
+got = rendezvous(folder, rank, lambda: b"id of rank 0: " + str(os.getpid()).encode())
+with open(os.path.join(sys.argv[1], f"rank{rank}"), "wb") as f:
+    f.write(f"{rank} {size} ".encode() + got)
+if len(sys.argv) > 2 and rank == int(sys.argv[2]):
+    sys.exit(3)
+if len(sys.argv) > 2:
+    time.sleep(60)
+"""
+
+
+def _script(tmp_path):
+    path = tmp_path / "rank_script.py"
+    path.write_text(_RANK_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    return str(path), out
+
+
+def test_launch_runs_every_rank_with_one_rendezvous(tmp_path):
+    from vbw_cupy.dist.launch import launch
+    script, out = _script(tmp_path)
+    assert launch([script, str(out)], nproc=3) == 0
+    lines = [(out / f"rank{r}").read_bytes().split(b" ", 2) for r in range(3)]
+    assert [(int(r), int(s)) for r, s, _ in lines] == [(0, 3), (1, 3), (2, 3)]
+    ids = {i for _, _, i in lines}
+    assert len(ids) == 1 and ids.pop().startswith(b"id of rank 0: ")   # every rank got rank 0's id
+
+
+def test_launch_stops_the_others_when_a_rank_fails(tmp_path):
+    from vbw_cupy.dist.launch import launch
+    script, out = _script(tmp_path)
+    t0 = time.perf_counter()
+    assert launch([script, str(out), "1"], nproc=3, grace=2.0) == 3    # rank 1's status; ranks 0 and 2 sleep 60 s
+    assert time.perf_counter() - t0 < 30
+
+
+def test_launch_arguments_and_environment_errors(monkeypatch, tmp_path):
+    from vbw_cupy.dist import launch as L
+    with pytest.raises(ValueError, match="nproc"):
+        L.launch(["x.py"], nproc=0)
+    with pytest.raises(ValueError, match="script"):
+        L.launch([], nproc=2)
+    with pytest.raises(SystemExit):
+        L.main(["--nproc", "0", "x.py"])
+    for k in (L.ENV_RANK, L.ENV_SIZE, L.ENV_RDZV):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RuntimeError, match="not started by the launcher"):
+        L.env_rank()
+    with pytest.raises(TimeoutError, match="rank 0 wrote no NCCL id"):
+        L.rendezvous(tmp_path, 1, lambda: b"", timeout=0.1)
+
+
+def test_nccl_from_env_passes_rank_0s_unique_id(monkeypatch, tmp_path):
+    """The id NCCL gives rank 0 (128 signed chars) reaches NcclComm.from_unique_id unchanged."""
+    from vbw_cupy.dist import comm as C
+    from vbw_cupy.dist import launch as L
+    uid = tuple(int(x) for x in np.random.default_rng(0).integers(-128, 128, 128))
+
+    class FakeNccl:
+        @staticmethod
+        def get_unique_id():
+            return uid
+    got = {}
+    monkeypatch.setattr(C, "_nccl", lambda: FakeNccl)
+    class Made:
+        def activate(self):
+            got["active"] = True
+    monkeypatch.setattr(C.NcclComm, "from_unique_id",
+                        classmethod(lambda cls, u, r, s: got.update(u=u, r=r, s=s) or Made()))
+    monkeypatch.setenv(L.ENV_RANK, "0")
+    monkeypatch.setenv(L.ENV_SIZE, "2")
+    monkeypatch.setenv(L.ENV_RDZV, str(tmp_path))
+    C.NcclComm.from_env()
+    assert got == {"u": uid, "r": 0, "s": 2, "active": True}
+    monkeypatch.setenv(L.ENV_RANK, "1")   # rank 1 reads what rank 0 wrote
+    C.NcclComm.from_env(timeout=1.0)
+    assert got == {"u": uid, "r": 1, "s": 2, "active": True}

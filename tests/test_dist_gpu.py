@@ -223,3 +223,43 @@ def test_tp_long_prefill_equals_one_gpu_and_close(size):
     group.close()
     with pytest.raises(RuntimeError, match="closed"):
         group.decode([5, 6], cache, [0, 1])
+
+
+_SPMD_SCRIPT = """
+import json, sys
+import cupy as cp
+from vbw_cupy.dist import NcclComm, TPLlamaGPU
+from vbw_cupy.models import LlamaConfig, generate_ids
+from vbw_cupy.models.llama import random_weights
+comm = NcclComm.from_env()
+x = cp.full(8, comm.rank + 1.0, dtype=cp.float32)
+comm.all_reduce(x)
+cfg = LlamaConfig(dim=512, hidden_dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=1000, seq_len=256)
+model = TPLlamaGPU(cfg, random_weights(cfg, seed=3), comm, "fp16")
+out = generate_ids(model, [[1, 20, 21, 22], [1] + list(range(300, 350))], max_new_tokens=24)
+with open(f"{sys.argv[1]}/rank{comm.rank}.json", "w") as f:
+    json.dump({"device": cp.cuda.Device().id, "sum": float(x[0].get()), "ids": [s.ids for s in out.sequences]}, f)
+"""
+
+
+@pytest.mark.parametrize("size", [s for s in SIZES if s > 1])
+def test_launcher_runs_a_tp_model_one_process_a_gpu(size, tmp_path):
+    """python -m vbw_cupy.dist.launch: one process a GPU, NcclComm.from_env, a TPLlamaGPU a process (SPMD):
+    the all-reduce sums over the processes, every rank generates the same ids, and they match one GPU's."""
+    need(size)
+    import json
+    import cupy as cp
+    from vbw_cupy.dist.launch import launch
+    script = tmp_path / "spmd.py"
+    script.write_text(_SPMD_SCRIPT)
+    assert launch([str(script), str(tmp_path)], nproc=size) == 0
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size)]
+    assert [r["device"] for r in res] == list(range(size))
+    assert all(r["sum"] == size * (size + 1) / 2 for r in res)
+    assert all(r["ids"] == res[0]["ids"] for r in res)
+    with cp.cuda.Device(0):
+        want = generate_ids(LlamaGPU(CFG, random_weights(CFG, seed=3), "fp16"),
+                            [[1, 20, 21, 22], [1] + list(range(300, 350))], max_new_tokens=24)
+    for got, t in zip(res[0]["ids"], want.sequences):
+        common = next((i for i, (a, b) in enumerate(zip(got, t.ids)) if a != b), min(len(got), len(t.ids)))
+        assert common >= min(8, len(t.ids)), (got, t.ids)

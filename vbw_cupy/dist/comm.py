@@ -8,8 +8,9 @@ peer while receiving one from another, the step of a ring). Two implementations:
   gets the same bits. This is what the CPU tests and `vbw-cupy generate --tp N --device cpu` run on.
 - `NcclComm`: NCCL through `cupy.cuda.nccl` (imported on first use): all-reduce on the current stream, the
   ring exchange on a side stream so it overlaps the compute on the block in hand. Ranks are one process each
-  (`NcclComm.from_unique_id`, or `from_mpi` under mpiexec) or one thread a GPU in one process (`NcclComm.init_all`
-  then `run_ranks`).
+  (`NcclComm.from_env` under the project's launcher, `python -m vbw_cupy.dist.launch`; `from_mpi` under
+  mpiexec; `from_unique_id` for any other launcher) or one thread a GPU in one process (`NcclComm.init_all`
+  then `RankThreads` / `run_ranks`).
 """
 from __future__ import annotations
 
@@ -273,6 +274,20 @@ class NcclComm(Comm):
         device = rank % cupy.cuda.runtime.getDeviceCount() if device is None else device
         with cupy.cuda.Device(device):
             return cls(nccl.NcclCommunicator(size, tuple(uid), rank), rank, size, device)
+
+    @classmethod
+    def from_env(cls, timeout: float = 120.0) -> "NcclComm":
+        """This process's rank when started by `python -m vbw_cupy.dist.launch --nproc N script.py` (one process
+        a GPU on this host): rank and size from the environment, NCCL's unique id from rank 0 through the
+        launcher's rendezvous folder, the GPU rank % (visible GPUs), made the current device."""
+        from .launch import env_rank, rendezvous
+        rank, size, folder = env_rank()
+        nccl = _nccl()
+        raw = rendezvous(folder, rank, lambda: (np.asarray(nccl.get_unique_id(), dtype=np.int64) & 0xFF)
+                         .astype(np.uint8).tobytes(), timeout)
+        comm = cls.from_unique_id(tuple(np.frombuffer(raw, dtype=np.int8).tolist()), rank, size)
+        comm.activate()   # the process's one GPU is its current device from here on
+        return comm
 
     @classmethod
     def from_mpi(cls, mpi_comm=None) -> "NcclComm":
