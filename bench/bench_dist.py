@@ -13,7 +13,7 @@ Ranks are threads of this process, one GPU each, joined by NCCL (`NcclComm.init_
 after an all-reduce and a synchronize of every rank and ends with a synchronize of every rank; compile and
 autotune runs are warm-ups outside the timings.
 
-    python bench/bench_dist.py [--quick] [--json PATH] [--only model|ring|allreduce]
+    python bench/bench_dist.py [--quick] [--json PATH] [--only model|ring|allreduce] [--spmd]
 
 A script, not a pytest-benchmark file: its timings span several GPUs and threads, which pytest-benchmark's
 host timer over one callable does not describe.
@@ -31,21 +31,32 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vbw_cupy.dist import NcclComm, RankThreads, TPGroup, ring_attention, run_ranks, zigzag_bounds  # noqa: E402
+from vbw_cupy.dist import (NcclComm, RankThreads, TPGroup, TPLlamaGPU, ring_attention, run_ranks,  # noqa: E402
+                           zigzag_bounds)
 from vbw_cupy.models import LlamaConfig, LlamaGPU  # noqa: E402
 from vbw_cupy.models.llama import random_weights  # noqa: E402
 
 SHAPE_7B = LlamaConfig(dim=4096, hidden_dim=11008, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
                        seq_len=8192 + 256)
 BARS = {"decode": 1.6, "prefill": 1.7, "ring": 1.8, "ring_tflops_share": 0.85}
+QUICK_CFG = LlamaConfig(dim=1024, hidden_dim=2816, n_layers=4, n_heads=8, n_kv_heads=8, vocab_size=32000,
+                        seq_len=2048 + 64)
+# (config, batch, prompt, steps, prefill tokens) of the model runs; a decode run's contexts stay in one bucket:
+# quick timed 73..88 then + 30 graph replays <= 128, full timed 169..216 then + 30 <= 256
+_MODEL_RUNS = {True: (QUICK_CFG, 16, 56, 16, 2048), False: (SHAPE_7B, 16, 120, 48, 8192)}
 
 
 # ------------------------------------------------------------------------------------------------ model
 def _sync(model) -> None:
-    """Wait for every GPU the model runs on (a TPGroup's ranks return once their work is queued)."""
+    """Wait for every GPU the model runs on (a TPGroup's ranks return once their work is queued); one rank of a
+    group of processes (a TPLlamaGPU with its comm) also meets the others, so they start timing together."""
     import cupy as cp
     if isinstance(model, TPGroup):
         model._run(lambda comm: cp.cuda.Device().synchronize())
+    elif getattr(model, "comm", None) is not None:
+        cp.cuda.Device().synchronize()
+        model.comm.all_reduce(cp.zeros(1, cp.float32))
+        cp.cuda.Device().synchronize()
     else:
         cp.cuda.Device().synchronize()
 
@@ -89,15 +100,40 @@ def _graph_step_ms(model, reps: int = GRAPH_REPS) -> list:
     return [one(model)]
 
 
-def bench_model(cfg: LlamaConfig, fmt: str, batch: int, prompt: int, steps: int, prefill_len: int, sizes) -> dict:
-    """Per tensor-parallel size: decode tokens/s of `batch` sequences of about `prompt` tokens (`steps` steps of
-    `decode_sample`, the user's loop: greedy ids back on the host each step, graphs replayed, within one
-    context bucket), and prefill tokens/s of one `prefill_len`-token prompt."""
-    print(f"random weights for dim {cfg.dim}, {cfg.n_layers} layers ...", file=sys.stderr)
-    weights = random_weights(cfg, seed=0, dtype=np.float16)
+def _inputs(cfg: LlamaConfig, batch: int, prompt: int, prefill_len: int):
+    """The decode prompts and the long prefill prompt (the same in every process: seeded)."""
     rng = np.random.default_rng(0)
     decode_prompts = [[1] + rng.integers(3, cfg.vocab_size, prompt - 1).tolist() for _ in range(batch)]
-    long_prompt = [[1] + rng.integers(3, cfg.vocab_size, prefill_len - 1).tolist()]
+    return decode_prompts, [[1] + rng.integers(3, cfg.vocab_size, prefill_len - 1).tolist()]
+
+
+def _measure(model, decode_prompts, long_prompt, steps: int) -> dict:
+    """Decode tokens/s of the prompts (`steps` steps of `decode_sample`, the user's loop: greedy ids back on the
+    host each step, graphs replayed, within one context bucket), the host step and the graph alone, and
+    prefill tokens/s of the long prompt. `model`: a LlamaGPU, a TPGroup, or one process's TPLlamaGPU."""
+    batch, prompt, prefill_len = len(decode_prompts), len(decode_prompts[0]), len(long_prompt[0])
+    slots = list(range(batch))
+    cache = model.new_cache(batch, prompt + 2 * steps + GRAPH_REPS + 2)
+    model.prefill(decode_prompts, cache, slots)
+    held = [np.full(batch, 5)]
+
+    def decode():
+        for _ in range(steps):
+            held[0] = model.decode_sample(held[0], cache, slots)
+    # the warm-up, the timed run and the graph replays stay in one context bucket (a power of two)
+    t_dec = _seconds(model, decode, 1)
+    row = {"decode_tokens_per_s": batch * steps / t_dec, "decode_step_ms": t_dec / steps * 1e3,
+           "decode_graph_ms": max(_graph_step_ms(model))}
+    pcache = model.new_cache(1, prefill_len)
+    row["prefill_tokens_per_s"] = prefill_len / _seconds(model, lambda: model.prefill(long_prompt, pcache, [0]), 2)
+    return row
+
+
+def bench_model(cfg: LlamaConfig, fmt: str, batch: int, prompt: int, steps: int, prefill_len: int, sizes) -> dict:
+    """`_measure` per tensor-parallel size: LlamaGPU on one GPU, a TPGroup (one thread a GPU) on more."""
+    print(f"random weights for dim {cfg.dim}, {cfg.n_layers} layers ...", file=sys.stderr)
+    weights = random_weights(cfg, seed=0, dtype=np.float16)
+    decode_prompts, long_prompt = _inputs(cfg, batch, prompt, prefill_len)
     out = {}
     for size in sizes:
         if size == 1:
@@ -106,27 +142,41 @@ def bench_model(cfg: LlamaConfig, fmt: str, batch: int, prompt: int, steps: int,
                 model = LlamaGPU(cfg, weights, fmt)
         else:
             model = TPGroup.on_gpus(cfg, weights, size, fmt)
-        slots = list(range(batch))
-        cache = model.new_cache(batch, prompt + 2 * steps + GRAPH_REPS + 2)
-        model.prefill(decode_prompts, cache, slots)
-        held = [np.full(batch, 5)]
-
-        def decode():
-            for _ in range(steps):
-                held[0] = model.decode_sample(held[0], cache, slots)
-        # the warm-up, the timed run and the graph replays stay in one context bucket (a power of two)
-        t_dec = _seconds(model, decode, 1)
-        row = {"decode_tokens_per_s": batch * steps / t_dec, "decode_step_ms": t_dec / steps * 1e3,
-               "decode_graph_ms": max(_graph_step_ms(model))}
-        pcache = model.new_cache(1, prefill_len)
-        row["prefill_tokens_per_s"] = prefill_len / _seconds(model, lambda: model.prefill(long_prompt, pcache, [0]), 2)
+        out[size] = row = _measure(model, decode_prompts, long_prompt, steps)
         if size > 1:
             model.close()
-        out[size] = row
         print(f"tp {size}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), file=sys.stderr)
-        model = cache = pcache = None   # freed before the next size
+        model = None   # freed before the next size
         _free_all(size)
     return out
+
+
+def _spmd_rank(path: str, quick: bool, fmt: str) -> int:
+    """One process of `--spmd` (started by the launcher): its TPLlamaGPU, measured with the others; rank 0
+    writes the row to `path`."""
+    comm = NcclComm.from_env()
+    cfg, batch, prompt, steps, prefill_len = _MODEL_RUNS[quick]
+    model = TPLlamaGPU(cfg, random_weights(cfg, seed=0, dtype=np.float16), comm, fmt)
+    decode_prompts, long_prompt = _inputs(cfg, batch, prompt, prefill_len)
+    row = _measure(model, decode_prompts, long_prompt, steps)
+    if comm.rank == 0:
+        with open(path, "w") as f:
+            json.dump(row, f)
+    return 0
+
+
+def _spmd(size: int, quick: bool, fmt: str) -> dict:
+    """The TP model one process a GPU (python -m vbw_cupy.dist.launch): rank 0's row."""
+    import tempfile
+    from vbw_cupy.dist.launch import launch
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "row.json")
+        argv = [os.path.abspath(__file__), "--spmd-rank", path, "--fmt", fmt] + (["--quick"] if quick else [])
+        rc = launch(argv, nproc=size)
+        if rc:
+            raise RuntimeError(f"the {size} processes of --spmd failed (status {rc})")
+        with open(path) as f:
+            return json.load(f)
 
 
 # ------------------------------------------------------------------------------------------------ ring
@@ -259,7 +309,11 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=("model", "ring", "allreduce"))
     p.add_argument("--size", type=int, default=2, help="GPUs (default 2)")
     p.add_argument("--fmt", default="nvfp4", choices=("fp16", "nvfp4", "mxfp4"))
+    p.add_argument("--spmd", action="store_true", help="model: also the TP model one process a GPU (the launcher)")
+    p.add_argument("--spmd-rank", metavar="PATH", help=argparse.SUPPRESS)   # a process of --spmd
     args = p.parse_args(argv)
+    if args.spmd_rank:
+        return _spmd_rank(args.spmd_rank, args.quick, args.fmt)
     import cupy as cp
     have = cp.cuda.runtime.getDeviceCount()
     if have < args.size:
@@ -268,17 +322,18 @@ def main(argv=None) -> int:
     os.environ.setdefault("VBW_CUPY_AUTOTUNE", "0")
     res = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "gpus": args.size}
     if args.only in (None, "model"):
-        if args.quick:
-            cfg = LlamaConfig(dim=1024, hidden_dim=2816, n_layers=4, n_heads=8, n_kv_heads=8, vocab_size=32000,
-                              seq_len=2048 + 64)
-            m = bench_model(cfg, args.fmt, 16, 56, 16, 2048, (1, args.size))   # timed 73..88, + 30 <= 128
-        else:
-            m = bench_model(SHAPE_7B, args.fmt, 16, 120, 48, 8192, (1, args.size))   # timed 169..216, + 30 <= 256
+        cfg, batch, prompt, steps, prefill_len = _MODEL_RUNS[args.quick]
+        m = bench_model(cfg, args.fmt, batch, prompt, steps, prefill_len, (1, args.size))
         dec = m[args.size]["decode_tokens_per_s"] / m[1]["decode_tokens_per_s"]
         pre = m[args.size]["prefill_tokens_per_s"] / m[1]["prefill_tokens_per_s"]
         res["model"] = {"per_size": m, "decode_speedup": dec, "prefill_speedup": pre,
                         "decode_passed": dec >= BARS["decode"], "prefill_passed": pre >= BARS["prefill"]}
         print(f"model: decode {dec:.2f}x (bar {BARS['decode']}x), prefill {pre:.2f}x (bar {BARS['prefill']}x)")
+        if args.spmd:
+            row = res["model"]["spmd"] = _spmd(args.size, args.quick, args.fmt)
+            print(f"model, one process a GPU: decode {row['decode_tokens_per_s'] / m[1]['decode_tokens_per_s']:.2f}x, "
+                  f"prefill {row['prefill_tokens_per_s'] / m[1]['prefill_tokens_per_s']:.2f}x (" +
+                  ", ".join(f"{k} {v:.4g}" for k, v in row.items()) + ")")
     if args.only in (None, "allreduce"):
         res["allreduce"] = a = bench_allreduce(args.size)
         print("all-reduce (us, slowest rank): " + ", ".join(f"{k} {v:.1f}" for k, v in a.items()))
