@@ -438,16 +438,23 @@ def test_gpu_unlaunchable_candidate_is_unusable_not_a_crash(tmp_path, monkeypatc
         at._registry.pop("autotune_probe_bad", None)
 
 
-def test_candidates_compile_together_before_timing(env, monkeypatch):
-    """pick runs each candidate once under rt.collecting(), compiles what they asked for in one compile_jobs
-    call, and goes again for kernels a run reaches only after its first (here: a second kernel per config),
-    before the first timed launch; a candidate that fails otherwise is left to the timing."""
+def test_candidates_are_timed_as_their_kernels_compile(env, monkeypatch):
+    """pick runs each candidate once under rt.collecting(), compiles what it asked for on a pool of threads,
+    runs it again for a kernel it reaches only after its first (here: a shared second kernel), and times each
+    candidate once its kernels are there, the default first, while slower kernels still compile (here one
+    kernel's compile waits until a candidate has been timed: without the overlap it would time out). A
+    candidate that fails otherwise is left to the timing."""
+    import threading
     from vbw_cupy import _runtime as rt
-    compiled, batches = set(), []
+    compiled, asked, lock = set(), [], threading.Lock()
+    slow, timed_one, overlapped = "main<32, 2>", threading.Event(), []
 
     def kernel(name):
-        if rt._collect.__dict__.get("on") and name not in compiled:
-            raise rt.NeedsCompile(("probe.cu", name, 90, ()))
+        if rt._collect.__dict__.get("on"):
+            if name not in compiled:
+                raise rt.NeedsCompile(("probe.cu", name, 90, ()))
+        else:
+            assert name in compiled, f"{name} launched for timing before it compiled"
 
     def run(c):
         if c["BM"] == 256:
@@ -455,32 +462,45 @@ def test_candidates_compile_together_before_timing(env, monkeypatch):
         kernel(f"main<{c['BM']}, {c['W']}>")
         kernel("reduce")
 
-    def compile_jobs(jobs, desc):
-        assert not env.calls, "compiled after timing began"
-        batches.append(sorted(j[1] for j in jobs))
-        compiled.update(j[1] for j in jobs)
-        return {}
+    def compile_one(job):
+        if job[1] == slow:
+            overlapped.append(timed_one.wait(timeout=10))
+        with lock:
+            asked.append(job[1])
+            compiled.add(job[1])
+        return job, None
 
-    monkeypatch.setattr(rt, "compile_jobs", compile_jobs)
+    timer = env.__call__
+
+    def timing(run_, cfg, **kw):
+        out = timer(run_, cfg, **kw)
+        timed_one.set()
+        return out
+    monkeypatch.setattr(at, "_timer", timing)
+    monkeypatch.setattr(rt, "_compile_one", compile_one)
     at.pick("t_fake", {"M": 64, "K": 128}, "float16", run)
     fitting = [c for c in CANDS if c["BM"] * c["W"] * 256 <= FAKE_DEVICE["limits"]["smem_optin"] and c["BM"] != 256]
-    assert batches == [sorted(f"main<{c['BM']}, {c['W']}>" for c in fitting), ["reduce"]]
+    assert sorted(asked) == sorted([f"main<{c['BM']}, {c['W']}>" for c in fitting] + ["reduce"])   # each once
+    assert overlapped == [True]                   # a candidate was timed while the slow kernel compiled
+    assert env.calls[0] == DEFAULTS[90]           # the default first
+    sweep = env.calls[:len(fitting) + 1]
+    assert {"BM": 32, "W": 2} in sweep and sweep.index({"BM": 32, "W": 2}) > 1
     assert at.stats()["compiled"] == len(fitting) + 1 and at.stats()["failed"] >= 1
 
 
 def test_candidate_compile_stops_when_nothing_is_kept(env, monkeypatch):
-    """A cache that cannot keep what was compiled (a read-only directory) asks for the same kernels again: the
-    rounds stop there and the timing compiles them."""
+    """A cache that cannot keep what was compiled (a read-only directory) asks for the same kernel again: the
+    candidates are timed then (the timing compiles it), and the kernel is compiled once."""
     from vbw_cupy import _runtime as rt
-    batches = []
+    asked = []
 
     def run(c):
         if rt._collect.__dict__.get("on"):
             raise rt.NeedsCompile(("probe.cu", "k", 90, ()))
 
-    monkeypatch.setattr(rt, "compile_jobs", lambda jobs, desc: batches.append(jobs) or {})
+    monkeypatch.setattr(rt, "_compile_one", lambda job: asked.append(job) or (job, None))
     at.pick("t_fake", {"M": 64, "K": 128}, "float16", run)
-    assert len(batches) == 1 and env.calls
+    assert len(asked) == 1 and env.calls
 
 
 def test_cached_config_this_version_does_not_declare_is_retuned(env):
@@ -591,9 +611,10 @@ def test_slow_tuning_prints_a_notice_fast_tuning_none(env, monkeypatch, capsys):
 
 def test_candidate_whose_kernel_fails_to_compile_is_scored_without_recompiling(env, monkeypatch):
     """A kernel that fails to compile is compiled once: its candidates are scored as failed and never timed
-    (the timing would compile it again), and later rounds do not ask for it again."""
+    (the timing would compile it again), and no later round asks for it again."""
+    import threading
     from vbw_cupy import _runtime as rt
-    compiled, batches = set(), []
+    compiled, asked, lock = set(), [], threading.Lock()
 
     def run(c):
         name = "broken" if c["BM"] == 64 else f"k<{c['BM']}, {c['W']}>"
@@ -601,14 +622,16 @@ def test_candidate_whose_kernel_fails_to_compile_is_scored_without_recompiling(e
             raise rt.NeedsCompile(("probe.cu", name, 90, ()))
         assert name != "broken", "a kernel that failed to compile was launched"
 
-    def compile_jobs(jobs, desc):
-        batches.append(sorted(j[1] for j in jobs))
-        compiled.update(j[1] for j in jobs if j[1] != "broken")
-        return {j: "CompileError: error: expected a ';'" for j in jobs if j[1] == "broken"}
+    def compile_one(job):
+        with lock:
+            asked.append(job[1])
+            if job[1] != "broken":
+                compiled.add(job[1])
+        return job, ("CompileError: error: expected a ';'" if job[1] == "broken" else None)
 
-    monkeypatch.setattr(rt, "compile_jobs", compile_jobs)
+    monkeypatch.setattr(rt, "_compile_one", compile_one)
     cfg = at.pick("t_fake", {"M": 64, "K": 128}, "float16", run)
-    assert cfg["BM"] != 64 and len(batches) == 1 and "broken" in batches[0]
+    assert cfg["BM"] != 64 and asked.count("broken") == 1 and len(asked) == len(set(asked))
     assert env.calls and all(c["BM"] != 64 for c in env.calls)
     assert at.stats()["failed"] == sum(1 for c in CANDS if c["BM"] == 64
                                        and c["BM"] * c["W"] * 256 <= FAKE_DEVICE["limits"]["smem_optin"])

@@ -314,8 +314,9 @@ def cache_path() -> pathlib.Path:
 
 def stats() -> dict:
     """Counters since import / reset(): timer_calls, tuned (keys), memory_hits, disk_hits, defaults, failed
-    (candidates scored unusable), compiled (kernels compiled in parallel before timing), compile_s and
-    timing_s (seconds spent compiling candidates, and running them for timing, while tuning)."""
+    (candidates scored unusable), compiled (kernels compiled for candidates, in parallel, while others are
+    timed), compile_s and timing_s (seconds of tuning not spent timing, mostly waiting for compiles, and
+    seconds spent running candidates for timing)."""
     return dict(_stats)
 
 
@@ -511,58 +512,129 @@ def _sticky_error(t: Tunable, cfg: dict, e: BaseException) -> RuntimeError:
                         "candidate it lists (or prune it in fits).")
 
 
-def _compile_candidates(t: Tunable, run, cands) -> dict[int, str]:
-    """Compile the kernels of all candidates at once, on parallel threads, before they are timed one by one:
-    each candidate runs once under rt.collecting() (cached kernels load and launch; the first one not compiled
-    stops the run with NeedsCompile), what was asked for is compiled together (rt.compile_jobs), and again
-    for kernels a run reaches only after another (a layout kernel before the GEMM, a split-K reduction
-    after it), at most 4 rounds. The timer's L2 flush kernel joins the first batch. Returns {index in cands:
-    why} for candidates whose kernel failed to compile: the timing scores them without compiling again. Any
-    other error is left to the timing, which scores the candidate. With the real (CUDA event) timer each run
-    is synchronized, so a sticky fault is blamed on the config that caused it."""
+_ROUNDS = 4   # kernels a candidate may reach one after another (a layout kernel, the GEMM, a split-K reduction)
+
+
+def _ready_candidates(t: Tunable, run, cands):
+    """Yield (i, None) for each candidate of `cands` as soon as its kernels are compiled, and (i, why) for one
+    whose kernel failed to compile (scored without compiling again), so candidates are timed while slower ones
+    still compile: a first call costs about its slowest compile, not the compile then all the timing.
+
+    Each candidate runs once under rt.collecting() (cached kernels load and launch; the first one not compiled
+    stops the run with NeedsCompile); what it asked for is compiled on a pool of threads (NVRTC releases the
+    GIL), and when that lands the candidate runs again, for a kernel it reaches only after another (at most
+    _ROUNDS rounds; a cache that cannot keep what it compiled asks for the same kernel again, and the timing
+    compiles it then). The timer's L2 flush kernel is compiled before anything is yielded. Any other error is
+    left to the timing, which scores the candidate; with the real (CUDA event) timer each run is synchronized,
+    so a sticky fault is blamed on the config that caused it."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
     gpu = _timer is _cuda_event_timer
-    failed: dict = {}     # job -> error
-    bad: dict[int, str] = {}
-    asked: set = set()
-    for _ in range(4):
-        need = set()
-        if gpu and not t.warm_l2 and not asked:
+    failed: dict = {}       # job -> why it failed
+    waiting: dict = {}      # job -> indices of the candidates waiting for it
+    futures: dict = {}      # future -> job
+    rounds = [0] * len(cands)
+    ex, serial = None, False
+
+    def probe(i):
+        """The job candidate i needs next, or None when its kernels are all there."""
+        try:
+            try:
+                with rt.collecting():
+                    run(cands[i])
+            finally:  # also after NeedsCompile: a kernel launched before it may have faulted
+                if gpu:
+                    rt.cupy.cuda.get_current_stream().synchronize()
+        except rt.NeedsCompile as e:
+            return e.job
+        except Exception as e:
+            if _is_sticky(e):
+                raise _sticky_error(t, cands[i], e) from e
+        return None
+
+    def submit(job):
+        nonlocal ex, serial
+        _stats["compiled"] += 1
+        if not serial:
+            try:
+                ex = ex or ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="vbw_cupy-nvrtc")
+                futures[ex.submit(rt._compile_one, job)] = job
+                return
+            except RuntimeError as e:  # "can't start new thread" (not a kernel's fault)
+                rt.warn_once(f"pool:{e}", f"vbw_cupy: parallel compile failed ({e}); compiling one kernel at a time")
+                serial = True
+        _, err = rt._compile_one(job)
+        done_jobs.append((job, err))
+
+    def need(i, job):
+        """Candidate i needs `job`: why it cannot run (a kernel that failed to compile), or None: it waits."""
+        if job in failed:
+            return failed[job]
+        rounds[i] += 1
+        waiting.setdefault(job, []).append(i)
+        if len(waiting[job]) == 1 and job not in futures.values():
+            submit(job)
+        return None
+
+    done_jobs: list = []    # (job, error) compiled and not yet looked at
+    ready: list = []        # (i, why) to yield
+
+    def step():
+        """Wait for a compile to land (unless some already have) and move its candidates on."""
+        if futures and not done_jobs:
+            done, _ = wait(list(futures), return_when=FIRST_COMPLETED)
+            done_jobs.extend((futures.pop(f), f.result()[1]) for f in done)
+        landed = list(done_jobs)
+        done_jobs.clear()
+        for job, err in landed:
+            if err:
+                failed[job] = err
+            for i in waiting.pop(job, []):
+                if err:
+                    ready.append((i, err))
+                    continue
+                again = probe(i)
+                if again is None or again == job or rounds[i] >= _ROUNDS:
+                    ready.append((i, None))   # compiled (or a cache that cannot keep it: the timing compiles it)
+                else:
+                    why = need(i, again)
+                    if why is not None:
+                        ready.append((i, why))
+        return {job for job, _ in landed}
+
+    try:
+        flush = None
+        if gpu and not t.warm_l2:
             try:
                 with rt.collecting():
                     rt.get_kernel(PROBE_SOURCE, "l2_flush_read")
             except rt.NeedsCompile as e:
-                need.add(e.job)
+                flush = e.job
+                submit(flush)
             except Exception:  # (an unloadable image: the timing reports it per candidate)
                 pass
-        for i, c in enumerate(cands):
-            if i in bad:
-                continue
-            try:
-                try:
-                    with rt.collecting():
-                        run(c)
-                finally:  # also after NeedsCompile: a kernel launched before it may have faulted
-                    if gpu:
-                        rt.cupy.cuda.get_current_stream().synchronize()
-            except rt.NeedsCompile as e:
-                if e.job in failed:
-                    bad[i] = failed[e.job]
-                else:
-                    need.add(e.job)
-            except Exception as e:
-                if _is_sticky(e):
-                    raise _sticky_error(t, c, e) from e
-        need -= asked
-        if not need:  # all compiled (or a cache that could not keep them: the timing compiles those)
-            break
-        asked |= need
-        _stats["compiled"] += len(need)
-        failed.update(rt.compile_jobs(need, f"compiling {len(need)} kernels to tune {t.name}"))
-    return bad
+        for i in range(len(cands)):
+            job = probe(i)
+            why = None if job is None else need(i, job)
+            if job is None or why is not None:
+                ready.append((i, why))
+        while flush is not None and (futures or done_jobs):   # the first timing flushes L2 with it
+            if flush in step():
+                flush = None
+        while True:
+            out = list(ready)
+            ready.clear()
+            yield from out
+            if not futures and not done_jobs:
+                return
+            step()
+    finally:
+        if ex is not None:
+            ex.shutdown(wait=True, cancel_futures=True)  # the running compiles finish (NVRTC cannot be stopped)
 
 
 def _tune_key(t: Tunable, run, dev: dict) -> dict:
-    """Time the default and every fitting candidate; return the cache entry (config, ms, default, ...)."""
+    """Time the default and every fitting candidate, each as soon as its kernels are compiled (the default
+    first); return the cache entry (config, ms, default, ...)."""
     default = default_config(t.name, dev["arch"])
     limits = dict(dev["limits"])
     cands = []
@@ -574,17 +646,20 @@ def _tune_key(t: Tunable, run, dev: dict) -> dict:
         if ok:
             cands.append(c)
     t0 = time.perf_counter()
-    bad = _compile_candidates(t, run, cands)
-    t1 = time.perf_counter()
-    _stats["compile_s"] += t1 - t0
     per = _budget_s() / max(1, len(cands))
-    best, best_ms, default_ms, results = None, math.inf, None, []
-    for i, c in enumerate(cands):
-        if i in bad:
+    best, best_ms, default_ms, results, timing = None, math.inf, None, [], 0.0
+    held = []   # candidates ready before the default: timed right after it (the cutoff is set by the default)
+    default_done = default not in cands
+
+    def time_one(i, why):
+        nonlocal best, best_ms, default_ms, timing
+        c = cands[i]
+        if why is not None:
             _stats["failed"] += 1
-            results.append((c, None, f"compile: {bad[i].splitlines()[0]}"[:200]))
-            continue
+            results.append((c, None, f"compile: {why.splitlines()[0]}"[:200]))
+            return
         _stats["timer_calls"] += 1
+        t1 = time.perf_counter()
         try:
             ms = float(_timer(run, c, budget_s=per, flush=not t.warm_l2,
                               cutoff_ms=best_ms * CUTOFF_FACTOR if best_ms < math.inf else None))
@@ -595,15 +670,33 @@ def _tune_key(t: Tunable, run, dev: dict) -> dict:
                 raise _sticky_error(t, c, e) from e
             _stats["failed"] += 1
             results.append((c, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]))
-            continue
+            return
+        finally:
+            timing += time.perf_counter() - t1
         results.append((c, ms, None))
         if c == default:
             default_ms = ms
         if ms < best_ms:
             best, best_ms = c, ms
+
+    for i, why in _ready_candidates(t, run, cands):
+        if default_done:
+            time_one(i, why)
+            continue
+        held.append((i, why))
+        if cands[i] == default:
+            default_done = True
+            held.sort(key=lambda iw: cands[iw[0]] != default)   # the default first, then in readiness order
+            for iw in held:
+                time_one(*iw)
+            held = []
+    for iw in held:   # (the default never became ready: only if it was not among the candidates)
+        time_one(*iw)
+    t1 = time.perf_counter()
+    _stats["compile_s"] += t1 - t0 - timing   # the wall time tuning spent on anything but timing
     if best is not None and best != default and default_ms is not None:
         best, best_ms, default_ms = _confirm(run, default, best, per, flush=not t.warm_l2)
-    _stats["timing_s"] += time.perf_counter() - t1
+    _stats["timing_s"] += timing + time.perf_counter() - t1
     return {"kernel": t.name, "config": best, "ms": best_ms if best is not None else None,
             "default": default, "default_ms": default_ms, "tried": len(cands),
             "failed": sum(1 for r in results if r[1] is None), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
