@@ -31,10 +31,11 @@ caller's own arrays::
   ``VBW_CUPY_AUTOTUNE=1`` tunes there too.
 - a cache hit: memory first, then ``$VBW_CUPY_CACHE_DIR/autotune.json`` (re-read on every memory miss, so a
   key another process tuned meanwhile is reused).
-- otherwise it tunes: first the kernels of every candidate that passes
-  ``fits`` are compiled together on parallel threads (``_compile_candidates``: each candidate runs once under
-  ``rt.collecting()``, which names the kernels it needs without compiling them); then each candidate (the
-  default, always timed first) is run with CUDA events on the current stream: one warm-up launch, then the
+- otherwise it tunes: the kernels of every candidate that passes ``fits`` compile on parallel threads
+  (``_ready_candidates``: each candidate runs once under ``rt.collecting()``, which names the kernels it needs
+  without compiling them), and each candidate is timed as soon as its kernels are there, while slower ones
+  still compile (the default, always timed first). Timing runs it with CUDA events on the current stream: one
+  warm-up launch, then the
   median of 3..50 timed launches, with a zeroed buffer of twice the device's L2 read before every timed launch
   (outside the timed interval) so no config wins from a warm L2 and none pays for a dirty one (a Tunable with ``warm_l2=True`` is timed instead on WARM_INNER back-to-back launches per sample, the
   steady state of repeated calls). Repetitions are capped by measured time: tuning one key costs about
@@ -45,7 +46,7 @@ caller's own arrays::
 
 Rules for the ``run`` closure (kernel authors, read this):
 - it must let ``rt.NeedsCompile`` through (no bare ``except Exception`` around its launches): that is how the
-  tuner learns which kernels to compile before timing;
+  tuner learns which kernels to compile before timing a candidate;
 - it must be idempotent: it runs many times, so it must not accumulate into its output (zero it inside
   ``run`` if the kernel accumulates, e.g. split-K with atomics) and must not modify its inputs;
 - any exception it raises (NVRTC ``CompileError``, ``cudaErrorLaunchOutOfResources``, too many threads,
