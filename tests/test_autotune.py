@@ -1,6 +1,5 @@
 """The autotuner: keys, buckets, pruning, the on-disk cache, the env switch (CPU, fake timer and device), and one
 GPU test that tunes the real probe kernel and reuses the cache from a second process."""
-import concurrent.futures
 import json
 import os
 import pathlib
@@ -478,6 +477,7 @@ def test_candidates_are_timed_as_their_kernels_compile(env, monkeypatch):
         return out
     monkeypatch.setattr(at, "_timer", timing)
     monkeypatch.setattr(rt, "_compile_one", compile_one)
+    monkeypatch.setattr(at, "_compile_workers", lambda: 4)   # the slow compile holds one of them
     at.pick("t_fake", {"M": 64, "K": 128}, "float16", run)
     fitting = [c for c in CANDS if c["BM"] * c["W"] * 256 <= FAKE_DEVICE["limits"]["smem_optin"] and c["BM"] != 256]
     assert sorted(asked) == sorted([f"main<{c['BM']}, {c['W']}>" for c in fitting] + ["reduce"])   # each once
@@ -638,7 +638,8 @@ def test_candidate_whose_kernel_fails_to_compile_is_scored_without_recompiling(e
 
 
 def test_candidate_compile_falls_back_to_one_thread(env, monkeypatch):
-    """A thread pool that cannot start (not a kernel's fault) leaves the kernels to be compiled one by one."""
+    """Compile threads that cannot start (not a kernel's fault) leave the kernels to be compiled one by one."""
+    import threading
     from vbw_cupy import _runtime as rt
     done = []
 
@@ -646,16 +647,20 @@ def test_candidate_compile_falls_back_to_one_thread(env, monkeypatch):
         if rt._collect.__dict__.get("on") and "k" not in done:
             raise rt.NeedsCompile(("probe.cu", "k", 90, ()))
 
-    class NoThreads(concurrent.futures.ThreadPoolExecutor):
-        def submit(self, *a, **k):
-            raise RuntimeError("can't start new thread")
+    real_start = threading.Thread.start
 
-    monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", NoThreads)
+    def start(self):
+        if self.name == "vbw_cupy-nvrtc":
+            raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
     monkeypatch.setattr(rt, "_compile_one", lambda job: done.append(job[1]) or (job, None))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         at.pick("t_fake", {"M": 64, "K": 128}, "float16", run)
     assert done == ["k"] and any("one kernel at a time" in str(x.message) for x in w)
+    assert env.calls
 
 
 def test_env_switch_modes(monkeypatch):
@@ -705,3 +710,45 @@ def test_compiled_kernel_is_kept_in_memory_without_a_disk_cache(monkeypatch):
         assert rt._cached_cubin(*job) == (b"\x7fELF-fake", "_Z1kv") and len(calls) == 1
     finally:
         rt._unstored.pop(job, None)
+
+
+def test_the_defaults_kernels_compile_first_and_a_stalled_cutoff_is_timed_again(env, monkeypatch):
+    """With one compile thread, the default's second kernel is compiled before the other candidates' queued
+    kernels (it is timed first; the rest wait for it). A candidate cut off by one slow sample taken while
+    compiles still ran (a stall beside them) is timed again once they are done, and can win."""
+    import threading
+    from vbw_cupy import _runtime as rt
+    compiled, asked, lock = set(), [], threading.Lock()
+    best, first = {"BM": 64, "W": 4}, threading.Event()
+    slow = "main<32, 8>"
+
+    def kernel(name):
+        if rt._collect.__dict__.get("on") and name not in compiled:
+            raise rt.NeedsCompile(("probe.cu", name, 90, ()))
+
+    def run(c):
+        kernel(f"main<{c['BM']}, {c['W']}>")
+        if c == DEFAULTS[90]:
+            kernel("default_tail")
+
+    def compile_one(job):
+        if job[1] == slow:
+            first.wait(timeout=10)          # still compiling while `best` is first timed
+        elif not job[1].startswith(("default", f"main<{DEFAULTS[90]['BM']}, ")):
+            time.sleep(0.02)                # the others take a while: the default's tail is queued meanwhile
+        with lock:
+            asked.append(job[1])
+            compiled.add(job[1])
+        return job, None
+
+    def stalled(cfg):
+        if cfg == best and not first.is_set():
+            first.set()
+            return 50.0                     # one sample behind a stall: over the cutoff
+        return fake_ms(cfg)
+    env.fn = stalled
+    monkeypatch.setattr(rt, "_compile_one", compile_one)
+    monkeypatch.setattr(at, "_compile_workers", lambda: 2)
+    assert at.pick("t_fake", {"M": 64, "K": 128}, "float16", run) == best
+    assert asked[0] == f"main<{DEFAULTS[90]['BM']}, {DEFAULTS[90]['W']}>" and asked.index("default_tail") <= 3
+    assert [c for c in env.calls if c == best][:2] == [best, best]   # cut off, then timed again

@@ -381,6 +381,7 @@ def test_nccl_from_env_passes_rank_0s_unique_id(monkeypatch, tmp_path):
             return uid
     got = {}
     monkeypatch.setattr(C, "_nccl", lambda: FakeNccl)
+    monkeypatch.setattr(C, "_visible_gpus", lambda: 2)
     class Made:
         def activate(self):
             got["active"] = True
@@ -391,6 +392,51 @@ def test_nccl_from_env_passes_rank_0s_unique_id(monkeypatch, tmp_path):
     monkeypatch.setenv(L.ENV_RDZV, str(tmp_path))
     C.NcclComm.from_env()
     assert got == {"u": uid, "r": 0, "s": 2, "active": True}
-    monkeypatch.setenv(L.ENV_RANK, "1")   # rank 1 reads what rank 0 wrote
+    monkeypatch.setenv(L.ENV_RANK, "1")   # rank 1 (another process: its own count of exchanges) reads it
+    monkeypatch.setattr(L, "_used", {})
     C.NcclComm.from_env(timeout=1.0)
     assert got == {"u": uid, "r": 1, "s": 2, "active": True}
+    monkeypatch.setenv(L.ENV_SIZE, "3")
+    with pytest.raises(RuntimeError, match="3 ranks on 2 visible GPUs"):
+        C.NcclComm.from_env()
+
+
+def test_launcher_stopped_by_sigterm_stops_its_ranks(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, sys, time\n"
+                      "open(os.path.join(sys.argv[1], 'pid%s' % os.environ['VBW_RANK']), 'w').write(str(os.getpid()))\n"
+                      "time.sleep(60)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "vbw_cupy.dist.launch", "--nproc", "2", "--grace", "1",
+                                 str(script), str(tmp_path)])
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"pid{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline and launcher.poll() is None
+        time.sleep(0.05)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    for pid in pids:   # gone (or at most a zombie of a parent that has exited: reaped by init)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, f"rank pid {pid} still runs"
+            time.sleep(0.05)
+
+
+def test_each_rendezvous_of_a_run_has_its_own_id(tmp_path, monkeypatch):
+    """The n-th exchange of a process reads the n-th id rank 0 wrote (a second communicator never picks up the
+    first one's id)."""
+    from vbw_cupy.dist import launch as L
+    monkeypatch.setattr(L, "_used", {})
+    assert [L.rendezvous(tmp_path, 0, lambda: b"first"), L.rendezvous(tmp_path, 0, lambda: b"second")] == \
+        [b"first", b"second"]
+    monkeypatch.setattr(L, "_used", {})   # rank 1, another process
+    assert [L.rendezvous(tmp_path, 1, None, timeout=1), L.rendezvous(tmp_path, 1, None, timeout=1)] == \
+        [b"first", b"second"]

@@ -516,25 +516,81 @@ def _sticky_error(t: Tunable, cfg: dict, e: BaseException) -> RuntimeError:
 _ROUNDS = 4   # kernels a candidate may reach one after another (a layout kernel, the GEMM, a split-K reduction)
 
 
-def _ready_candidates(t: Tunable, run, cands):
-    """Yield (i, None) for each candidate of `cands` as soon as its kernels are compiled, and (i, why) for one
-    whose kernel failed to compile (scored without compiling again), so candidates are timed while slower ones
-    still compile: a first call costs about its slowest compile, not the compile then all the timing.
+def _compile_workers() -> int:
+    """Compile threads while tuning: one core is left to the thread that times (a stalled launch would count
+    as kernel time)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(16, cores - 1))
+
+
+class _CompilePool:
+    """rt._compile_one on a few threads of its own, urgent jobs first (a PriorityQueue); get() returns
+    (job, error) in completion order. Threads that cannot start leave the jobs to the caller's thread, one at
+    a time. close() stops the threads after their current job; jobs not started are dropped."""
+
+    def __init__(self, workers: int):
+        import itertools
+        import queue
+        self._jobs, self._done, self._order = queue.PriorityQueue(), queue.SimpleQueue(), itertools.count()
+        self.pending, self.threads = 0, []
+        for _ in range(workers):
+            t = threading.Thread(target=self._work, name="vbw_cupy-nvrtc", daemon=True)
+            try:
+                t.start()
+            except RuntimeError as e:  # "can't start new thread" (not a kernel's fault)
+                if not self.threads:
+                    rt.warn_once(f"pool:{e}", f"vbw_cupy: parallel compile failed ({e}); compiling one kernel at a "
+                                 "time")
+                break
+            self.threads.append(t)
+
+    def _work(self):
+        while True:
+            _, _, job = self._jobs.get()
+            if job is None:
+                return
+            self._done.put(rt._compile_one(job))
+
+    def put(self, job, urgent: bool = False) -> None:
+        self.pending += 1
+        if self.threads:
+            self._jobs.put((0 if urgent else 1, next(self._order), job))
+        else:
+            self._done.put(rt._compile_one(job))
+
+    def get(self):
+        self.pending -= 1
+        return self._done.get()
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self._jobs.put((-1, next(self._order), None))
+
+
+def _ready_candidates(t: Tunable, run, cands, urgent: int | None = None):
+    """Yield (i, why, busy) for each candidate of `cands` as soon as its kernels are compiled (why None), or
+    once a kernel it needs failed to compile (why: the error; it is scored without compiling again), so
+    candidates are timed while slower ones still compile: a first call costs about its slowest compile, not the
+    compile then all the timing. busy: compiles were still running when it was yielded (its timing shared the
+    CPU with them). Candidate `urgent` (the default, timed first) has its kernels compiled before the others'.
 
     Each candidate runs once under rt.collecting() (cached kernels load and launch; the first one not compiled
-    stops the run with NeedsCompile); what it asked for is compiled on a pool of threads (NVRTC releases the
-    GIL), and when that lands the candidate runs again, for a kernel it reaches only after another (at most
-    _ROUNDS rounds; a cache that cannot keep what it compiled asks for the same kernel again, and the timing
-    compiles it then). The timer's L2 flush kernel is compiled before anything is yielded. Any other error is
-    left to the timing, which scores the candidate; with the real (CUDA event) timer each run is synchronized,
-    so a sticky fault is blamed on the config that caused it."""
-    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+    stops the run with NeedsCompile); what it asked for compiles on a `_CompilePool` (NVRTC releases the GIL),
+    and when that lands the candidate runs again, for a kernel it reaches only after another (at most _ROUNDS
+    rounds; a cache that cannot keep what it compiled asks for a kernel again, and the timing compiles it then).
+    The timer's L2 flush kernel is compiled before anything is yielded. Any other error is left to the timing,
+    which scores the candidate; with the real (CUDA event) timer each run is synchronized, so a sticky fault is
+    blamed on the config that caused it."""
     gpu = _timer is _cuda_event_timer
     failed: dict = {}       # job -> why it failed
+    compiled: set = set()   # jobs that landed without error
     waiting: dict = {}      # job -> indices of the candidates waiting for it
-    futures: dict = {}      # future -> job
     rounds = [0] * len(cands)
-    ex, serial = None, False
+    ready: list = []        # (i, why) to yield
+    pool = None
 
     def probe(i):
         """The job candidate i needs next, or None when its kernels are all there."""
@@ -552,85 +608,72 @@ def _ready_candidates(t: Tunable, run, cands):
                 raise _sticky_error(t, cands[i], e) from e
         return None
 
-    def submit(job):
-        nonlocal ex, serial
+    def submit(job, first: bool):
+        nonlocal pool
+        pool = pool or _CompilePool(_compile_workers())
         _stats["compiled"] += 1
-        if not serial:
-            try:
-                ex = ex or ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="vbw_cupy-nvrtc")
-                futures[ex.submit(rt._compile_one, job)] = job
-                return
-            except RuntimeError as e:  # "can't start new thread" (not a kernel's fault)
-                rt.warn_once(f"pool:{e}", f"vbw_cupy: parallel compile failed ({e}); compiling one kernel at a time")
-                serial = True
-        _, err = rt._compile_one(job)
-        done_jobs.append((job, err))
+        pool.put(job, first)
 
     def need(i, job):
-        """Candidate i needs `job`: why it cannot run (a kernel that failed to compile), or None: it waits."""
+        """Candidate i needs `job` next: queue it (or wait for it), or mark i ready when it cannot be had."""
         if job in failed:
-            return failed[job]
-        rounds[i] += 1
-        waiting.setdefault(job, []).append(i)
-        if len(waiting[job]) == 1 and job not in futures.values():
-            submit(job)
-        return None
+            ready.append((i, failed[job]))
+        elif job in compiled or rounds[i] >= _ROUNDS:
+            ready.append((i, None))   # a cache that cannot keep it, or a long chain: the timing compiles it
+        else:
+            rounds[i] += 1
+            waiting.setdefault(job, []).append(i)
+            if len(waiting[job]) == 1:
+                submit(job, i == urgent)
 
-    done_jobs: list = []    # (job, error) compiled and not yet looked at
-    ready: list = []        # (i, why) to yield
-
-    def step():
-        """Wait for a compile to land (unless some already have) and move its candidates on."""
-        if futures and not done_jobs:
-            done, _ = wait(list(futures), return_when=FIRST_COMPLETED)
-            done_jobs.extend((futures.pop(f), f.result()[1]) for f in done)
-        landed = list(done_jobs)
-        done_jobs.clear()
-        for job, err in landed:
+    def land():
+        """Wait for one compile and move the candidates that waited for it on. Returns the job."""
+        job, err = pool.get()
+        if err:
+            failed[job] = err
+        else:
+            compiled.add(job)
+        for i in waiting.pop(job, []):
+            again = None if err else probe(i)
             if err:
-                failed[job] = err
-            for i in waiting.pop(job, []):
-                if err:
-                    ready.append((i, err))
-                    continue
-                again = probe(i)
-                if again is None or again == job or rounds[i] >= _ROUNDS:
-                    ready.append((i, None))   # compiled (or a cache that cannot keep it: the timing compiles it)
-                else:
-                    why = need(i, again)
-                    if why is not None:
-                        ready.append((i, why))
-        return {job for job, _ in landed}
+                ready.append((i, err))
+            elif again is None:
+                ready.append((i, None))
+            else:
+                need(i, again)
+        return job
 
     try:
         flush = None
-        if gpu and not t.warm_l2:
+        if gpu and not t.warm_l2 and cands:
             try:
                 with rt.collecting():
                     rt.get_kernel(PROBE_SOURCE, "l2_flush_read")
             except rt.NeedsCompile as e:
                 flush = e.job
-                submit(flush)
+                submit(flush, True)
             except Exception:  # (an unloadable image: the timing reports it per candidate)
                 pass
-        for i in range(len(cands)):
+        order = sorted(range(len(cands)), key=lambda i: i != urgent)   # the urgent candidate's kernels first
+        for i in order:
             job = probe(i)
-            why = None if job is None else need(i, job)
-            if job is None or why is not None:
-                ready.append((i, why))
-        while flush is not None and (futures or done_jobs):   # the first timing flushes L2 with it
-            if flush in step():
-                flush = None
+            if job is None:
+                ready.append((i, None))
+            else:
+                need(i, job)
+        while flush is not None and land() != flush:   # the first timing flushes L2 with it
+            pass
         while True:
             out = list(ready)
             ready.clear()
-            yield from out
-            if not futures and not done_jobs:
+            for i, why in out:
+                yield i, why, bool(pool is not None and pool.pending)
+            if pool is None or not pool.pending:
                 return
-            step()
+            land()
     finally:
-        if ex is not None:
-            ex.shutdown(wait=True, cancel_futures=True)  # the running compiles finish (NVRTC cannot be stopped)
+        if pool is not None:
+            pool.close()
 
 
 def _tune_key(t: Tunable, run, dev: dict) -> dict:
@@ -648,51 +691,53 @@ def _tune_key(t: Tunable, run, dev: dict) -> dict:
             cands.append(c)
     t0 = time.perf_counter()
     per = _budget_s() / max(1, len(cands))
-    best, best_ms, default_ms, results, timing = None, math.inf, None, [], 0.0
-    held = []   # candidates ready before the default: timed right after it (the cutoff is set by the default)
-    default_done = default not in cands
+    best, best_ms, default_ms, timing = None, math.inf, None, 0.0
+    results: dict = {}   # index -> (config, ms or None, why)
+    retime = []          # cut off after one sample taken while compiles ran: timed again once they are done
 
-    def time_one(i, why):
+    def time_one(i, why, busy=False):
         nonlocal best, best_ms, default_ms, timing
         c = cands[i]
         if why is not None:
-            _stats["failed"] += 1
-            results.append((c, None, f"compile: {why.splitlines()[0]}"[:200]))
+            results[i] = (c, None, f"compile: {why.splitlines()[0]}"[:200])
             return
         _stats["timer_calls"] += 1
+        cutoff = best_ms * CUTOFF_FACTOR if best_ms < math.inf else None
         t1 = time.perf_counter()
         try:
-            ms = float(_timer(run, c, budget_s=per, flush=not t.warm_l2,
-                              cutoff_ms=best_ms * CUTOFF_FACTOR if best_ms < math.inf else None))
+            ms = float(_timer(run, c, budget_s=per, flush=not t.warm_l2, cutoff_ms=cutoff))
             if not ms > 0 or math.isnan(ms):
                 raise ValueError(f"timer returned {ms!r}")
         except Exception as e:  # unusable candidate; sticky CUDA errors cannot be survived
             if _is_sticky(e):
                 raise _sticky_error(t, c, e) from e
-            _stats["failed"] += 1
-            results.append((c, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]))
+            results[i] = (c, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200])
             return
         finally:
             timing += time.perf_counter() - t1
-        results.append((c, ms, None))
+        results[i] = (c, ms, None)
+        if busy and cutoff is not None and ms > cutoff:
+            retime.append(i)
         if c == default:
             default_ms = ms
         if ms < best_ms:
             best, best_ms = c, ms
 
-    for i, why in _ready_candidates(t, run, cands):
-        if default_done:
-            time_one(i, why)
-            continue
-        held.append((i, why))
-        if cands[i] == default:
-            default_done = True
-            held.sort(key=lambda iw: cands[iw[0]] != default)   # the default first, then in readiness order
-            for iw in held:
-                time_one(*iw)
-            held = []
-    for iw in held:   # (the default never became ready: only if it was not among the candidates)
-        time_one(*iw)
+    urgent = cands.index(default) if default in cands else None
+    held = []   # candidates ready before the default: timed right after it (its time sets the others' cutoff)
+    with contextlib.closing(_ready_candidates(t, run, cands, urgent)) as ready:
+        for i, why, busy in ready:
+            if urgent is None or i == urgent:
+                time_one(i, why, busy)
+                urgent = None
+                for iw in held:
+                    time_one(*iw)
+                held = []
+            else:
+                held.append((i, why, busy))
+    for i in retime:   # a stall beside the compiles must not cut a candidate off for good
+        time_one(i, None)
+    _stats["failed"] += sum(1 for r in results.values() if r[1] is None)
     t1 = time.perf_counter()
     _stats["compile_s"] += t1 - t0 - timing   # the wall time tuning spent on anything but timing
     if best is not None and best != default and default_ms is not None:
@@ -700,7 +745,7 @@ def _tune_key(t: Tunable, run, dev: dict) -> dict:
     _stats["timing_s"] += timing + time.perf_counter() - t1
     return {"kernel": t.name, "config": best, "ms": best_ms if best is not None else None,
             "default": default, "default_ms": default_ms, "tried": len(cands),
-            "failed": sum(1 for r in results if r[1] is None), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "failed": sum(1 for r in results.values() if r[1] is None), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 def _confirm(run, default: dict, best: dict, per: float, flush: bool = True):

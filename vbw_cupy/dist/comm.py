@@ -241,6 +241,11 @@ def _nccl():
     return nccl
 
 
+def _visible_gpus() -> int:
+    import cupy
+    return cupy.cuda.runtime.getDeviceCount()
+
+
 def _nccl_dtype(nccl, dtype) -> int:
     dtype = np.dtype(dtype)
     table = {"float16": nccl.NCCL_FLOAT16, "float32": nccl.NCCL_FLOAT32, "float64": nccl.NCCL_FLOAT64,
@@ -283,8 +288,14 @@ class NcclComm(Comm):
         from .launch import env_rank, rendezvous
         rank, size, folder = env_rank()
         nccl = _nccl()
+        have = _visible_gpus()
+        if size > have:
+            raise RuntimeError(f"{size} ranks on {have} visible GPUs: the launcher runs one process a GPU "
+                               f"(--nproc at most {have})")
         raw = rendezvous(folder, rank, lambda: (np.asarray(nccl.get_unique_id(), dtype=np.int64) & 0xFF)
                          .astype(np.uint8).tobytes(), timeout)
+        if len(raw) != 128:
+            raise RuntimeError(f"rank {rank}: NCCL id of {len(raw)} bytes in {folder} (expected 128)")
         comm = cls.from_unique_id(tuple(np.frombuffer(raw, dtype=np.int8).tolist()), rank, size)
         comm.activate()   # the process's one GPU is its current device from here on
         return comm

@@ -9,9 +9,11 @@ it. Every rank then runs the same program on its own data (SPMD); a tensor-paral
 `TPLlamaGPU(config, weights, comm, ...)` a process, and `models.generate_ids` on it gives every rank the same
 ids (the same logits, sampled the same way).
 
-If a process exits with an error the launcher stops the others (SIGTERM, then SIGKILL after a grace period)
-and exits with that process's status; Ctrl-C stops them all. Under `mpiexec`, use `NcclComm.from_mpi()`
-instead: the same program, and several hosts.
+If a process exits with an error the launcher stops the others (SIGTERM to each one's process group, then
+SIGKILL after a grace period) and exits with that process's status; Ctrl-C, SIGTERM or SIGHUP to the launcher
+stops them all. A rank that waits in NCCL for a peer that never comes (a program whose ranks disagree on their
+collectives) waits forever, as under any launcher. Under `mpiexec`, use `NcclComm.from_mpi()` instead: the same
+program, and several hosts.
 
 Threads (`TPGroup.on_gpus`, `NcclComm.init_all`) are the other way: one process, one thread a GPU, one Python
 interpreter whose GIL the ranks share.
@@ -26,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ENV_RANK, ENV_SIZE, ENV_RDZV = "VBW_RANK", "VBW_WORLD_SIZE", "VBW_RDZV"
@@ -44,10 +47,16 @@ def env_rank() -> tuple[int, int, pathlib.Path]:
     return rank, size, rdzv
 
 
+_used = {}   # rendezvous folder -> how many ids this process has exchanged there
+
+
 def rendezvous(folder, rank: int, make_id, timeout: float = 120.0) -> bytes:
     """The bytes rank 0 makes with make_id(), on every rank: rank 0 writes them into `folder` (atomically: a
-    temporary name, then a rename), the others wait for the file. TimeoutError after `timeout` seconds."""
-    path = pathlib.Path(folder) / _ID_FILE
+    temporary name, then a rename), the others wait for the file. The n-th call in a process uses the n-th
+    file, so every rank must make the same calls in the same order (an SPMD program does). TimeoutError after
+    `timeout` seconds."""
+    n = _used[str(folder)] = _used.get(str(folder), 0) + 1
+    path = pathlib.Path(folder) / f"{_ID_FILE}.{n}"
     if rank == 0:
         data = bytes(make_id())
         tmp = path.with_suffix(".tmp")
@@ -62,17 +71,28 @@ def rendezvous(folder, rank: int, make_id, timeout: float = 120.0) -> bytes:
     return path.read_bytes()
 
 
+def _signal_group(p, sig) -> None:
+    try:
+        os.killpg(p.pid, sig)   # the rank and what it started (each rank leads its own session)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _stop(procs, grace: float) -> None:
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+            _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + grace
     for p in procs:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
+            _signal_group(p, signal.SIGKILL)
             p.wait()
+
+
+def _raise_exit(sig, frame):
+    raise SystemExit(128 + sig)
 
 
 def launch(argv: list, nproc: int, grace: float = 5.0, python: str | None = None) -> int:
@@ -83,28 +103,36 @@ def launch(argv: list, nproc: int, grace: float = 5.0, python: str | None = None
     if not argv:
         raise ValueError("argv: expected a script (and its arguments), got nothing")
     rdzv = tempfile.mkdtemp(prefix="vbw_rdzv_")
-    procs = []
+    procs, handlers = [], {}
+    if threading.current_thread() is threading.main_thread():   # a SIGTERM / SIGHUP stops the ranks too
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            handlers[sig] = signal.signal(sig, _raise_exit)
     try:
         for r in range(nproc):
             env = dict(os.environ, **{ENV_RANK: str(r), ENV_SIZE: str(nproc), ENV_RDZV: rdzv})
-            procs.append(subprocess.Popen([python or sys.executable, *argv], env=env))
-        status = 0
-        while status == 0 and any(p.poll() is None for p in procs):
-            for p in procs:
-                rc = p.poll()
-                if rc:
-                    status = rc if rc > 0 else 128 - rc
-                    break
+            procs.append(subprocess.Popen([python or sys.executable, *argv], env=env, start_new_session=True))
+        while True:
+            failed = [(r, p.returncode) for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed:
+                r, rc = failed[0]
+                status = rc if rc > 0 else 128 - rc
+                print(f"vbw_cupy.dist.launch: rank {r} exited with status {status}; stopping the others",
+                      file=sys.stderr)
+                return status
+            if all(p.returncode == 0 for p in procs):
+                return 0
             time.sleep(0.05)
-        if status == 0:
-            rc = next((p.returncode for p in procs if p.returncode), 0)
-            status = rc if rc >= 0 else 128 - rc
-        return status
     except KeyboardInterrupt:
         return 130
+    except SystemExit as e:   # SIGTERM / SIGHUP
+        return int(e.code)
     finally:
-        _stop(procs, grace)
-        shutil.rmtree(rdzv, ignore_errors=True)
+        try:
+            _stop(procs, grace)
+        finally:
+            shutil.rmtree(rdzv, ignore_errors=True)
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
 
 
 def main(argv=None) -> int:
