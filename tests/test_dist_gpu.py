@@ -263,3 +263,29 @@ def test_launcher_runs_a_tp_model_one_process_a_gpu(size, tmp_path):
     for got, t in zip(res[0]["ids"], want.sequences):
         common = next((i for i, (a, b) in enumerate(zip(got, t.ids)) if a != b), min(len(got), len(t.ids)))
         assert common >= min(8, len(t.ids)), (got, t.ids)
+
+
+def test_lse_merge_kernel_grid_stride_and_unseen_accumulator_rows():
+    """More rows than one launch's warps (65535 CTAs x 8: the grid-stride loop) merged against a NumPy
+    float64 merge; accumulator rows that have seen nothing (lse -inf) are overwritten without being read, so a
+    NaN left there does not leak."""
+    if not rt.gpu_available():
+        pytest.skip("no CUDA device")
+    import cupy as cp
+    from vbw_cupy.dist.ring import _merge
+    rng = np.random.default_rng(12)
+    B, L, H, D = 1, 70_000, 8, 8                       # 560,000 rows > 524,280
+    out0 = rng.standard_normal((B, L, H, D)).astype(np.float32)
+    lse0 = rng.standard_normal((B, H, L)).astype(np.float32)
+    lse0[:, :, ::7] = -np.inf                          # unseen rows: their out holds NaN
+    out0[:, ::7] = np.nan
+    ob = rng.standard_normal((B, L, H, D)).astype(np.float16)
+    lseb = rng.standard_normal((B, H, L)).astype(np.float32)
+    out, lse = cp.asarray(out0), cp.asarray(lse0)
+    _merge(cp, out, lse, 0, cp.asarray(ob), cp.asarray(lseb))
+    want_o, want_l = out0.astype(np.float64), lse0.astype(np.float64)
+    want_o[:, ::7] = 0.0
+    _merge(np, want_o, want_l, 0, ob.astype(np.float64), lseb.astype(np.float64))
+    got = out.get()
+    assert np.isfinite(got).all()
+    assert rel(got, want_o) <= 1e-6 and rel(lse.get(), want_l) <= 1e-6
