@@ -409,33 +409,72 @@ def _compile_one(job):
         return job, f"{type(e).__name__}: {str(e)[:2000]}"
 
 
+class CompilePool:
+    """`_compile_one` on up to `workers` threads of its own (NVRTC releases the GIL, so they run in parallel; no
+    processes, so nothing is re-imported and a user's script needs no ``__main__`` guard), urgent jobs first;
+    get() returns (job, error) in completion order. Threads that cannot start leave the jobs to the caller's
+    thread, one at a time. close() drops the jobs not started and waits for the running ones (NVRTC cannot be
+    stopped). Used by compile_jobs (a batch) and by the autotuner (jobs as the candidates ask for them)."""
+
+    def __init__(self, workers: int):
+        import itertools
+        import queue
+        self._jobs, self._done, self._order = queue.PriorityQueue(), queue.SimpleQueue(), itertools.count()
+        self.pending, self.threads = 0, []
+        for _ in range(max(1, workers)):
+            t = threading.Thread(target=self._work, name="vbw_cupy-nvrtc", daemon=True)
+            try:
+                t.start()
+            except RuntimeError as e:  # "can't start new thread" (not a kernel's fault)
+                if not self.threads:
+                    warn_once(f"pool:{e}", f"vbw_cupy: parallel compile failed ({e}); compiling one kernel at a "
+                              "time")
+                break
+            self.threads.append(t)
+
+    def _work(self):
+        while True:
+            _, _, job = self._jobs.get()
+            if job is None:
+                return
+            self._done.put(_compile_one(job))
+
+    def put(self, job, urgent: bool = False) -> None:
+        self.pending += 1
+        if self.threads:
+            self._jobs.put((0 if urgent else 1, next(self._order), job))
+        else:
+            self._done.put(_compile_one(job))
+
+    def get(self):
+        self.pending -= 1
+        return self._done.get()
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self._jobs.put((-1, next(self._order), None))   # before every job still queued
+        for t in self.threads:
+            t.join()
+
+
 def compile_jobs(jobs, desc: str = "compiling", workers: int | None = None, progress: bool = True) -> dict:
-    """Compile (filename, instance, arch, options) jobs into the kernel cache on a pool of threads (NVRTC
-    releases the GIL, so they run in parallel; no processes, so nothing is re-imported and a user's script
-    needs no ``__main__`` guard). Returns {job: error} for the failures. With `progress`, a bar on stderr
-    once it has taken 2 s. An interrupt cancels the jobs not started yet; a pool that cannot start its
-    threads leaves the jobs to this thread, one at a time (those already compiled are cache hits)."""
-    from concurrent.futures import ThreadPoolExecutor, as_completed
+    """Compile (filename, instance, arch, options) jobs into the kernel cache on a `CompilePool`. Returns
+    {job: error} for the failures. With `progress`, a bar on stderr once it has taken 2 s. An interrupt cancels
+    the jobs not started yet; a pool that cannot start its threads leaves the jobs to this thread, one at a time
+    (those already compiled are cache hits)."""
     jobs = sorted(set(jobs))
     if not jobs:
         return {}
-    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs), 16))
-    ex = ThreadPoolExecutor(workers, thread_name_prefix="vbw_cupy-nvrtc")
+    pool = CompilePool(min(workers or os.cpu_count() or 1, len(jobs), 16))
     try:
-        futures = [ex.submit(_compile_one, j) for j in jobs]
-    except RuntimeError as e:  # "can't start new thread" (not a kernel's fault)
-        ex.shutdown(wait=True, cancel_futures=True)
-        warn_once(f"pool:{e}", f"vbw_cupy: parallel compile failed ({e}); compiling one kernel at a time")
-        return {j: err for j, err in map(_compile_one, jobs) if err}
-    try:
-        done = as_completed(futures)
+        for j in jobs:
+            pool.put(j)
+        done = (pool.get() for _ in jobs)
         if progress:
             done = _progress.bar(done, len(jobs), desc)
-        res = [f.result() for f in done]
-    except BaseException:
-        ex.shutdown(wait=True, cancel_futures=True)  # the running compiles finish (NVRTC cannot be stopped)
-        raise
-    ex.shutdown(wait=True)
+        res = list(done)
+    finally:
+        pool.close()
     return {j: e for j, e in res if e}
 
 

@@ -526,50 +526,6 @@ def _compile_workers() -> int:
     return max(1, min(16, cores - 1))
 
 
-class _CompilePool:
-    """rt._compile_one on a few threads of its own, urgent jobs first (a PriorityQueue); get() returns
-    (job, error) in completion order. Threads that cannot start leave the jobs to the caller's thread, one at
-    a time. close() stops the threads after their current job; jobs not started are dropped."""
-
-    def __init__(self, workers: int):
-        import itertools
-        import queue
-        self._jobs, self._done, self._order = queue.PriorityQueue(), queue.SimpleQueue(), itertools.count()
-        self.pending, self.threads = 0, []
-        for _ in range(workers):
-            t = threading.Thread(target=self._work, name="vbw_cupy-nvrtc", daemon=True)
-            try:
-                t.start()
-            except RuntimeError as e:  # "can't start new thread" (not a kernel's fault)
-                if not self.threads:
-                    rt.warn_once(f"pool:{e}", f"vbw_cupy: parallel compile failed ({e}); compiling one kernel at a "
-                                 "time")
-                break
-            self.threads.append(t)
-
-    def _work(self):
-        while True:
-            _, _, job = self._jobs.get()
-            if job is None:
-                return
-            self._done.put(rt._compile_one(job))
-
-    def put(self, job, urgent: bool = False) -> None:
-        self.pending += 1
-        if self.threads:
-            self._jobs.put((0 if urgent else 1, next(self._order), job))
-        else:
-            self._done.put(rt._compile_one(job))
-
-    def get(self):
-        self.pending -= 1
-        return self._done.get()
-
-    def close(self) -> None:
-        for _ in self.threads:
-            self._jobs.put((-1, next(self._order), None))
-
-
 def _ready_candidates(t: Tunable, run, cands, urgent: int | None = None):
     """Yield (i, why, busy) for each candidate of `cands` as soon as its kernels are compiled (why None), or
     once a kernel it needs failed to compile (why: the error; it is scored without compiling again), so
@@ -578,7 +534,7 @@ def _ready_candidates(t: Tunable, run, cands, urgent: int | None = None):
     CPU with them). Candidate `urgent` (the default, timed first) has its kernels compiled before the others'.
 
     Each candidate runs once under rt.collecting() (cached kernels load and launch; the first one not compiled
-    stops the run with NeedsCompile); what it asked for compiles on a `_CompilePool` (NVRTC releases the GIL),
+    stops the run with NeedsCompile); what it asked for compiles on an `rt.CompilePool` (NVRTC releases the GIL),
     and when that lands the candidate runs again, for a kernel it reaches only after another (at most _ROUNDS
     rounds; a cache that cannot keep what it compiled asks for a kernel again, and the timing compiles it then).
     The timer's L2 flush kernel is compiled before anything is yielded. Any other error is left to the timing,
@@ -610,7 +566,7 @@ def _ready_candidates(t: Tunable, run, cands, urgent: int | None = None):
 
     def submit(job, first: bool):
         nonlocal pool
-        pool = pool or _CompilePool(_compile_workers())
+        pool = pool or rt.CompilePool(_compile_workers())
         _stats["compiled"] += 1
         pool.put(job, first)
 
@@ -635,10 +591,8 @@ def _ready_candidates(t: Tunable, run, cands, urgent: int | None = None):
             compiled.add(job)
         for i in waiting.pop(job, []):
             again = None if err else probe(i)
-            if err:
+            if again is None:
                 ready.append((i, err))
-            elif again is None:
-                ready.append((i, None))
             else:
                 need(i, again)
         return job
@@ -737,7 +691,8 @@ def _tune_key(t: Tunable, run, dev: dict) -> dict:
                 held.append((i, why, busy))
     for i in retime:   # a stall beside the compiles must not cut a candidate off for good
         time_one(i, None)
-    _stats["failed"] += sum(1 for r in results.values() if r[1] is None)
+    failed = sum(1 for r in results.values() if r[1] is None)
+    _stats["failed"] += failed
     t1 = time.perf_counter()
     _stats["compile_s"] += t1 - t0 - timing   # the wall time tuning spent on anything but timing
     if best is not None and best != default and default_ms is not None:
@@ -745,7 +700,7 @@ def _tune_key(t: Tunable, run, dev: dict) -> dict:
     _stats["timing_s"] += timing + time.perf_counter() - t1
     return {"kernel": t.name, "config": best, "ms": best_ms if best is not None else None,
             "default": default, "default_ms": default_ms, "tried": len(cands),
-            "failed": sum(1 for r in results.values() if r[1] is None), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "failed": failed, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 def _confirm(run, default: dict, best: dict, per: float, flush: bool = True):

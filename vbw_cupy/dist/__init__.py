@@ -8,6 +8,6 @@ from .comm import Comm, NcclComm, Pending, RankThreads, SimComm, SimGroup, run_r
 from .ring import ring_attention, zigzag_bounds, zigzag_merge, zigzag_positions, zigzag_split
 from .tp import TPGroup, TPLlama, TPLlamaGPU, check_tp, load_tp_model, require_gpus, shard_weights
 
-__all__ = ["Comm", "Pending", "SimComm", "SimGroup", "NcclComm", "run_ranks", "RankThreads", "ring_attention", "zigzag_bounds",
-           "zigzag_positions", "zigzag_split", "zigzag_merge", "TPLlama", "TPLlamaGPU", "TPGroup", "shard_weights", "check_tp",
-           "load_tp_model", "require_gpus"]
+__all__ = ["Comm", "Pending", "SimComm", "SimGroup", "NcclComm", "run_ranks", "RankThreads", "ring_attention",
+           "zigzag_bounds", "zigzag_positions", "zigzag_split", "zigzag_merge", "TPLlama", "TPLlamaGPU", "TPGroup",
+           "shard_weights", "check_tp", "load_tp_model", "require_gpus"]

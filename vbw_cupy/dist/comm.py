@@ -325,8 +325,8 @@ class NcclComm(Comm):
         import cupy
         if not x.flags.c_contiguous:
             raise ValueError("x: expected a C-contiguous array")
-        self._live().allReduce(x.data.ptr, x.data.ptr, x.size, _nccl_dtype(self._nccl, x.dtype), self._nccl.NCCL_SUM,
-                             cupy.cuda.get_current_stream().ptr)
+        self._live().allReduce(x.data.ptr, x.data.ptr, x.size, _nccl_dtype(self._nccl, x.dtype),
+                               self._nccl.NCCL_SUM, cupy.cuda.get_current_stream().ptr)
         return x
 
     def _live(self):

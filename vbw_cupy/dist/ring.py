@@ -59,8 +59,9 @@ def ring_attention(q, k, v, comm: Comm, *, seq_len: int | None = None, causal: b
     q [B, L, Hq, D], k and v [B, L, Hkv, D]: this rank's positions `zigzag_positions(seq_len, rank, size)`
     (L = seq_len / size when 2 size divides seq_len; seq_len defaults to L * size). NumPy arrays run the reference
     per block; CuPy arrays the GPU kernel (float16 / bfloat16) with NCCL. The merge is in float64 on NumPy,
-    float32 on the GPU (one kernel a block, cuda_src/lse_merge.cu). causal=True is the usual mask over the whole sequence (Sq == Sk). Returns o [B, L, Hq, D]
-    in q's dtype and, with return_lse=True, lse float32 [B, Hq, L], this rank's rows of the unsplit result.
+    float32 on the GPU (one kernel a block, cuda_src/lse_merge.cu). causal=True is the usual mask over the whole
+    sequence (Sq == Sk). Returns o [B, L, Hq, D] in q's dtype and, with return_lse=True, lse float32 [B, Hq, L],
+    this rank's rows of the unsplit result.
 
     >>> qs, ks, vs = (zigzag_split(a, 2) for a in (q, k, v))                           # doctest: +SKIP
     >>> run = lambda c: ring_attention(qs[c.rank], ks[c.rank], vs[c.rank], c, causal=True)  # doctest: +SKIP
@@ -127,15 +128,16 @@ def _merge(xp, out, lse, row0, o_b, lse_b):
         if o_b.dtype.name not in _T:
             raise TypeError(f"o_b: expected float16 or bfloat16, got {o_b.dtype}")
         L = out.shape[1]
-        if out.dtype != xp.float32 or lse.dtype != xp.float32 or not (out.flags.c_contiguous and lse.flags.c_contiguous) \
-                or out.shape != (B, L, H, D) or lse.shape != (B, H, L) or lse_b.shape != (B, H, n) or not 0 <= row0 <= L - n:
+        if out.dtype != xp.float32 or lse.dtype != xp.float32 or not out.flags.c_contiguous \
+                or not lse.flags.c_contiguous or out.shape != (B, L, H, D) or lse.shape != (B, H, L) \
+                or lse_b.shape != (B, H, n) or not 0 <= row0 <= L - n:
             raise ValueError(f"_merge: expected contiguous float32 out [B, L, H, D] and lse [B, H, L] with rows "
                              f"{row0}..{row0 + n} inside L, got {out.shape} {out.dtype}, {lse.shape} {lse.dtype}")
         o_b, lse_b = xp.ascontiguousarray(o_b), xp.ascontiguousarray(lse_b, dtype=xp.float32)
         rows = B * n * H
         rt.launch(rt.get_kernel(_SOURCE, f"vbw_ring::lse_merge<{_T[o_b.dtype.name]}>"),
                   (max(1, min(-(-rows // 8), 65535)),), (256,),
-                  (out, lse, o_b, lse_b, np.int32(B), np.int32(out.shape[1]), np.int32(row0), np.int32(n),
+                  (out, lse, o_b, lse_b, np.int32(B), np.int32(L), np.int32(row0), np.int32(n),
                    np.int32(H), np.int32(D)))
         return
     out, lse = out[:, row0:row0 + n], lse[:, :, row0:row0 + n]

@@ -171,7 +171,14 @@ class TPGroup:
         destroyed, then the rank threads stop. The group is unusable after. GPU groups still open at exit are
         closed then (atexit); a group dropped unclosed frees each rank's graphs before its communicator."""
         _live_groups.discard(self)
-        _close_ranks(self.models, self._run)
+        run = self._run
+        if not isinstance(run, RankThreads) or run.closed:   # simulated ranks hold nothing to end
+            return
+        for model in self.models:   # graphs first, from this thread (a broken group runs no jobs)
+            model._graphs = {}
+        if run.broken is None:
+            run(lambda comm: comm.close())
+        run.close()
 
     def host_weights(self) -> LlamaWeights:
         """The weights as the GPU ranks compute with them (FP4 shards dequantized), float32 on the host and put
@@ -205,17 +212,6 @@ class TPGroup:
                     tokens, cache.ranks[comm.rank], slots, **kwargs))[0]
             return decode_sample
         raise AttributeError(name)
-
-
-def _close_ranks(models, run) -> None:
-    if not isinstance(run, RankThreads) or run.closed:
-        return
-    for model in models:   # graphs first (they hold NCCL work), from this thread: a broken group runs no jobs
-        if hasattr(model, "_graphs"):
-            model._graphs = {}
-    if run.broken is None:
-        run(lambda comm: comm.close() if hasattr(comm, "close") else None)
-    run.close()
 
 
 _live_groups = weakref.WeakSet()   # GPU groups not closed yet: closed at exit, in order
