@@ -441,8 +441,9 @@ def test_cli_errors(tmp_path, capsys, tok_bin):
 
 
 def test_gpu_model_host_checks_and_step_state_cache_identity(monkeypatch):
-    """LlamaGPU's host-side checks run before any device work, and a decode state never outlives its cache's
-    identity (a new cache reusing a dead one's id() gets fresh graphs). CPU only: no kernel is launched."""
+    """LlamaGPU's host-side checks run before any device work, and a decode state never outlives its cache
+    storage's identity (new arrays reusing a dead storage's id() get fresh graphs; a cache that took a storage
+    over gets its graphs). CPU only: no kernel is launched."""
     import types
     from vbw_cupy.models import LlamaConfig, gpu
     cfg = LlamaConfig(dim=64, hidden_dim=128, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=50, seq_len=8)
@@ -456,9 +457,13 @@ def test_gpu_model_host_checks_and_step_state_cache_identity(monkeypatch):
 
     monkeypatch.setattr(gpu, "_StepState", State)
 
+    class Storage:   # the device arrays' holder, which decode states key on
+        pass
+
     class Cache:   # what _step / prefill read on the host
         def __init__(self, B, lens, capacity=64):
             self._lens, self.capacity, self.max_batch = np.array(lens, dtype=np.int64), capacity, B
+            self.storage = Storage()
 
     c = Cache(2, [3, 8])
     with pytest.raises(ValueError, match="at least one slot"):
@@ -476,12 +481,15 @@ def test_gpu_model_host_checks_and_step_state_cache_identity(monkeypatch):
 
     a = Cache(2, [1, 1])
     st = model._state(a, None, 0)
-    assert model._state(a, None, 0) is st and st.cache() is a
-    stale = types.SimpleNamespace(cache=lambda: None)   # the state of a cache that died, under a reused id
+    assert model._state(a, None, 0) is st and st.cache() is a.storage
+    stale = types.SimpleNamespace(cache=lambda: None)   # the state of a storage that died, under a reused id
     b = Cache(2, [1, 1])
-    model._graphs = {(id(b), None, 0): stale}
+    model._graphs = {(id(b.storage), None, 0): stale}
     st_b = model._state(b, None, 0)
-    assert st_b is not stale and st_b.cache() is b and list(model._graphs.values()) == [st_b]
+    assert st_b is not stale and st_b.cache() is b.storage and list(model._graphs.values()) == [st_b]
+    c = Cache(2, [1, 1])
+    c.storage = b.storage                                # a cache that took b's storage over replays its graphs
+    assert model._state(c, None, 0) is st_b
 
 
 @pytest.mark.parametrize("shared", [True, False])

@@ -169,3 +169,28 @@ def test_cli_generate_on_the_gpu(tmp_path, capsys):
     top2 = np.sort(logits)[-2:]
     if top2[1] - top2[0] > 0.05 * np.abs(logits).max():
         assert ids[len(prompt)] == int(np.argmax(logits))
+
+
+def test_generate_calls_reuse_the_cache_storage_and_its_graphs(monkeypatch):
+    """A second generate of the same size takes over the first call's cache arrays (the first cache is gone)
+    and replays its decode graphs instead of capturing them again; the ids equal a fresh model's, and a cache
+    that is still held is never taken over. release_cache() lets the arrays and graphs go."""
+    from vbw_cupy.models import gpu
+    captures = []
+    real = gpu._capture
+    monkeypatch.setattr(gpu, "_capture", lambda step, state: captures.append(1) or real(step, state))
+    model = _model("gqa-adjacent", "nvfp4")
+    rng = np.random.default_rng(5)
+    prompts = _prompts(rng, (20, 9), model.config.vocab_size)
+    first = generate_ids(model, prompts, max_new_tokens=30, stop_ids=())
+    n = len(captures)
+    assert n >= 2                                              # buckets 32 and 64
+    again = generate_ids(model, prompts, max_new_tokens=30, stop_ids=())
+    assert len(captures) == n                                  # replayed, not captured again
+    fresh = generate_ids(_model("gqa-adjacent", "nvfp4"), prompts, max_new_tokens=30, stop_ids=())
+    assert [s.ids for s in again.sequences] == [s.ids for s in first.sequences] == [s.ids for s in fresh.sequences]
+    held = model.new_cache(2, 64)
+    other = model.new_cache(2, 64)
+    assert other.storage is not held.storage                   # held: never taken over
+    model.release_cache()
+    assert model._graphs == {} and model._spare[0] is None

@@ -306,7 +306,7 @@ _MAX_PICKED = 4096
 # Bumped whenever a stored config may change: launch-plan caches in the op modules include it in their keys.
 _generation = 0
 _stats = {"timer_calls": 0, "tuned": 0, "memory_hits": 0, "disk_hits": 0, "defaults": 0, "failed": 0,
-          "compiled": 0, "compile_s": 0.0, "timing_s": 0.0}
+          "retimed": 0, "compiled": 0, "compile_s": 0.0, "timing_s": 0.0}
 
 
 def cache_path() -> pathlib.Path:
@@ -315,7 +315,8 @@ def cache_path() -> pathlib.Path:
 
 def stats() -> dict:
     """Counters since import / reset(): timer_calls, tuned (keys), memory_hits, disk_hits, defaults, failed
-    (candidates scored unusable), compiled (kernels compiled for candidates, in parallel, while others are
+    (candidates scored unusable), retimed (candidates cut off while compiles ran and timed again after them),
+    compiled (kernels compiled for candidates, in parallel, while others are
     timed), compile_s and timing_s (seconds of tuning not spent timing, mostly waiting for compiles, and
     seconds spent running candidates for timing)."""
     return dict(_stats)
@@ -690,6 +691,7 @@ def _tune_key(t: Tunable, run, dev: dict) -> dict:
             else:
                 held.append((i, why, busy))
     for i in retime:   # a stall beside the compiles must not cut a candidate off for good
+        _stats["retimed"] += 1
         time_one(i, None)
     failed = sum(1 for r in results.values() if r[1] is None)
     _stats["failed"] += failed

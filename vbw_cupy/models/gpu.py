@@ -65,24 +65,47 @@ def rope_table(config: LlamaConfig) -> np.ndarray:
     return np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
 
 
+class _KVStorage:
+    """A GPUKVCache's device arrays: what its decode graphs are captured over. A model hands the storage of a
+    cache nobody holds any more to its next cache of the same size (LlamaGPU.new_cache), so that cache replays
+    the graphs instead of capturing them again."""
+    __slots__ = ("k", "v", "block_table", "seq_lens", "active", "__weakref__")
+
+    def __init__(self, k, v, block_table, seq_lens, active):
+        self.k, self.v, self.block_table, self.seq_lens, self.active = k, v, block_table, seq_lens, active
+
+
 class GPUKVCache:
     """Every layer's paged KV cache in one pair of arrays [n_layers, num_blocks, block_size, Hkv, D], with one
     block table and one seq_lens shared by the layers (Hkv: n_kv_heads, a tensor-parallel rank's own). Slot b
     owns blocks b * per_seq .. (b + 1) * per_seq - 1 for its whole life (reserved at creation), so decoding
-    never allocates."""
+    never allocates. `storage`: the arrays of an earlier cache of this size to take over, emptied."""
 
     def __init__(self, config: LlamaConfig, max_batch: int, max_tokens: int, dtype, block_size: int = 16,
-                 n_kv_heads: int | None = None):
+                 n_kv_heads: int | None = None, storage: _KVStorage | None = None):
         cp = rt.require_cupy()
         per_seq = -(-max_tokens // block_size)
         nb = max_batch * per_seq
         shape = (config.n_layers, nb, block_size, n_kv_heads or config.n_kv_heads, config.head_dim)
         self.block_size, self.num_blocks, self.capacity = block_size, nb, per_seq * block_size
-        self.k = cp.zeros(shape, dtype=dtype)
-        self.v = cp.zeros(shape, dtype=dtype)
-        self.block_table = cp.arange(nb, dtype=cp.int32).reshape(max_batch, per_seq)
-        self.seq_lens = cp.ones(max_batch, dtype=cp.int32)  # an idle slot attends one (zero) key: a valid length
-        self.active = cp.zeros(max_batch, dtype=cp.int32)
+        if storage is None:
+            storage = _KVStorage(cp.zeros(shape, dtype=dtype), cp.zeros(shape, dtype=dtype),
+                                 cp.arange(nb, dtype=cp.int32).reshape(max_batch, per_seq),
+                                 cp.ones(max_batch, dtype=cp.int32),  # an idle slot attends one (zero) key
+                                 cp.zeros(max_batch, dtype=cp.int32))
+        else:
+            if storage.k.shape != shape or storage.k.dtype != np.dtype(dtype) or storage.block_table.shape != (
+                    max_batch, per_seq):
+                raise ValueError(f"storage: expected K/V {shape} {np.dtype(dtype)}, got {storage.k.shape} "
+                                 f"{storage.k.dtype}")
+            with storage.k.device:   # emptied as a new cache is: no stale keys for idle slots to read
+                storage.k.fill(0)
+                storage.v.fill(0)
+                storage.seq_lens.fill(1)
+                storage.active.fill(0)
+        self.storage = storage
+        self.k, self.v, self.block_table = storage.k, storage.v, storage.block_table
+        self.seq_lens, self.active = storage.seq_lens, storage.active
         self._active = np.zeros(max_batch, dtype=np.int32)   # host mirror of `active`
         self._lens = np.zeros(max_batch, dtype=np.int64)
 
@@ -161,6 +184,7 @@ class LlamaGPU:
         self.classifier = lin(weights.classifier)
         self.rope = cp.asarray(rope_table(config))
         self._graphs: dict = {}
+        self._spare = (None, lambda: None)   # (storage of the last cache made, weakref to that cache)
 
     # -- host view of what runs (for the tests' reference runs)
     def host_weights(self) -> LlamaWeights:
@@ -176,7 +200,25 @@ class LlamaGPU:
         return LlamaWeights(self.embedding.get(), layers, self.rms_final.get(), self.classifier.dense())
 
     def new_cache(self, max_batch: int, max_tokens: int) -> GPUKVCache:
-        return GPUKVCache(self.config, max_batch, max_tokens, self.act_dtype, n_kv_heads=self.n_kv_heads)
+        """An empty cache for max_batch sequences of up to max_tokens tokens. The model keeps the arrays of the
+        last cache it made: when that cache is no longer referenced, a new one of the same size takes them over
+        (emptied), and the decode graphs captured over them replay instead of being captured again (each
+        `generate` call makes a cache). `release_cache()` lets that memory go."""
+        args = (self.config, max_batch, max_tokens, self.act_dtype)
+        spare, owner = self._spare
+        reuse = None
+        if spare is not None and owner() is None:
+            per_seq = -(-max_tokens // 16)
+            if spare.block_table.shape == (max_batch, per_seq):
+                reuse = spare
+        cache = GPUKVCache(*args, n_kv_heads=self.n_kv_heads, storage=reuse)
+        self._spare = (cache.storage, weakref.ref(cache))
+        return cache
+
+    def release_cache(self) -> None:
+        """Forget the arrays kept for the next cache and the decode graphs captured over them."""
+        self._spare = (None, lambda: None)
+        self._graphs = {}
 
     def _reduce(self, partial):
         """The O and down projections' outputs joined over tensor-parallel ranks (one model: as they are)."""
@@ -290,16 +332,17 @@ class LlamaGPU:
                        st.pos, st.tokens))
 
     def _state(self, cache: GPUKVCache, inv_temp, seed) -> "_StepState":
-        """The step buffers (and graphs) for this cache and sampling mode; those of other caches are dropped.
-        A state holds a weak reference to its cache: a new cache that reuses a dead one's id() never replays
-        graphs captured over the dead one's (freed) arrays."""
-        key = (id(cache), inv_temp, seed)
+        """The step buffers (and graphs) for this cache's storage and sampling mode; those of other storages are
+        dropped. A state holds a weak reference to its storage: new arrays that reuse a dead storage's id()
+        never replay graphs captured over the dead one's (freed) arrays, while a cache that took over a storage
+        (new_cache) replays its graphs."""
+        key = (id(cache.storage), inv_temp, seed)
         st = self._graphs.get(key)
-        if st is None or st.cache() is not cache:
-            for k in [k for k, s in self._graphs.items() if s.cache() is not cache]:
+        if st is None or st.cache() is not cache.storage:
+            for k in [k for k, s in self._graphs.items() if s.cache() is not cache.storage]:
                 del self._graphs[k]
             st = self._graphs[key] = _StepState(cache.max_batch, self.config.vocab_size, inv_temp, seed)
-            st.cache = weakref.ref(cache)
+            st.cache = weakref.ref(cache.storage)
         return st
 
     def decode(self, tokens, cache: GPUKVCache, slots, *, graph: bool = True):
@@ -375,7 +418,7 @@ class _StepState:
         self.slots = cp.arange(B, dtype=cp.int32)
         self.logits = cp.zeros((B, vocab), dtype=cp.float32)
         self.inv_temp, self.seed = inv_temp, seed
-        self.cache = lambda: None   # weakref.ref of the cache the graphs were captured over (set by _state)
+        self.cache = lambda: None   # weakref.ref of the cache storage the graphs were captured over (_state)
         self.graphs: dict = {}
 
 
