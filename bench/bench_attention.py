@@ -231,8 +231,7 @@ def sweep(Ds=(64, 128, 256), Ss=(4096,), rep=10, out=sys.stdout):
                       flush=True)
             best = None
             # wgmma configs twice: Q, K, V by TMA and by cp.async (attention._USE_TMA)
-            for cfg, tma in ((c, t) for c in A._all_configs(hd, True)
-                             for t in ((True, False) if c["KIND"] != "mma" else (False,))):
+            for cfg, tma in ((c, t) for c in A._all_configs(hd, True) for t in A._tma_variants(c)):
                 A._USE_TMA = tma
                 k = rt.get_kernel(A.SOURCE, A.instance_name("float16", hd, cfg, True, tma))
                 at = k.attributes

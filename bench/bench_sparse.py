@@ -121,20 +121,23 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=10)
     ap.add_argument("--stages", type=int, nargs="*", default=[],
                     help="A/B: also time the sm_90 wgmma tile of these STAGES counts (D = 128, 128 x 128 blocks)")
+    ap.add_argument("--ws", action="store_true",
+                    help="A/B: also time the warp-specialized wgmma tile (D = 128, 128 x 128 blocks)")
     a = ap.parse_args(argv)
     if not rt.gpu_available():
         print("bench_sparse: no CUDA device")
         return 1
     from vbw_cupy import attention, sparse
-    variants = [None] + list(a.stages)
+    variants = [("default", None)] + [(f"{st} stages", attention._wg(128, stages=st)) for st in a.stages]
+    variants += [("ws", attention._ws(128))] if a.ws else []
     default = sparse._WG_TILES
     for d in a.density:
-        for st in variants:
-            if st is not None:
-                sparse._WG_TILES = {**default, 128: (attention._wg(128, stages=st),)}
+        for label, tile in variants:
+            if tile is not None:
+                sparse._WG_TILES = {**default, 128: (tile,)}
             row = time_case(Case(a.S, a.D, a.B, a.H, d, a.block_q, a.block_k), rep=a.rep)
             sparse._WG_TILES = default
-            row = {"tile": "default" if st is None else f"{st} stages", **row}
+            row = {"tile": label, **row}
             print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                   flush=True)
     return 0

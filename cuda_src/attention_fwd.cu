@@ -51,6 +51,11 @@
 //      (columns past d zero-filled): 0.97-1.89x the mma.sync kernel, 0.95-2.06x FLASH (vbw_cupy/attention.py).
 //   SPARSE: Q's TMA load issued before the block list is read (H100, S = 16k, D = 128, 10% of the blocks, one
 //   run: 0.131-0.133x the dense time vs 0.145x with Q after the list).
+//   v7 (H100, 2026-11-26) WS: warp-specialized CTAs (a TMA producer warpgroup, two consumer warpgroups taking
+//      turns at the tensor cores, FlashAttention-3's schedule): the default at D = 128 (and 96), and from 8k /
+//      4k / 16k keys at D = 192 / 256 / 64 (attention.py _WS_FROM); block-sparse 128 x 128 at D = 128. vs the
+//      lock-step tiles, graph replay, one run: D=128 0.99-1.20x (geomean 1.07), D=192 1.03, D=256 1.02, D=64
+//      0.63-1.11x (wins from 16k); sparse 10% kept 0.125x dense (was 0.143x).
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks
@@ -69,6 +74,11 @@
 #include "attention_wgmma_tile.cuh"
 
 // Where this CTA works, recomputed from the kernel's arguments wherever a kernel needs it (see cta_info).
+#ifndef VBW_WS_PRODUCER_REGS  // attn_fwd_wg's warp-specialized registers (128 x P + 256 x C <= 65536)
+#define VBW_WS_PRODUCER_REGS 24
+#define VBW_WS_CONSUMER_REGS 240
+#endif
+
 #define VBW_CTA() vbw_attn::cta_info<BLOCK_M>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, sect_heads, \
                                               win_left, win_right)
 
@@ -389,7 +399,12 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 //   mask / online softmax in registers (the accumulator layout is mma.sync's, so the code is attn_fwd's, MT = 1)
 //   O += P V    wgmma RS, m64 n=HEAD_DIM k16: P packed from S in registers, V read MN-major (transposed B)
 // The two warpgroups meet at the per-tile barrier; measured, they run in lock step there, so one's softmax
-// does not overlap the other's wgmma (v4 in notes/kernel-history.md).
+// does not overlap the other's wgmma (v4 in notes/kernel-history.md). WS (TMA only, two consumer warpgroups,
+// 384 threads) removes that barrier: a third, producer warpgroup streams K and V into the STAGES ring as the
+// consumers free each slot (an "empty" mbarrier per K and per V slot), and the consumers alternate at the
+// tensor cores (named barriers 3 and 4): one issues S(n+1) and P(n) V(n), hands the turn over, and runs
+// its softmax under the other's GEMMs. setmaxnreg moves registers from the producer (24) to the consumers
+// (240); P is kept in one register set (packed after P(n) V(n) completes).
 
 // SPARSE (block_sparse_attention, dense layout): the CTA runs only the key tiles listed for its query block in a
 // BSR pattern (block_q = BLOCK_M, block_k = BLOCK_N): sp_indptr / sp_indices of pattern (b, h / group) start
@@ -399,8 +414,8 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 // size). A bad list (indptr not from 0, decreasing or past sp_nnz, longer than sp_nkb, an id outside
 // [0, sp_nkb)) gives NaN rows and SPARSE_INDICES. Dense launches pass null pointers; the dense instances
 // compile without any of it.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP, bool TMA, int STAGES, bool SPARSE>
-__global__ void __launch_bounds__(WGS * 128, 1)
+template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP, bool TMA, int STAGES, bool WS, bool SPARSE>
+__global__ void __launch_bounds__(WGS * 128 + (WS ? 128 : 0), 1)
 attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
             float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
             int batch, int seqlen_q, int seqlen_k, int heads, int group, int d, int num_m, int sect_heads,
@@ -417,6 +432,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 192, "BLOCK_N: a wgmma N");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 192 || HEAD_DIM == 256, "HEAD_DIM: a wgmma N");
   static_assert(STAGES >= 2 && STAGES <= 4 && (!OVERLAP || STAGES == 2), "STAGES");
+  static_assert(!WS || (TMA && !OVERLAP && WGS == 2 && STAGES <= 3), "WS: TMA, two consumer warpgroups");
   constexpr int NS = BLOCK_N / 2;    // S accumulators a thread
   constexpr int NO = HEAD_DIM / 2;   // O accumulators a thread
   constexpr int NN = BLOCK_N / 8;    // n8 column tiles of S
@@ -451,15 +467,20 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   // The CTA's key tiles by ordinal i = 0 .. cnt - 1: dense, n_hi - 1 down to n_lo; sparse, the listed blocks.
   int cnt = n_hi - n_lo;
   const int* sp_list = nullptr;
-  // The TMA mbarriers follow the K/V slots: [0] Q, [1 + s] K of slot s, [1 + STAGES + s] V of slot s.
+  // The TMA mbarriers follow the K/V slots: [0] Q, [1 + s] K of slot s, [1 + STAGES + s] V of slot s; WS adds
+  // the slots' "empty" barriers, [1 + 2 STAGES + s] K and [1 + 3 STAGES + s] V, one arrival per consumer warp.
   const u32 bar = sK + 2 * STAGES * KV_BYTES;
+  constexpr int NBAR = 1 + (WS ? 4 : 2) * STAGES;
+  auto init_bars = [&]() {
+    for (int i = 0; i < NBAR; ++i) mbar_init(bar + 8 * i, i < 1 + 2 * STAGES ? 1 : 4 * WGS);
+  };
   constexpr bool EARLY_Q = SPARSE && TMA;
   if constexpr (EARLY_Q) {
     // Q does not depend on the block list: its load is issued before the list is read, so the two latencies
     // overlap (dense layout only). Every way out below waits for it first (a CTA must not exit, nor reuse Q's
     // buffer, under a pending copy).
     if (tid == 0) {
-      for (int i = 0; i < 1 + 2 * STAGES; ++i) mbar_init(bar + 8 * i, 1);
+      init_bars();
       mbar_expect_tx(bar, Q_BYTES);
 #pragma unroll
       for (int p = 0; p < HEAD_DIM / 64; ++p) tma_load_4d(sQ + p * BLOCK_M * 128, &tm_q, bar, p * 64, cta.h, cta.m0, cta.b);
@@ -475,7 +496,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     const int* ids = sp_indices + pat * sp_idx_stride + (bad ? 0 : s0);
     // the ids go to shared memory after the K/V ring and its mbarriers: tile(i) is then one shared load, off
     // the critical path of the TMA issue and the mask test
-    int* list = reinterpret_cast<int*>(smem_raw + (sK - raw) + 2 * STAGES * KV_BYTES + 8 * (1 + 2 * STAGES));
+    int* list = reinterpret_cast<int*>(smem_raw + (sK - raw) + 2 * STAGES * KV_BYTES + 8 * NBAR);
     if (!bad)
       for (int i = tid; i < s1 - s0; i += NT) {
         const int id = ids[i];
@@ -514,13 +535,16 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     // TMA: a fill completes its barrier's phase of parity (fill number) & 1.
     auto kbar = [&](int i) -> u32 { return bar + 8 + 8 * ((u32)i % STAGES); };
     auto vbar = [&](int i) -> u32 { return kbar(i) + 8 * STAGES; };
+    auto kempty = [&](int i) -> u32 { return kbar(i) + 16 * STAGES; };  // (WS)
+    auto vempty = [&](int i) -> u32 { return kbar(i) + 24 * STAGES; };
     auto phase = [&](int i) -> u32 { return ((u32)i / STAGES) & 1u; };
     // One thread issues a tile's TMA boxes (one per 64-column panel) at row row0 of the CTA's sequence. Dense
     // maps are [d, heads, seqlen, batch]: their bounds zero-fill columns past d and rows past the sequence.
     // Packed (varlen) maps are [d, heads, total tokens, 1]: rows past a sequence hold the next one's tokens,
     // which the mask hides in S and clear_v_tail zeroes in V (see attention.py).
-    auto tma_tile = [&](u32 dst, const vbw::TmaDesc* map, u32 b, int rows, int head, int row0) {
-      if (threadIdx.x == 0) {
+    // (the issuing thread: 0, or WS's producer thread, NT; Q always comes from thread 0)
+    auto tma_tile = [&](u32 dst, const vbw::TmaDesc* map, u32 b, int rows, int head, int row0, int who) {
+      if (threadIdx.x == who) {
         const bool packed = cu_q != nullptr;
         mbar_expect_tx(b, (u32)rows * HEAD_DIM * 2);
 #pragma unroll
@@ -533,7 +557,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     auto load_k = [&](int i) {
       const int m = tile(i);
       if constexpr (TMA) {
-        tma_tile(kslot(i), &tm_k, kbar(i), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N);
+        tma_tile(kslot(i), &tm_k, kbar(i), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N, WS ? NT : 0);
       } else {
         vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(i), kg + (long long)m * BLOCK_N * kv_rs, kv_rs,
                                                       sk - m * BLOCK_N, d);
@@ -542,7 +566,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     auto load_v = [&](int i) {
       const int m = tile(i);
       if constexpr (TMA) {
-        tma_tile(kslot(i) + KV_BYTES, &tm_v, vbar(i), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N);
+        tma_tile(kslot(i) + KV_BYTES, &tm_v, vbar(i), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N, WS ? NT : 0);
       } else {
         vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(i) + KV_BYTES,
                                                       kg + vk + (long long)m * BLOCK_N * kv_rs, kv_rs,
@@ -574,7 +598,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
                                       (((ch & 7) ^ (r & 7)) << 4)) = make_uint4(0u, 0u, 0u, 0u);
         }
         fence_async_smem();
-        __syncthreads();
+        if constexpr (WS) named_bar(5, NT); else __syncthreads();  // (WS: the consumers)
       }
     };
     const u32 q_wg = sQ + wg * 64 * 128;  // this warpgroup's rows of every Q panel
@@ -592,7 +616,8 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     // Online softmax of S(m) in registers: updates the row max and sums, writes P(m) (as wgmma A fragments,
     // k step t = keys 16t..16t+15) to pa, and returns the factor O must be scaled by before P(m) V(m) is added
     // (corr.x / .y for the thread's two rows; 1 when no row max of the warp moved).
-    auto softmax_p = [&](float (&s)[NS], int it, u32 (&pa)[BLOCK_N / 16][4]) -> float2 {
+    // softmax_s: the same, leaving P(m) in s as floats (pack_p then packs it).
+    auto softmax_s = [&](float (&s)[NS], int it) -> float2 {
       const int m = tile(it);
       if (score_mode == 1) {
 #pragma unroll
@@ -624,6 +649,9 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
         s[i] = fast_exp2((s[i] - msc[(i >> 1) & 1]) * scale_log2);
         row_sum[(i >> 1) & 1] += s[i];
       }
+      return make_float2(corr[0], corr[1]);
+    };
+    auto pack_p = [&](const float (&s)[NS], u32 (&pa)[BLOCK_N / 16][4]) {
 #pragma unroll
       for (int t = 0; t < BLOCK_N / 16; ++t) {
         pa[t][0] = pack2<T>(s[8 * t + 0], s[8 * t + 1]);
@@ -631,7 +659,11 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
         pa[t][2] = pack2<T>(s[8 * t + 4], s[8 * t + 5]);
         pa[t][3] = pack2<T>(s[8 * t + 6], s[8 * t + 7]);
       }
-      return make_float2(corr[0], corr[1]);
+    };
+    auto softmax_p = [&](float (&s)[NS], int it, u32 (&pa)[BLOCK_N / 16][4]) -> float2 {
+      const float2 corr = softmax_s(s, it);
+      pack_p(s, pa);
+      return corr;
     };
     auto rescale_o = [&](float2 corr) {
       if (__any_sync(0xffffffffu, corr.x != 1.f || corr.y != 1.f)) {
@@ -654,18 +686,74 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     int n = 0;  // the ordinal of the tile in hand
     if constexpr (TMA) {
       if constexpr (!EARLY_Q) {  // (else issued above, before the list)
-        if (threadIdx.x == 0)
-          for (int i = 0; i < 1 + 2 * STAGES; ++i) mbar_init(bar + 8 * i, 1);
+        if (threadIdx.x == 0) init_bars();
         __syncthreads();  // the barriers are initialized before anyone waits on them
-        tma_tile(sQ, &tm_q, bar, BLOCK_M, cta.h, (cu_q != nullptr ? (int)cta.q_start : 0) + cta.m0);
+        tma_tile(sQ, &tm_q, bar, BLOCK_M, cta.h, (cu_q != nullptr ? (int)cta.q_start : 0) + cta.m0, 0);
       }
     } else {
       vbw_attn::load_tile_sw<BLOCK_M, HEAD_DIM, NT>(sQ, q + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d,
                                                     q_rs, rows_q, d);
     }
-    load_k(0);
     float s[NS];
-    if constexpr (!OVERLAP) {
+    if constexpr (WS) {
+      // Warp-specialized (FlashAttention-3's schedule): the last warpgroup is the producer, one thread of which
+      // streams K and V through the ring as the consumers free the slots (their "empty" barriers); the two
+      // consumer warpgroups take turns at the tensor cores (named barriers 3 + wg): a warpgroup waits for its
+      // turn, issues S(i+1) = Q K^T and O += P(i) V(i), hands the turn over, and runs the softmax of S(i+1)
+      // while the other's GEMMs run. The producer gives its registers to the consumers (setmaxnreg).
+      if (wg == WGS) {
+        setmaxnreg_dec<VBW_WS_PRODUCER_REGS>();
+        if (tid == NT) {
+          for (int i = 0; i < cnt; ++i) {
+            if (i >= STAGES) mbar_wait(kempty(i), phase(i) ^ 1u);  // the slot's previous tile is released
+            load_k(i);
+            if (i >= STAGES) mbar_wait(vempty(i), phase(i) ^ 1u);
+            load_v(i);
+          }
+        }
+        return;  // (the epilogue is the consumers'; the CTA lives on until they finish)
+      }
+      setmaxnreg_inc<VBW_WS_CONSUMER_REGS>();
+      const int other = wg ^ 1;
+      auto turn_wait = [&]() { named_bar(3 + wg, NT); };
+      auto turn_pass = [&]() { named_arrive(3 + other, NT); };
+      auto release = [&](u32 b) { if (lane == 0) mbar_arrive(b); };
+      if (wg == 1) turn_pass();  // warpgroup 0 goes first
+      mbar_wait(bar, 0);         // Q
+      wait_k(0);
+      clear_v_tail(0);
+      turn_wait();
+      issue_s(s, 0);
+      turn_pass();
+      wg_wait<0>();
+      release(kempty(0));
+      // One P register set: the softmax of S(i+1) runs on its float scores while P(i) V(i) reads P(i), and
+      // P(i+1) is packed once that GEMM is done (FlashAttention-3 does the same; two sets cost BLOCK_N / 4
+      // registers, which BLOCK_N = 192 at D = 128 cannot spare).
+      u32 pa[BLOCK_N / 16][4];
+      softmax_p(s, 0, pa);  // O is still 0: nothing to rescale
+      for (; n < cnt - 1; ++n) {
+        wait_k(n + 1);
+        wait_v(n);
+        turn_wait();
+        issue_s(s, n + 1);
+        issue_pv(pa, n);
+        turn_pass();
+        wg_wait<1>();
+        release(kempty(n + 1));
+        const float2 corr = softmax_s(s, n + 1);
+        wg_wait<0>();
+        release(vempty(n));
+        rescale_o(corr);
+        pack_p(s, pa);
+      }
+      wait_v(cnt - 1);
+      turn_wait();
+      issue_pv(pa, cnt - 1);
+      if (wg == 0) turn_pass();  // (warpgroup 1's last turn has no taker)
+      wg_wait<0>();
+    } else if constexpr (!OVERLAP) {
+      load_k(0);
       // Tiles n .. n - STAGES + 2 in flight before the loop; each iteration refills the slot of the tile just
       // finished with the tile STAGES - 1 ahead. cp.async commits a group every time (empty past the last
       // tile) so that "all but the newest STAGES - 2 groups" is always tile n.
@@ -706,6 +794,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       // just before it, waited for alone) goes through the softmax. O is rescaled for P(m-1) only once P(m) V(m)
       // is done, and P alternates between two register sets, so no register of an in-flight wgmma is touched.
       // Iteration m needs K(m-1) and V(m); it refills the slots of K(m) (S(m) finished) and V(m+1).
+      load_k(0);
       cp_async_commit();
       load_v(0);
       if (cnt > 1) load_k(1);
@@ -763,6 +852,9 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   }
   if constexpr (EARLY_Q) {
     if (cnt == 0) mbar_wait(bar, 0);  // an empty list: Q's copy lands before its buffer stages O
+  }
+  if constexpr (WS) {
+    if (wg == WGS) return;  // (cnt == 0: the producer had nothing to load)
   }
 
   // Epilogue: normalize, LSE, stage this warpgroup's O rows in its own (swizzled) rows of Q's buffer (no other

@@ -1,4 +1,4 @@
-// fp4_codec.cu: MXFP4 / NVFP4 quantize and dequantize (SPEC section 2), bit-exact with
+// fp4_codec.cu: MXFP4 / NVFP4 quantize and dequantize (docs/formats.md), bit-exact with
 // vbw_cupy.reference.
 //
 // Layout: x is [R, K] row-major (R = product of the leading dims). Blocks of BLOCK elements (32 for
@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(256, 3) mxfp4_quantize(const T* __restrict__ x
 // thread step). `flag` is the error word from NVFP4_NONFINITE on: sets it to 1 when the input holds NaN or
 // Inf (the caller then raises and discards the output), and the NVFP4_SATURATED word when a finite block
 // needs a scale above 512 (global_scale too small: its elements saturate past E2M1's rounding error).
-// The SPEC rounds x / denom once (IEEE division). With rcp = RN(1/denom), q0 = RN(x * rcp) is within an
+// docs/formats.md rounds x / denom once (IEEE division). With rcp = RN(1/denom), q0 = RN(x * rcp) is within an
 // ulp of x / denom, the residual x - q0 * denom is exact in one FMA, and RN(q0 + residual * rcp) is the
 // correctly rounded quotient (Markstein's theorem), as long as nothing under- or overflows near the
 // E2M1 thresholds: denom outside [2^-100, 2^100] takes the plain division instead.
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(256, 4) nvfp4_quantize(const T* __restrict__ x
             const unsigned* wu = w + u * S::WPU;
             const unsigned mb = amax_bits<T>(wu, S::WPU);
             if (mb >= 0x7f800000u) *flag = 1;
-            // SPEC order: s = f32(amax / 6) / gscale, clamp to [2^-9, 448], round to E4M3.
+            // docs/formats.md order: s = f32(amax / 6) / gscale, clamp to [2^-9, 448], round to E4M3.
             float s = __fdiv_rn(__fdiv_rn(__uint_as_float(mb), 6.0f), gscale);
             if (s > 512.0f && mb < 0x7f800000u) flag[vbw_err::NVFP4_SATURATED - vbw_err::NVFP4_NONFINITE] = 1;
             s = fminf(fmaxf(s, 0.001953125f), 448.0f);

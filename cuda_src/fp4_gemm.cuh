@@ -25,7 +25,7 @@
 //      mxfp4) added to the main accumulator times the block scale in fp32 (fp64 for float32 activations).
 //      Used when the scale range does not fit (and for MXFP4 NaN blocks, code 255).
 // float32 activations: each a is split into three bf16 (hi + mid + lo == a exactly), three MMAs per step into
-//   the per-block fp32 partial, partials summed in fp64: error ~1e-7, within SPEC 7 for a float32 output.
+//   the per-block fp32 partial, partials summed in fp64: error ~1e-7, in docs/accuracy.md's float32 bound.
 //
 // Kernels (tile sizes are template parameters; gemm.py lists the instances and the autotuner picks):
 //   fp4_gemm_mma   <T, BLK, MODE, BR, BC, BK, WARPS_R, WARPS_C, STAGES>: mma.sync m16n8k16, any sm_80+.

@@ -1,4 +1,4 @@
-// fp8_gemm.cu: W4A4 (MXFP4 x MXFP4) and W4A8 (FP8 rows x MXFP4) GEMM on Hopper's FP8 tensor cores (issue 17).
+// fp8_gemm.cu: W4A4 (MXFP4 x MXFP4) and W4A8 (FP8 rows x MXFP4) GEMM on Hopper's FP8 tensor cores.
 //
 //   out[m, n] = act( sum_k a[m, k] * w[n, k] + bias[n] )        a [M, K] and w [N, K] MXFP4 (E2M1, E8M0 per 32 k)
 //

@@ -133,6 +133,10 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 __device__ __forceinline__ void named_bar(int id, int n) {
   asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory");
 }
+// Arrive at named barrier `id` (n threads in all) without waiting: the other side of a named_bar.
+__device__ __forceinline__ void named_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(n) : "memory");
+}
 // bar.sync on named barrier `id` for n threads that also ORs `v` over them.
 __device__ __forceinline__ bool named_bar_or(int id, int n, bool v) {
   u32 r;

@@ -317,10 +317,11 @@ def test_public_api_and_dlpack():
 def test_default_instances_do_not_spill():
     arch = _device.device_arch()
     for hd in A.HEAD_DIMS:
-        cfg = A.default_config(hd, arch)
-        for dtype in ("float16", "bfloat16"):
-            kern = rt.get_kernel(A.SOURCE, A.instance_name(dtype, hd, cfg, True))
-            assert kern.attributes["local_size_bytes"] == 0, (hd, cfg, dtype, kern.attributes)
+        for shape in (None, {"Sk": 1 << 20}):   # the short-sequence default, and the long one (_WS_FROM)
+            cfg = A.default_config(hd, arch, shape=shape)
+            for dtype in ("float16", "bfloat16"):
+                kern = rt.get_kernel(A.SOURCE, A.instance_name(dtype, hd, cfg, True, tma=cfg["KIND"] != "mma"))
+                assert kern.attributes["local_size_bytes"] == 0, (hd, cfg, dtype, kern.attributes)
 
 
 def _sweep_configs():
@@ -342,7 +343,7 @@ def _sweep_configs():
 
 def _sweep_cases(hd, vec):
     """(config, TMA loads) pairs of the sweep: wgmma configs with Q, K, V by TMA and by cp.async."""
-    return [(c, t) for c in A._all_configs(hd, vec) for t in ((True, False) if c["KIND"] != "mma" else (False,))]
+    return [(c, t) for c in A._all_configs(hd, vec) for t in A._tma_variants(c)]
 
 
 @gpu
@@ -488,7 +489,7 @@ def test_tile_tables():
             cfg = A.default_config(hd, arch)
             assert A.smem_bytes(hd, cfg) <= limit, (hd, arch, cfg)
         for cfg in A._all_configs(hd, True):
-            assert cfg["BLOCK_M"] % (16 * cfg["WARPS"]) == 0 and cfg["BLOCK_N"] % 16 == 0, cfg
+            assert cfg["BLOCK_M"] % (16 * A._row_warps(cfg)) == 0 and cfg["BLOCK_N"] % 16 == 0, cfg
             assert A.smem_bytes(hd, cfg) <= SMEM_OPTIN[90], (hd, cfg)
     names = {n for _, n in A.kernel_instances()}
     for hd in A.HEAD_DIMS:
@@ -581,3 +582,29 @@ def test_gpu_huge_scores_stay_finite(scale):
                                    causal=causal, softmax_scale=scale)
         assert np.isfinite(o).all()
         np.testing.assert_allclose(o, want, atol=2e-2, rtol=2e-2)
+
+
+def test_long_sequences_default_to_the_warp_specialized_tiles():
+    """On sm_90 the default follows the key length (_WS_FROM): the lock-step "wg" tiles below the threshold,
+    the warp-specialized "ws" ones from it on; every such default is a compiled instance, and other archs and
+    the element-wise path never see a "ws" config."""
+    names = {n for _, n in A.kernel_instances(arch=90)}
+    for hd in A._WG_DEFAULTS:
+        frm, ws = A._WS_FROM.get(A._WG_HEAD_DIM[hd], (None, None))
+        short = A.default_config(hd, 90)   # without a shape: the lock-step tile (also the TMA-less fallback)
+        assert short["KIND"] == "wg"
+        if frm is None:
+            assert A.default_config(hd, 90, shape={"Sk": 1 << 20}) == short
+            continue
+        if frm > 1:
+            assert A.default_config(hd, 90, shape={"Sk": frm - 1}) == short
+        long = A.default_config(hd, 90, shape={"Sk": frm})
+        assert long == ws and long["KIND"] == "ws", (hd, long)
+        from vbw_cupy import autotune as at
+        assert at.default_config(A._tunable_name(hd), 90, {"Sk": frm, "Sq": 1, "masked": 0}) == long
+        assert A.instance_name("float16", hd, long, True, tma=True) in names
+        # without tensor maps the producer cannot load: the name is the lock-step default's
+        assert A.instance_name("float16", hd, long, True, tma=False) == A.instance_name("float16", hd, short, True)
+        for arch in (80, 86, 89):
+            assert A.default_config(hd, arch, shape={"Sk": frm})["KIND"] == "mma"
+        assert A.default_config(hd, 90, vec=False, shape={"Sk": frm})["KIND"] == "mma"

@@ -726,3 +726,33 @@ def test_w4a4_fp8_falls_back_for_wide_weight_rows_and_float32_output():
     assert "fp8_v1" not in w2._cache
     err, bound = _check(got, qa, w2, out_dtype=np.float32)
     assert err <= bound
+
+
+def test_invalidate_forgets_derived_layouts():
+    w = quantize(np.random.default_rng(3).standard_normal((8, 64)).astype(np.float32), "mxfp4")
+    w._cache["gemm_v1_plans"] = object()
+    w.invalidate()
+    assert w._cache == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("M", [1, 300])
+def test_gpu_weights_changed_in_place_then_invalidated(fmt, M):
+    """w.data / w.scales overwritten in place, then w.invalidate(): the next call multiplies by the new values
+    (the re-laid-out copy and the plans are rebuilt), equal to a fresh tensor holding them."""
+    import cupy as cp
+    rng = np.random.default_rng(11)
+    N, K = 96, 512
+    a = cp.asarray(rng.standard_normal((M, K)).astype(np.float16))
+    w = quantize(cp.asarray(rng.standard_normal((N, K)).astype(np.float32)), fmt)
+    w2 = quantize(cp.asarray(0.5 * rng.standard_normal((N, K)).astype(np.float32)), fmt,
+                  global_scale=w.global_scale if fmt == "nvfp4" else None)
+    gemm.fp4_matmul(a, w)                      # builds w's layout and plans
+    w.data[...] = w2.data
+    w.scales[...] = w2.scales
+    w.invalidate()
+    got = cp.asnumpy(gemm.fp4_matmul(a, w)).astype(np.float32)
+    want = cp.asnumpy(gemm.fp4_matmul(a, FP4Tensor(w2.data.copy(), w2.scales.copy(), w2.global_scale, fmt,
+                                                   (N, K)))).astype(np.float32)
+    np.testing.assert_array_equal(got, want)

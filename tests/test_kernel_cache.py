@@ -1,6 +1,7 @@
 """The on-disk kernel cache on the CPU (NVRTC and the driver faked): checksummed entries, damaged entries recompiled
 with one warning, a cache directory that cannot be used, and cubins loaded from the verified bytes."""
 import hashlib
+import json
 import sys
 import types
 import warnings
@@ -198,3 +199,44 @@ def test_kernel_attributes_through_the_driver(compiles, monkeypatch):
         assert a["num_regs"] == 7 and a["max_dynamic_shared_size_bytes"] == 100_000
     finally:
         _device._device_arch.cache_clear()
+
+
+_RACER = """
+import json, sys, pathlib
+from vbw_cupy import _runtime as rt
+d, role, me, n = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+cpath, npath = d / "k.cubin", d / "k.name"
+seen = {"hit": 0, "miss": 0, "mismatch": 0}
+for i in range(n):
+    if role == "writer":   # writer w stores cubins of its own length and content, named after itself
+        rt.write_cached_cubin(cpath, npath, bytes([65 + me]) * (1000 + 37 * me + i % 5), f"kernel_w{me}")
+    else:
+        cubin, lowered, why = rt.read_cached_cubin(cpath, npath)
+        if cubin is None:
+            seen["mismatch" if why else "miss"] += 1
+            assert not why or "sha256" in why, why   # a torn pair reads as a checksum miss, nothing else
+            continue
+        w = cubin[0] - 65      # every byte of a cubin comes from one writer, and its name says the same one
+        assert cubin == bytes([65 + w]) * len(cubin) and lowered == f"kernel_w{w}", (len(cubin), lowered)
+        seen["hit"] += 1
+print(json.dumps(seen))
+"""
+
+
+def test_concurrent_writers_and_readers_never_pair_the_wrong_cubin(tmp_path):
+    """Several processes write the same entry with different cubins while others read it: a reader gets a
+    whole cubin with its own name, or a miss (a .name and a cubin of different writers fail the checksum), and
+    every writer's temporary files are gone at the end."""
+    import subprocess
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path), role, str(i), "300"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, role in enumerate(["writer"] * 3 + ["reader"] * 3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    hits = sum(json.loads(out.strip().splitlines()[-1])["hit"] for (out, _), p in zip(outs, procs)
+               if p.args[4] == "reader")
+    assert hits > 0
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["k.cubin", "k.name"]
+    cubin, lowered, why = rt.read_cached_cubin(tmp_path / "k.cubin", tmp_path / "k.name")
+    assert cubin is not None or "sha256" in why

@@ -1,4 +1,4 @@
-"""What a user's first call of each op costs (`vbw-cupy selftest --cold`, issue 18's cold-start bars).
+"""What a user's first call of each op costs (`vbw-cupy selftest --cold`, the bars of README's cold-start section).
 
 Each op's first call runs in a fresh Python process, its inputs made before the clock starts (whatever they
 compile is not counted) and the clock stopped after a device synchronize: once on an empty cache directory

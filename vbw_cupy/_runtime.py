@@ -363,6 +363,14 @@ def read_cached_cubin(cubin_path: pathlib.Path, name_path: pathlib.Path) -> tupl
     return cubin, lowered, ""
 
 
+def write_cached_cubin(cubin_path: pathlib.Path, name_path: pathlib.Path, cubin: bytes, lowered: str) -> None:
+    """Store an entry for read_cached_cubin: the cubin, then the .name file with its sha256 (each renamed into
+    place whole). A reader between two writers may pair one's .name with the other's cubin: the checksum turns
+    that into a miss, never into a wrong kernel."""
+    atomic_write(cubin_path, cubin)
+    atomic_write(name_path, f"{hashlib.sha256(cubin).hexdigest()} {lowered}\n".encode("ascii"))
+
+
 def _cached_cubin(filename, name, arch, extra_options, compile: bool = True,
                   notice: bool = True) -> tuple[bytes, str] | None:
     """(cubin, lowered name) from the disk cache, or compiled and stored there (None without `compile`).
@@ -390,8 +398,7 @@ def _cached_cubin(filename, name, arch, extra_options, compile: bool = True,
     lowered = lowered_map[name]
     if d is not None:
         try:
-            atomic_write(cubin_path, cubin)
-            atomic_write(name_path, f"{hashlib.sha256(cubin).hexdigest()} {lowered}\n".encode("ascii"))
+            write_cached_cubin(cubin_path, name_path, cubin, lowered)
             return cubin, lowered
         except OSError as e:  # a read-only cache still works, just without the disk copy
             warn_once(f"ro:{d}", f"vbw_cupy: cannot write the kernel cache {d} ({e.strerror or e}): compiled "

@@ -7,7 +7,7 @@ BLOCK_M query rows of one head, K/V streamed through shared memory, fp32 accumul
 driver encodes the tensor maps, see `_map_args`; cp.async where it cannot)) and return CuPy arrays.
 
 Head dims: any D from 1 to 256 runs the instance compiled for the next of HEAD_DIMS (32, 64, ..., 256); the
-kernel zero-fills the missing columns and never reads or writes past D. Configs (KIND "mma" / "wg" / "wgp",
+kernel zero-fills the missing columns and never reads or writes past D. Configs (KIND "mma" / "wg" / "wgp" / "ws",
 BLOCK_M, BLOCK_N, WARPS, Q_REGS, STAGES) are chosen per compiled head dim: a per-architecture default, or the
 autotuner's pick (``vbw_cupy.autotune``, one Tunable per head dim, named ``attention_fwd_d<HEAD_DIM>``, timed on
 back-to-back launches (``warm_l2``); shape bucket = (pow2 of the longest query sequence, pow2 of the longest key
@@ -16,7 +16,9 @@ in eighths of the SM count, pow2, clamped to [1, 16], so a call whose grid is a 
 its tile with one that fills the GPU many times over). On sm_90, aligned inputs of every head dim above 32 run the
 wgmma kernel (``attn_fwd_wg``) by default, compiled for the next wgmma width of 64 / 128 / 192 / 256 (96 on 128,
 160 on 192, 224 on 256: the padded columns cost less than mma.sync's lower rate), everything else the mma.sync
-one; a wgmma config is never launched off sm_90 or on unaligned inputs (``_runnable``).
+one; a wgmma config is never launched off sm_90 or on unaligned inputs (``_runnable``). From a key length that
+depends on the head dim (``_WS_FROM``) the sm_90 default is the warp-specialized "ws" tile (a TMA producer
+warpgroup and two consumer warpgroups taking turns at the tensor cores, FlashAttention-3's schedule).
 
 Host cost: a `flash_attention` call whose shapes, dtypes, options, device, stream and tuning state match an
 earlier checked call replays its launch, re-checking only array types, contiguity, devices and alignment.
@@ -67,6 +69,13 @@ def _wg(n, wgs=2, overlap=False, stages=2):
             "STAGES": stages}
 
 
+def _ws(n, stages=2):
+    """A warp-specialized attn_fwd_wg config (KIND "ws", TMA loads only): two consumer warpgroups of 64 query
+    rows taking turns at the tensor cores, and a producer warpgroup streaming K and V (FlashAttention-3's
+    schedule). 384 threads; where the driver cannot encode tensor maps it runs as the "wg" config of its tiles."""
+    return {"KIND": "ws", "BLOCK_M": 128, "BLOCK_N": n, "WARPS": 12, "Q_REGS": 0, "STAGES": stages}
+
+
 # Per compiled head dim: {arch: default config} and the candidates the tuner may time. Warp w owns
 # BLOCK_M / (16 WARPS) m16 row tiles; two tiles per warp halve the shared-memory reads of K and V per mma,
 # which is what the large head dims cannot afford in registers (O alone is HEAD_DIM/2 floats per m16 tile).
@@ -108,10 +117,10 @@ for _d in _DEFAULTS.values():
 _WG_HEAD_DIM = {64: 64, 96: 128, 128: 128, 160: 192, 192: 192, 224: 256, 256: 256}
 _WG_DEFAULTS = {64: _wg(64, 1), 96: _wg(128), 128: _wg(128), 160: _wg(64), 192: _wg(64), 224: _wg(64),
                 256: _wg(64)}
-_WG_CANDIDATES = {64: (_wg(64), _wg(128, 1), _wg(192, 1), _wg(64, 1), _wg(128, 1, stages=3)),
-                  128: (_wg(128), _wg(128, stages=3), _wg(64, 2, True), _wg(64, stages=4)),
-                  192: (_wg(64), _wg(64, stages=3), _wg(64, 1, stages=3)),
-                  256: (_wg(64), _wg(64, 1, stages=3))}
+_WG_CANDIDATES = {64: (_wg(64), _wg(128, 1), _wg(192, 1), _wg(64, 1), _wg(128, 1, stages=3), _ws(192)),
+                  128: (_wg(128), _wg(128, stages=3), _wg(64, 2, True), _wg(64, stages=4), _ws(128)),
+                  192: (_wg(64), _wg(64, stages=3), _wg(64, 1, stages=3), _ws(64)),
+                  256: (_wg(64), _wg(64, 1, stages=3), _ws(64))}
 for _d, _w in _WG_HEAD_DIM.items():
     _WG_CANDIDATES.setdefault(_d, _WG_CANDIDATES[_w])
 _CANDIDATES = {
@@ -161,11 +170,13 @@ def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True, tma: bool =
     """The kernel template instance of cfg. tma (wgmma configs): Q, K and V arrive by TMA (with tensor maps)
     instead of cp.async; sparse (wgmma configs): the block-sparse variant (vbw_cupy.sparse)."""
     b = lambda x: "true" if x else "false"
+    if cfg["KIND"] == "ws" and not tma:  # (the producer issues TMA copies only: without maps, the wg default)
+        cfg = _WG_DEFAULTS[head_dim]
     if cfg["KIND"] != "mma":
         if not vec:
             raise ValueError(f"attention config {cfg}: the wgmma kernel needs 16-byte aligned rows (d % 8 == 0)")
         return (f"attn_fwd_wg<{rt.ctype(dtype)}, {_WG_HEAD_DIM[head_dim]}, {cfg['BLOCK_N']}, {cfg['BLOCK_M'] // 64}, "
-                f"{b(cfg['KIND'] == 'wgp')}, {b(tma)}, {cfg['STAGES']}, {b(sparse)}>")
+                f"{b(cfg['KIND'] == 'wgp')}, {b(tma)}, {cfg['STAGES']}, {b(cfg['KIND'] == 'ws')}, {b(sparse)}>")
     return (f"attn_fwd<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['WARPS']}, "
             f"{b(cfg['Q_REGS'])}, {cfg['STAGES']}, {b(vec)}>")
 
@@ -194,16 +205,47 @@ def kernel_instances(arch: int | None = None, head_dims=None) -> list[tuple[str,
     hds = HEAD_DIMS if head_dims is None else sorted({head_dim_bucket(int(d)) for d in head_dims})
     return _unique([(SOURCE, instance_name(dt, hd, c, vec, tma)) for dt in ("float16", "bfloat16") for hd in hds
                     for vec in (True, False) for c in _all_configs(hd, vec) if arch in (None, 90) or c["KIND"] == "mma"
-                    for tma in ((False, True) if c["KIND"] != "mma" else (False,))])
+                    for tma in _tma_variants(c)])
 
 
-def default_config(head_dim: int, arch: int, vec: bool = True) -> dict:
-    """The per-arch default: the wgmma kernel on sm_90 for 16-byte aligned inputs where it exists, else the
-    mma.sync kernel's entry for the nearest arch at or below `arch`."""
+def _tma_variants(cfg) -> tuple:
+    """The load paths an instance of cfg is compiled for: mma.sync cp.async only, wgmma both, "ws" TMA only."""
+    return {"mma": (False,), "ws": (True,)}.get(cfg["KIND"], (False, True))
+
+
+def _row_warps(cfg) -> int:
+    """The warps that own query rows (a "ws" CTA's producer warpgroup owns none)."""
+    return cfg["WARPS"] - (4 if cfg["KIND"] == "ws" else 0)
+
+
+# sm_90: the warp-specialized tiles from this many keys on, per wgmma width. H100, fp16, B * S = 32k tokens,
+# H * D = 2048, each config timed by CUDA-graph replay in one run, speed of "ws" over the lock-step "wg" default,
+# S = 512 / 1k / 2k / 4k / 8k / 16k, full; causal: D=128 1.09 1.01 1.04 1.08 1.04 1.20; 1.04 1.01 1.05 1.11 1.16
+# 1.11 (geomean 1.07, and long-S gains of 4-11% in two earlier runs); D=192 1.05 1.04 0.94 0.96 1.04 1.06; 1.02
+# 1.00 1.02 1.04 1.09 1.15; D=256 1.04 1.04 1.03 1.00 0.96 0.98; 1.02 1.04 0.96 1.01 1.16 1.09; D=64 (ws 128 x 192)
+# 0.74 0.80 1.00 1.04 0.94 1.11; 0.63 0.74 0.89 0.98 1.04 1.08. Where it loses, short CTAs' prologue and epilogue
+# cost more in the warp-specialized kernel than its overlap saves.
+_WS_FROM = {64: (16384, _ws(192)), 128: (1, _ws(128)), 192: (8192, _ws(64)), 256: (4096, _ws(64))}
+
+
+def default_config(head_dim: int, arch: int, vec: bool = True, shape: dict | None = None) -> dict:
+    """The per-arch default: the wgmma kernel on sm_90 for 16-byte aligned inputs where it exists (with
+    `shape`, the warp-specialized tiles for long key sequences, _WS_FROM), else the mma.sync kernel's entry for
+    the nearest arch at or below `arch`."""
     if arch == 90 and vec and head_dim in _WG_DEFAULTS:
-        return dict(_WG_DEFAULTS[head_dim])
+        return _default_for(head_dim)(shape, arch, _WG_DEFAULTS[head_dim]) if shape else dict(_WG_DEFAULTS[head_dim])
     d = _DEFAULTS[head_dim]
     return dict(d[max([a for a in d if a <= arch] or [min(d)])])
+
+
+def _default_for(head_dim: int):
+    """The Tunable's default_for: the default of a shape ({"Sk": longest key sequence, ...}) on an arch."""
+    def default_for(shape, arch, cfg):
+        long = _WS_FROM.get(_WG_HEAD_DIM.get(head_dim))
+        if arch == 90 and cfg["KIND"] != "mma" and long and shape.get("Sk", 0) >= long[0]:
+            return dict(long[1])
+        return dict(cfg)
+    return default_for
 
 
 def _runnable(head_dim: int, cfg: dict, vec: bool) -> dict:
@@ -262,11 +304,11 @@ def _fits(head_dim: int):
         if (cfg["KIND"] != "mma") != (lim.get("arch") == 90 and head_dim in _WG_DEFAULTS):
             # the wgmma kernel runs on sm_90a only; where it runs (aligned inputs: the only ones tuned), the
             # mma.sync configs are not timed: they ran 15-50% behind it on every measured shape (kernel
-            # history, attn_fwd_wg v4-v5), and each costs a compile on a first call (issue 18's cold start)
+            # history, attn_fwd_wg v4-v5), and each costs a compile on a first call (the cold start)
             return False
         return (cfg["WARPS"] * 32 <= lim["max_threads"]
                 and smem_bytes(head_dim, cfg) <= lim["smem_optin"]
-                and cfg["BLOCK_M"] % (16 * cfg["WARPS"]) == 0)
+                and cfg["BLOCK_M"] % (16 * _row_warps(cfg)) == 0)
     return fits
 
 
@@ -276,6 +318,7 @@ if _autotune is not None:
             name=_tunable_name(_hd), params=_PARAMS, candidates=tuple(_all_configs(_hd, True)),
             # 100: archs above sm_90 take the nearest lower entry, which must not be sm_90a's wgmma config
             defaults={a: default_config(_hd, a) for a in (*_DEFAULTS[_hd], 100)}, bucket=_bucket, fits=_fits(_hd),
+            default_for=_default_for(_hd),
             warm_l2=True, settled=(90,),  # tuned 0.78-1.01x the defaults on an H100 (notes/autotune.md)
             source=SOURCE,
             standard_shapes=tuple(({"Sq": s, "Sk": s, "masked": m, "B": 16384 // s, "H": 16}, dt)
@@ -357,12 +400,14 @@ class _Launch:
         fast path replays with new arrays. wg: the wgmma kernel, which takes three tensor-map arguments; boxes:
         (BLOCK_M, BLOCK_N) when they are TMA maps of q, k, v (`_map_args`), None when they are unused."""
         cfg = _runnable(self.head_dim, cfg, self.vec)
-        if cfg["BLOCK_M"] % (16 * cfg["WARPS"]) != 0:
+        if cfg["BLOCK_M"] % (16 * _row_warps(cfg)) != 0:
             raise ValueError(f"attention config {cfg}: BLOCK_M must be a multiple of 16 * WARPS")
         wg = cfg["KIND"] != "mma"
         boxes = (cfg["BLOCK_M"], cfg["BLOCK_N"]) if wg and _USE_TMA else None
         if boxes is not None and _map_args(self.q, self.k, self.v, boxes) is None:
             boxes = None  # the driver cannot encode the maps: cp.async
+        if boxes is None and cfg["KIND"] == "ws":  # (the producer warpgroup issues TMA copies only)
+            cfg = _WG_DEFAULTS[self.head_dim]
         opts = _EXTRA_OPTIONS.get(self.head_dim, ()) if isinstance(_EXTRA_OPTIONS, dict) else _EXTRA_OPTIONS
         kern = rt.get_kernel(SOURCE, instance_name(self.q.dtype, self.head_dim, cfg, self.vec, boxes is not None,
                                                    self.sparse), tuple(opts))
@@ -383,7 +428,7 @@ class _Launch:
         if config is not None:
             return dict(config)
         if _autotune is None or not self.vec:
-            return default_config(self.head_dim, _device.device_arch(), self.vec)
+            return default_config(self.head_dim, _device.device_arch(), self.vec, {"Sk": self.max_k})
         shape = {"Sq": self.max_q, "Sk": self.max_k, "masked": int(self.masked), "BH": self.B * self.Hq,
                  "SMS": _device.num_sms()}
         return _autotune.pick(_tunable_name(self.head_dim), shape, self.q.dtype, self.run)

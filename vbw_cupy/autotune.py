@@ -138,6 +138,8 @@ class Tunable:
     with the flush, one-warpgroup tiles won and then ran 0.62x of the default in back-to-back calls).
     settled: archs whose defaults tuning did not beat (bench/autotune_ab.py: tuned against default configs,
     interleaved in one process): there ``pick`` keeps the defaults unless VBW_CUPY_AUTOTUNE=1 asks for tuning.
+    default_for: (shape, arch, defaults' config) -> the default of that shape, for kernels whose best default
+    depends on the shape (attention's long sequences); None: defaults[arch] for every shape.
     """
     name: str
     params: tuple[str, ...]
@@ -150,6 +152,7 @@ class Tunable:
     bench: Callable[[dict, Any], Callable[[dict], None]] | None = None
     warm_l2: bool = False
     settled: tuple[int, ...] = ()
+    default_for: Callable[[dict, int, dict], dict] | None = None
 
     def __post_init__(self):
         if not self.defaults:
@@ -239,12 +242,16 @@ def _nearest_arch(arch: int, archs) -> int:
     return lower[-1] if lower else archs[0]
 
 
-def default_config(name: str, arch: int | None = None) -> dict:
-    """The per-arch default of kernel `name` (arch None: the current device's), as a fresh dict."""
+def default_config(name: str, arch: int | None = None, shape: dict | None = None) -> dict:
+    """The per-arch default of kernel `name` (arch None: the current device's), as a fresh dict; with `shape`,
+    the Tunable's default_for that shape where it has one."""
     t = get(name)
     if arch is None:
         arch = _device_info()["arch"]
-    return dict(t.defaults[_nearest_arch(int(arch), t.defaults)])
+    cfg = t.defaults[_nearest_arch(int(arch), t.defaults)]
+    if shape is not None and t.default_for is not None:
+        cfg = t.default_for(shape, int(arch), cfg)
+    return dict(cfg)
 
 
 # -------------------------------------------------------------------------------------------- the device
@@ -631,10 +638,10 @@ def _ready_candidates(t: Tunable, run, cands, urgent: int | None = None):
             pool.close()
 
 
-def _tune_key(t: Tunable, run, dev: dict) -> dict:
-    """Time the default and every fitting candidate, each as soon as its kernels are compiled (the default
-    first); return the cache entry (config, ms, default, ...)."""
-    default = default_config(t.name, dev["arch"])
+def _tune_key(t: Tunable, run, dev: dict, shape: dict | None = None) -> dict:
+    """Time the default (of `shape`) and every fitting candidate, each as soon as its kernels are compiled (the
+    default first); return the cache entry (config, ms, default, ...)."""
+    default = default_config(t.name, dev["arch"], shape)
     limits = dict(dev["limits"])
     cands = []
     for c in _unique([default, *t.candidates]):
@@ -751,7 +758,7 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
     m = mode()
     if m == 0:
         _stats["defaults"] += 1
-        return default_config(name, dev["arch"])
+        return default_config(name, dev["arch"], shape)
     # settled: what `vbw-cupy tune` stored, else the default (remembered too: a miss reads the file); never timed
     settled = dev["arch"] in t.settled and m == 1
     try:
@@ -760,7 +767,7 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
     except TypeError:  # an unhashable shape value: take the slow path
         fast = cfg = None
     if cfg is not None:
-        _stats["defaults" if settled and cfg == default_config(name, dev["arch"]) else "memory_hits"] += 1
+        _stats["defaults" if settled and cfg == default_config(name, dev["arch"], shape) else "memory_hits"] += 1
         return dict(cfg)
     key = make_key(name, shape, dtype, dev)
     with _lock:
@@ -770,15 +777,15 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
             return dict(e["config"])
         if settled:
             _stats["defaults"] += 1
-            _remember(fast, default_config(name, dev["arch"]))
-            return default_config(name, dev["arch"])
+            _remember(fast, default_config(name, dev["arch"], shape))
+            return default_config(name, dev["arch"], shape)
         if _capturing():
             rt.warn_once(f"capture:{key}", f"vbw_cupy.autotune: {name} {_bucket_str(t, shape)} is not tuned and the "
                                          "stream is capturing a CUDA graph: using the default config")
-            return default_config(name, dev["arch"])
+            return default_config(name, dev["arch"], shape)
         with _progress.notice(f"tuning {name} for {_bucket_str(t, shape)} (once per shape bucket and GPU; "
                               "VBW_CUPY_AUTOTUNE=0 turns tuning off)"):
-            e = _tune_key(t, run, dev)
+            e = _tune_key(t, run, dev, shape)
         e.update(device=dev["name"], arch=dev["arch"], dtype=_dtype_name(dtype), bucket=_bucket_str(t, shape),
                  shape={k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in shape.items()})
         if e["config"] is None:  # nothing ran: do not remember, fall back to the default
@@ -838,7 +845,7 @@ def tune(names=None, shapes=None, progress: bool = True, force: bool = False) ->
             cached = e is not None
             if e is None:
                 run = t.bench(shape, dtype)
-                e = _tune_key(t, run, dev)
+                e = _tune_key(t, run, dev, shape)
                 e.update(device=dev["name"], arch=dev["arch"], dtype=_dtype_name(dtype),
                          bucket=_bucket_str(t, shape), shape=dict(shape))
                 if e["config"] is not None:

@@ -373,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
             "this GPU and store the winners in $VBW_CUPY_CACHE_DIR/autotune.json; prints a table of the choices.")
     t.add_argument("kernels", nargs="*", help="Tunable names (default: all)")
     w = add("warmup", "compile ahead of time the kernels that ops or a model will use on this GPU",
-            "Compile in parallel processes, into the kernel cache ($VBW_CUPY_CACHE_DIR/kernels), every kernel "
+            "Compile on parallel threads, into the kernel cache ($VBW_CUPY_CACHE_DIR/kernels), every kernel "
             "instance that the given ops (default: every op) or a Llama of the given checkpoint can launch on this "
             "GPU's architecture, tuning candidates included, so that first calls load instead of compiling. A "
             "progress bar appears when it takes more than 2 s. Exit status 1 if an instance failed to compile.")
@@ -382,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", metavar="PATH", help="a llama2.c .bin file or a Hugging Face Llama folder")
     w.add_argument("--arch", type=int, choices=(80, 86, 87, 89, 90),
                    help="compile for this sm_XX instead of the visible GPU's (no GPU needed)")
-    w.add_argument("--workers", type=int, default=None, help="compiler processes (default: the CPU count, at most 16)")
+    w.add_argument("--workers", type=int, default=None, help="compiler threads (default: the CPU count, at most 16)")
     bm = add("bench-model", "Llama decode and prefill against torch and the memory roofline",
              "Run bench/bench_model.py (source checkout, GPU): decode tokens/s of the GPU Llama with nvfp4 and fp16 "
              "weights against a torch fp16 Llama in a CUDA graph and against the memory roofline, and prefill time.")

@@ -93,6 +93,13 @@ class FP4Tensor:
                           _cache={})
         return t
 
+    def invalidate(self) -> None:
+        """Forget what was derived from data and scales: call it after changing them in place
+        (``w.data[...] = new``). fp4_matmul keeps a weight's re-laid-out copy and its launch plans in the tensor
+        (built on first use); without this call it would go on multiplying by the old values. A CUDA graph
+        captured before the change keeps the old copy: capture it again."""
+        self._cache.clear()
+
     @property
     def block_size(self) -> int:
         return FORMATS[self.format]

@@ -20,7 +20,8 @@ and the measured history).
   W4A16 path on the activations as bfloat16; otherwise the float32 path on the dequantized activations.
 - ``w``: an FP4Tensor of logical shape ``[N, K]``. On first use the weight is re-laid out once for the kernel
   and kept in ``w._cache`` (as much memory again as ``w``); ``dequantize`` and the reference still see the
-  layout of docs/formats.md.
+  layout of docs/formats.md. After changing ``w.data`` or ``w.scales`` in place, call ``w.invalidate()``:
+  the kept copy is not re-checked against them.
 - Block scales are applied exactly: by default inside the 16-bit operands (a per-tensor power-of-two shift
   keeps every ``e2m1 * scale`` a normal float16 / bfloat16, which is exact); tensors whose scale range does not
   fit (over ~2^15 between the smallest and largest live block scale for float16, 2^30 for bfloat16, or MXFP4
@@ -30,7 +31,7 @@ and the measured history).
 
 NumPy inputs (``a`` and ``w`` on the host) run ``vbw_cupy.reference.fp4_matmul``.
 
-Autotuning (issue 5): six tunables by token count, ``fp4_gemm_m1``, ``fp4_gemm_m8``, ``fp4_gemm_m16``,
+Autotuning: six tunables by token count, ``fp4_gemm_m1``, ``fp4_gemm_m8``, ``fp4_gemm_m16``,
 ``fp4_gemm_m64``, ``fp4_gemm_m128`` (M up to 1, 8, 16, 64, 128) and ``fp4_gemm_big``; the bucket is
 (pow2(M), pow2(N), pow2(K), format). A config is ``KIND`` ("mma": mma.sync, any sm_80+; "mmv": mma.sync with the
 weights streamed into registers, for M <= 16; "mmvd": the same for M = 1 with the block scales applied per 8
