@@ -53,9 +53,10 @@
 //   run: 0.131-0.133x the dense time vs 0.145x with Q after the list).
 //   v7 (H100, 2026-11-26) WS: warp-specialized CTAs (a TMA producer warpgroup, two consumer warpgroups taking
 //      turns at the tensor cores, FlashAttention-3's schedule): the default at D = 128 (and 96), and from 8k /
-//      4k / 16k keys at D = 192 / 256 / 64 (attention.py _WS_FROM); block-sparse 128 x 128 at D = 128. vs the
-//      lock-step tiles, graph replay, one run: D=128 0.99-1.20x (geomean 1.07), D=192 1.03, D=256 1.02, D=64
-//      0.63-1.11x (wins from 16k); sparse 10% kept 0.125x dense (was 0.143x).
+//      4k keys at D = 192 / 256 (attention.py _WS_FROM); block-sparse 128 x 128 at D = 128. vs the lock-step
+//      tiles, graph replay: D=128 0.99-1.20x (geomean 1.07, two runs), D=192 1.03, D=256 1.02, D=64 0.63-1.11x
+//      (kept on "wg"); sparse 10% kept 0.125-0.134x dense (was 0.143x). Persistent CTAs on top: no faster
+//      (notes/attempts/attention-ws-persistent.patch).
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks

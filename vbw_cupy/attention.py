@@ -224,8 +224,11 @@ def _row_warps(cfg) -> int:
 # 1.11 (geomean 1.07, and long-S gains of 4-11% in two earlier runs); D=192 1.05 1.04 0.94 0.96 1.04 1.06; 1.02
 # 1.00 1.02 1.04 1.09 1.15; D=256 1.04 1.04 1.03 1.00 0.96 0.98; 1.02 1.04 0.96 1.01 1.16 1.09; D=64 (ws 128 x 192)
 # 0.74 0.80 1.00 1.04 0.94 1.11; 0.63 0.74 0.89 0.98 1.04 1.08. Where it loses, short CTAs' prologue and epilogue
-# cost more in the warp-specialized kernel than its overlap saves.
-_WS_FROM = {64: (16384, _ws(192)), 128: (1, _ws(128)), 192: (8192, _ws(64)), 256: (4096, _ws(64))}
+# cost more in the warp-specialized kernel than its overlap saves. A second run (same method) repeated D=128
+# (geomean 1.07) and D=192 from 8k (1.04-1.15x); D=64 at 16k read 1.05 / 0.95x there, so D=64 keeps "wg".
+# Persistent warp-specialized CTAs (one an SM, a static tile stride) were correct but no faster (D=128 geomean
+# 1.05x wg against 1.07x for ws; D=192 causal 0.73-0.84x): notes/attempts/attention-ws-persistent.patch.
+_WS_FROM = {128: (1, _ws(128)), 192: (8192, _ws(64)), 256: (4096, _ws(64))}
 
 
 def default_config(head_dim: int, arch: int, vec: bool = True, shape: dict | None = None) -> dict:
