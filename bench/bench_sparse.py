@@ -121,25 +121,26 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=10)
     ap.add_argument("--stages", type=int, nargs="*", default=[],
                     help="A/B: also time the sm_90 wgmma tile of these STAGES counts (D = 128, 128 x 128 blocks)")
-    ap.add_argument("--ws", action="store_true",
-                    help="A/B: also time the warp-specialized wgmma tile (D = 128, 128 x 128 blocks)")
+    ap.add_argument("--ws", type=int, nargs="*", default=[],
+                    help="A/B: also time the warp-specialized wgmma tile with these STAGES counts (D = 128, 128 x "
+                         "128 blocks)")
+    ap.add_argument("--rounds", type=int, default=1, help="time every variant this many times, interleaved")
     a = ap.parse_args(argv)
     if not rt.gpu_available():
         print("bench_sparse: no CUDA device")
         return 1
     from vbw_cupy import attention, sparse
     variants = [("default", None)] + [(f"{st} stages", attention._wg(128, stages=st)) for st in a.stages]
-    variants += [("ws", attention._ws(128))] if a.ws else []
+    variants += [(f"ws {st} stages", attention._ws(128, stages=st)) for st in a.ws]
     default = sparse._WG_TILES
-    for d in a.density:
-        for label, tile in variants:
-            if tile is not None:
-                sparse._WG_TILES = {**default, 128: (tile,)}
-            row = time_case(Case(a.S, a.D, a.B, a.H, d, a.block_q, a.block_k), rep=a.rep)
-            sparse._WG_TILES = default
-            row = {"tile": label, **row}
-            print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                  flush=True)
+    for d, _, (label, tile) in ((d, r, v) for d in a.density for r in range(a.rounds) for v in variants):
+        if tile is not None:
+            sparse._WG_TILES = {**default, 128: (tile,)}
+        row = time_case(Case(a.S, a.D, a.B, a.H, d, a.block_q, a.block_k), rep=a.rep)
+        sparse._WG_TILES = default
+        row = {"tile": label, **row}
+        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)
     return 0
 
 

@@ -541,17 +541,19 @@ def test_wgmma_config_falls_back_where_it_cannot_run(monkeypatch):
     assert all(A._runnable(hd, wg, True)["KIND"] == "mma" for hd in A.HEAD_DIMS)
 
 
-# ---------------------------------------------------------------- NaN rules on the GPU (issue 18)
-# What the kernels must meet of the reference's rules (tests/test_reference_attention.py): a NaN query row is
-# NaN, and rows whose query tile never loads the bad key stay as they were. Rows that share a key tile with a
-# masked bad key are not covered yet (the kernels may multiply their p = 0 by it): see issue 18, item 3.
+# ---------------------------------------------------------------- NaN rules on the GPU (docs/nan.md)
+# What the kernels meet of the reference's rules (tests/test_reference_attention.py): a NaN query row is NaN
+# alone, every row that sees a bad key is NaN, and rows whose query tile never loads it stay bit-identical to a
+# clean run (dense, varlen, block-sparse, paged). Rows that share a key tile with a masked bad key may be NaN
+# (their p = 0 times Inf or NaN): docs/nan.md states the guarantee per tile, and these tests hold it to that.
 
 @pytest.mark.gpu
-def test_gpu_nan_query_row_and_far_rows():
+@pytest.mark.parametrize("D", [64, 128])   # (the lock-step and the warp-specialized kernel on sm_90)
+def test_gpu_nan_query_row_and_far_rows(D):
     cp = rt.require_cupy()
     rng = np.random.default_rng(41)
-    q, k, v = (_rand(rng, (1, 1024, 2, 64), np.float16), _rand(rng, (1, 1024, 1, 64), np.float16),
-               _rand(rng, (1, 1024, 1, 64), np.float16))
+    q, k, v = (_rand(rng, (1, 1024, 2, D), np.float16), _rand(rng, (1, 1024, 1, D), np.float16),
+               _rand(rng, (1, 1024, 1, D), np.float16))
     q[0, 5, 1, 3] = np.nan
     o, lse = A.flash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), return_lse=True)
     o, lse = o.get(), lse.get()
@@ -563,6 +565,95 @@ def test_gpu_nan_query_row_and_far_rows():
     o = A.flash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=True).get()
     assert np.isnan(o[0, 600:]).any(axis=(1, 2)).all()          # every row that sees key 600
     np.testing.assert_array_equal(o[0, :256], clean[0, :256])  # query tiles that never load it
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_varlen_nan_stays_in_its_sequence(D):
+    """Packed sequences: a NaN query row is NaN alone; a NaN value of one sequence makes that sequence's rows
+    that see it NaN and leaves every other sequence bit-identical to a clean run."""
+    cp = rt.require_cupy()
+    rng = np.random.default_rng(43)
+    lens = [300, 517, 129]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    T = int(cu[-1])
+    q, k, v = (_rand(rng, (T, 4, D), np.float16), _rand(rng, (T, 2, D), np.float16), _rand(rng, (T, 2, D), np.float16))
+    run = lambda q, v: A.flash_attention_varlen(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(cu),
+                                                cp.asarray(cu), causal=True).get()
+    clean = run(q, v)
+    q2 = q.copy()
+    q2[cu[1] + 40, 3, 7] = np.nan
+    o = run(q2, v)
+    bad = np.zeros(T, bool)
+    bad[cu[1] + 40] = True
+    assert np.isnan(o[cu[1] + 40, 3]).all() and np.isfinite(o[cu[1] + 40, :3]).all()
+    np.testing.assert_array_equal(o[~bad], clean[~bad])
+    v2 = v.copy()
+    v2[cu[1] + 200, 1, 5] = np.nan                     # kv head 1 = query heads 2, 3; key 200 of sequence 1
+    o = run(q, v2)
+    seq1 = o[cu[1]:cu[2]]
+    assert np.isnan(seq1[200:, 2:]).any(axis=-1).all()  # every row of sequence 1 that sees key 200
+    np.testing.assert_array_equal(seq1[:128], clean[cu[1]:cu[1] + 128])   # query tiles that never load it
+    np.testing.assert_array_equal(o[:cu[1]], clean[:cu[1]])
+    np.testing.assert_array_equal(o[cu[2]:], clean[cu[2]:])
+
+
+@pytest.mark.gpu
+def test_gpu_block_sparse_nan_reaches_only_the_blocks_that_keep_it():
+    """A NaN key in key block j reaches the query blocks whose list holds j (every row of them, non-causal) and
+    no other: those are bit-identical to a clean run."""
+    cp = rt.require_cupy()
+    from vbw_cupy import sparse
+    rng = np.random.default_rng(47)
+    S, D = 1024, 128
+    q, k, v = (_rand(rng, (1, S, 2, D), np.float16) for _ in range(3))
+    mask = rng.random((S // 128, S // 128)) < 0.4
+    mask[:, 3] = False
+    mask[[1, 6], 3] = True                                # key block 3: query blocks 1 and 6 only
+    indptr, indices = (cp.asarray(a) for a in sparse.bsr_from_mask(mask))
+    run = lambda k: sparse.block_sparse_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), indptr, indices,
+                                                  block_q=128, block_k=128).get()
+    clean = run(k)
+    k2 = k.copy()
+    k2[0, 3 * 128 + 17, 1, 9] = np.nan
+    o = run(k2)
+    for qb in range(S // 128):
+        rows = slice(qb * 128, (qb + 1) * 128)
+        if qb in (1, 6):
+            assert np.isnan(o[0, rows, 1]).all(), qb
+            np.testing.assert_array_equal(o[0, rows, 0], clean[0, rows, 0])
+        else:
+            np.testing.assert_array_equal(o[0, rows], clean[0, rows])
+
+
+@pytest.mark.gpu
+def test_gpu_paged_nan_reaches_only_the_sequences_that_read_it():
+    """A NaN in a cache block reaches the sequences whose block table lists it (within their length) and no
+    other; a NaN query row is NaN alone."""
+    cp = rt.require_cupy()
+    from vbw_cupy import paged
+    rng = np.random.default_rng(53)
+    nb, bs, Hkv, D = 64, 16, 2, 128
+    kc, vc = (_rand(rng, (nb, bs, Hkv, D), np.float16) for _ in range(2))
+    q = _rand(rng, (4, 8, D), np.float16)
+    table = rng.permutation(nb)[:4 * 16].reshape(4, 16).astype(np.int32)
+    lens = np.array([200, 37, 256, 100], np.int32)
+    run = lambda q, vc: paged.paged_attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cp.asarray(table),
+                                              cp.asarray(lens)).get()
+    clean = run(q, vc)
+    vc2 = vc.copy()
+    vc2[table[2, 5], 3, 0, 11] = np.nan                  # sequence 2, token 83: kv head 0 = query heads 0-3
+    o = run(q, vc2)
+    assert np.isnan(o[2, :4]).any(axis=-1).all() and np.isfinite(o[2, 4:]).all()
+    for b in (0, 1, 3):
+        np.testing.assert_array_equal(o[b], clean[b])
+    q2 = q.copy()
+    q2[1, 6, 0] = np.nan
+    o = run(q2, vc)
+    assert np.isnan(o[1, 6]).all()
+    rest = np.ones((4, 8), bool)
+    rest[1, 6] = False
+    np.testing.assert_array_equal(o[rest], clean[rest])
 
 
 @pytest.mark.gpu

@@ -522,6 +522,24 @@ def test_cached_config_this_version_does_not_declare_is_retuned(env):
     assert sum("does not declare it" in str(x.message) for x in w) == 1
 
 
+def test_cached_config_that_does_not_fit_the_device_is_retuned(env):
+    """A declared candidate written into the cache by hand (or by a machine with more shared memory) that does
+    not fit this device is never launched: one warning, then the tuner runs as on a miss."""
+    shape = {"M": 256, "K": 64}
+    at.pick("t_fake", shape, "float16", noop)
+    data = json.loads(at.cache_path().read_text())
+    (key, entry), = data["entries"].items()
+    entry["config"] = {"BM": 256, "W": 8}             # declared, but 256 * 8 * 256 bytes > 227 KB
+    at.cache_path().write_text(json.dumps(data))
+    at.reset()
+    env.calls.clear()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cfg = at.pick("t_fake", shape, "float16", noop)
+    assert cfg == {"BM": 64, "W": 4} and env.calls and {"BM": 256, "W": 8} not in env.calls
+    assert sum("does not fit this device" in str(x.message) for x in w) == 1
+
+
 def test_pick_shortcut_forgets_a_replaced_tunable(env):
     """A re-registered Tunable (module reload, edited tables) is asked again: pick's per-shape shortcut must not
     hand back a config the new one no longer declares."""

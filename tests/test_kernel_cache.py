@@ -240,3 +240,11 @@ def test_concurrent_writers_and_readers_never_pair_the_wrong_cubin(tmp_path):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["k.cubin", "k.name"]
     cubin, lowered, why = rt.read_cached_cubin(tmp_path / "k.cubin", tmp_path / "k.name")
     assert cubin is not None or "sha256" in why
+
+
+def test_new_cache_directories_are_private(compiles):
+    """Directories the cache creates are its owner's alone (a cubin found there is loaded and run); the
+    checksum then guards against damage, not against another user."""
+    rt._cached_cubin(FILE, NAME, ARCH, ())
+    for d in (rt.cache_dir(), rt.cache_dir() / "kernels"):
+        assert d.is_dir() and d.stat().st_mode & 0o077 == 0, (d, oct(d.stat().st_mode))

@@ -58,6 +58,23 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("VBW_CUPY_CACHE_DIR") or pathlib.Path.home() / ".cache" / "vbw_cupy")
 
 
+def make_private_dir(d: pathlib.Path) -> None:
+    """mkdir -p d, the directories it creates readable and writable by their owner only (cubins are loaded and
+    run from there: nobody else should be able to put one in). Existing directories are left as they are."""
+    missing = []
+    p = d
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for p in reversed(missing):
+        try:
+            p.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+    if not d.is_dir():
+        raise NotADirectoryError(20, "Not a directory", str(d))
+
+
 _warned: set[str] = set()
 
 
@@ -324,7 +341,7 @@ def kernel_cache_dir() -> pathlib.Path | None:
     """$VBW_CUPY_CACHE_DIR/kernels, created if needed; None (one warning) where it cannot be a directory."""
     d = cache_dir() / "kernels"
     try:
-        d.mkdir(parents=True, exist_ok=True)
+        make_private_dir(d)
     except OSError as e:
         warn_once(f"kdir:{d}", f"vbw_cupy: cannot use {d} as the kernel cache ({e.strerror or e}; "
                                f"VBW_CUPY_CACHE_DIR={os.environ.get('VBW_CUPY_CACHE_DIR', '')!r}): compiled "

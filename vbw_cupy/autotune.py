@@ -400,7 +400,7 @@ def _store(key: str, entry: dict) -> None:
         _generation += 1
         path = cache_path()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            rt.make_private_dir(path.parent)
             with _file_lock(path):
                 entries = _load(path)
                 entries[key] = entry
@@ -424,7 +424,9 @@ def _declared(t: Tunable, cfg) -> dict | None:
     return None
 
 
-def _lookup(key: str, t: Tunable) -> dict | None:
+def _lookup(key: str, t: Tunable, limits: dict | None = None) -> dict | None:
+    """The cache entry of key (memory, else the file), its config one that t declares and, given the device's
+    `limits`, one that t.fits there (a hand-edited or foreign entry never launches an invalid configuration)."""
     e = _memory.get(key)
     if e is None:
         disk = _load(cache_path())
@@ -443,10 +445,22 @@ def _lookup(key: str, t: Tunable) -> dict | None:
                                      "as ints); re-tuning (or, where tuning is settled, using the default)")
         _memory.pop(key, None)
         return None
+    if limits is not None and t.fits is not None and not _fits_safely(t, cfg, limits):
+        rt.warn_once(f"unfit:{key}", f"vbw_cupy.autotune: ignoring the cached config {cfg!r} for {t.name}: it does "
+                                     "not fit this device; re-tuning (or, where tuning is settled, using the default)")
+        _memory.pop(key, None)
+        return None
     if cfg is not e["config"]:
         e = _memory[key] = {**e, "config": dict(cfg)}
     _stats[hit] += 1
     return e
+
+
+def _fits_safely(t: Tunable, cfg: dict, limits: dict) -> bool:
+    try:
+        return bool(t.fits(cfg, limits))
+    except Exception:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -645,11 +659,7 @@ def _tune_key(t: Tunable, run, dev: dict, shape: dict | None = None) -> dict:
     limits = dict(dev["limits"])
     cands = []
     for c in _unique([default, *t.candidates]):
-        try:
-            ok = t.fits is None or bool(t.fits(c, limits))
-        except Exception:
-            ok = False
-        if ok:
+        if t.fits is None or _fits_safely(t, c, limits):
             cands.append(c)
     t0 = time.perf_counter()
     per = _budget_s() / max(1, len(cands))
@@ -771,7 +781,7 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
         return dict(cfg)
     key = make_key(name, shape, dtype, dev)
     with _lock:
-        e = _lookup(key, t)
+        e = _lookup(key, t, dev["limits"])
         if e is not None:
             _remember(fast, e["config"])
             return dict(e["config"])
@@ -841,7 +851,7 @@ def tune(names=None, shapes=None, progress: bool = True, force: bool = False) ->
         key = make_key(t.name, shape, dtype, dev)
         t0 = time.perf_counter()
         with _lock:
-            e = None if force else _lookup(key, t)
+            e = None if force else _lookup(key, t, dev["limits"])
             cached = e is not None
             if e is None:
                 run = t.bench(shape, dtype)
