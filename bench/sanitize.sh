@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests under compute-sanitizer, with CuPy's memory pools off (VBW_TEST_NO_POOL=1, see conftest.py) so
 # every array is its own allocation and an access past its end is caught:
-#   memcheck   the bad-index tests of tests/test_call_path.py, the GPU model and block-sparse tests, the GPU fuzz
+#   memcheck   the bad-index tests of tests/test_call_path.py, the GPU model and block-sparse tests, the GPU fuzz,
+#              small warp-specialized attention calls
 #   racecheck  a small selection: shared-memory hazards in the attention, paged and sparse kernels
 #   synccheck  the same selection: barriers and warp syncs
 # Run from the repository root on a GPU machine (tens of minutes: memcheck slows kernels 10-100x). Logs go to
@@ -15,8 +16,10 @@ OUT=${OUT:-sanitize-logs}; mkdir -p "$OUT"
 CS=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
 if [ ! -x "$CS" ]; then echo "sanitize.sh: compute-sanitizer not found (set COMPUTE_SANITIZER)"; exit 2; fi
 # pytest selections, one pytest run each (a -k applies to a whole run), separated by ';'
-MEMCHECK=${MEMCHECK:-"tests/test_call_path.py -k bad; tests/test_model_gpu.py; tests/test_sparse.py -k 'not 16k'; tests/test_fuzz.py"}
-SMALL=${SMALL:-"tests/test_call_path.py -k one-split; tests/test_sparse.py -k 'gpu_blocks and float16 and not causal'"}
+# (the attention selection runs the warp-specialized kernel: D = 128 and 96, dense and packed varlen)
+ATTN="tests/test_attention.py -k 'head_dims and (128 or 96)'; tests/test_attention.py -k 'never_leaks and 128'"
+MEMCHECK=${MEMCHECK:-"tests/test_call_path.py -k bad; tests/test_model_gpu.py; tests/test_sparse.py -k 'not 16k'; tests/test_fuzz.py; $ATTN"}
+SMALL=${SMALL:-"tests/test_call_path.py -k one-split; tests/test_sparse.py -k 'gpu_blocks and float16 and not causal'; $ATTN"}
 TOOLS=${TOOLS:-"memcheck racecheck synccheck"}
 
 # Fill the kernel cache first: NVRTC is not what is being checked, and compiling under the sanitizer is slow.

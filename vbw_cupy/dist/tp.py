@@ -201,6 +201,12 @@ class TPGroup:
         return self._run(lambda comm: self.models[comm.rank].decode(tokens, cache.ranks[comm.rank], slots,
                                                                     **kwargs))[0]
 
+    def recycle(self, cache: _GroupCache) -> None:
+        """Each rank's LlamaGPU.recycle of its cache (generate_ids calls this when done); nothing for ranks
+        without one."""
+        if hasattr(self.models[0], "recycle"):
+            self._run(lambda comm: self.models[comm.rank].recycle(cache.ranks[comm.rank]))
+
     def __getattr__(self, name):
         # decode_sample where the ranks have it (LlamaGPU): generate_ids then samples on the GPU. Every rank
         # samples the same ids from the same logits; rank 0's come back, and a rank whose ids differed would

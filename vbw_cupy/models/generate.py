@@ -101,6 +101,8 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
         result.decode_tokens += len(active)
         active = [b for b, t in zip(active, picked) if keep(b, int(t))]
     result.decode_seconds = time.perf_counter() - t0
+    if hasattr(model, "recycle"):  # a GPU model: the next call's cache takes these arrays (and decode graphs)
+        model.recycle(cache)
     for s in seqs:  # max_new_tokens = 0: nothing was generated
         s.finish_reason = s.finish_reason or "length"
     return result

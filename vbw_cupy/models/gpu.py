@@ -113,6 +113,11 @@ class GPUKVCache:
     def max_batch(self) -> int:
         return int(self._lens.shape[0])
 
+    def retire(self) -> None:
+        """Give up the arrays (LlamaGPU.recycle): any later use of this cache fails instead of writing into a
+        storage that another cache owns."""
+        self.storage = self.k = self.v = self.block_table = self.seq_lens = self.active = None
+
     def lengths(self, slots) -> np.ndarray:
         """Tokens held by each slot of `slots` (the host mirror; no device access)."""
         return self._lens[np.asarray(slots, dtype=np.int64)].copy()
@@ -120,11 +125,17 @@ class GPUKVCache:
     def free(self, slot: int) -> None:
         """Empty slot `slot` (its blocks stay reserved for the next sequence put there). It stays idle in decode
         steps (no position, nothing stored) until a prefill fills it again."""
+        _check_live(self)
         self._lens[slot] = 0
         with self.seq_lens.device:   # a tensor-parallel rank's cache, freed from the caller's thread
             self.seq_lens[slot] = 1
             self.active[slot] = 0
         self._active[slot] = 0
+
+
+def _check_live(cache) -> None:
+    if cache.storage is None:
+        raise ValueError("cache: this cache was recycled (its arrays belong to a newer cache)")
 
 
 class _Linear:
@@ -207,13 +218,21 @@ class LlamaGPU:
         args = (self.config, max_batch, max_tokens, self.act_dtype)
         spare, owner = self._spare
         reuse = None
-        if spare is not None and owner() is None:
-            per_seq = -(-max_tokens // 16)
-            if spare.block_table.shape == (max_batch, per_seq):
-                reuse = spare
+        if spare is not None and owner() is None and spare.block_table.shape == (max_batch, -(-max_tokens // 16)):
+            reuse = spare
         cache = GPUKVCache(*args, n_kv_heads=self.n_kv_heads, storage=reuse)
         self._spare = (cache.storage, weakref.ref(cache))
         return cache
+
+    def recycle(self, cache: GPUKVCache) -> None:
+        """Hand `cache`'s arrays to the next new_cache of its size now, whoever still refers to the cache object
+        (generate_ids does this when it is done: a traceback's frames, say, can keep a finished cache alive).
+        The cache cannot be used afterwards."""
+        if cache.storage is None:
+            return
+        if self._spare[0] is cache.storage:
+            self._spare = (cache.storage, lambda: None)
+        cache.retire()
 
     def release_cache(self) -> None:
         """Forget the arrays kept for the next cache and the decode graphs captured over them."""
@@ -285,6 +304,7 @@ class LlamaGPU:
         attention per layer). Returns float32 logits of each prompt's last token [B, vocab], or with
         all_logits=True of every token [sum of lengths, vocab], as CuPy arrays."""
         cp = rt.cupy
+        _check_live(cache)
         lens = np.array([len(p) for p in prompts], dtype=np.int64)
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         if slots.size != lens.size or not lens.size or slots.min() < 0 or slots.max() >= cache.max_batch or \
@@ -366,6 +386,7 @@ class LlamaGPU:
 
     def _step(self, tokens, cache, slots, graph, inv_temp, seed):
         cp = rt.cupy
+        _check_live(cache)
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         B = cache.max_batch
         if not slots.size or slots.min() < 0 or slots.max() >= B or np.unique(slots).size != slots.size:
