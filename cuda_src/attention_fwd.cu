@@ -74,12 +74,18 @@
 #include "attention_mask.cuh"
 #include "attention_wgmma_tile.cuh"
 
-// Where this CTA works, recomputed from the kernel's arguments wherever a kernel needs it (see cta_info).
-#ifndef VBW_WS_PRODUCER_REGS  // attn_fwd_wg's warp-specialized registers (128 x P + 256 x C <= 65536)
+// attn_fwd_wg's warp-specialized registers a thread, producer / consumers (-D to A/B): the CTA is launched with
+// 384 x 168 and setmaxnreg only moves them, so 128 P + 256 C must stay within 384 x 168 = 64512 (more makes
+// setmaxnreg.inc wait forever).
+#ifndef VBW_WS_PRODUCER_REGS
 #define VBW_WS_PRODUCER_REGS 24
+#endif
+#ifndef VBW_WS_CONSUMER_REGS
 #define VBW_WS_CONSUMER_REGS 240
 #endif
+static_assert(128 * VBW_WS_PRODUCER_REGS + 256 * VBW_WS_CONSUMER_REGS <= 384 * 168, "WS registers");
 
+// Where this CTA works, recomputed from the kernel's arguments wherever a kernel needs it (see cta_info).
 #define VBW_CTA() vbw_attn::cta_info<BLOCK_M>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, sect_heads, \
                                               win_left, win_right)
 

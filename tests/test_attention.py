@@ -317,10 +317,12 @@ def test_public_api_and_dlpack():
 def test_default_instances_do_not_spill():
     arch = _device.device_arch()
     for hd in A.HEAD_DIMS:
-        for shape in (None, {"Sk": 1 << 20}):   # the short-sequence default, and the long one (_WS_FROM)
+        # the short-sequence default by TMA and by cp.async (no tensor maps), and the long one (_WS_FROM)
+        for shape, tma in ((None, True), (None, False), ({"Sk": 1 << 20}, True)):
             cfg = A.default_config(hd, arch, shape=shape)
             for dtype in ("float16", "bfloat16"):
-                kern = rt.get_kernel(A.SOURCE, A.instance_name(dtype, hd, cfg, True, tma=cfg["KIND"] != "mma"))
+                name = A.instance_name(dtype, hd, cfg, True, tma=tma and cfg["KIND"] != "mma")
+                kern = rt.get_kernel(A.SOURCE, name)
                 assert kern.attributes["local_size_bytes"] == 0, (hd, cfg, dtype, kern.attributes)
 
 
@@ -596,6 +598,16 @@ def test_gpu_varlen_nan_stays_in_its_sequence(D):
     np.testing.assert_array_equal(seq1[:128], clean[cu[1]:cu[1] + 128])   # query tiles that never load it
     np.testing.assert_array_equal(o[:cu[1]], clean[:cu[1]])
     np.testing.assert_array_equal(o[cu[2]:], clean[cu[2]:])
+    # sequence 1's first tokens sit in the key tile that ends sequence 0 (tokens 256 .. 383 of the packed
+    # array): sequence 0 reads that tile and must not see them (masked in S, zeroed in V)
+    k3, v3 = k.copy(), v.copy()
+    k3[cu[1] + 3, :, 1] = np.nan
+    v3[cu[1] + 5, :, 2] = np.inf
+    o = A.flash_attention_varlen(cp.asarray(q), cp.asarray(k3), cp.asarray(v3), cp.asarray(cu), cp.asarray(cu),
+                                 causal=True).get()
+    np.testing.assert_array_equal(o[:cu[1]], clean[:cu[1]])
+    assert (~np.isfinite(o[cu[1] + 5:cu[2]])).any(axis=-1).all()  # sequence 1's rows that see keys 3 and 5
+    np.testing.assert_array_equal(o[cu[2]:], clean[cu[2]:])
 
 
 @pytest.mark.gpu
@@ -687,8 +699,9 @@ def test_long_sequences_default_to_the_warp_specialized_tiles():
         if frm is None:
             assert A.default_config(hd, 90, shape={"Sk": 1 << 20}) == short
             continue
-        if frm > 1:
-            assert A.default_config(hd, 90, shape={"Sk": frm - 1}) == short
+        if frm > 1:   # (by the power of two at or above Sk: frm / 2 + 1 .. frm is one tuning bucket)
+            assert A.default_config(hd, 90, shape={"Sk": frm // 2}) == short
+            assert A.default_config(hd, 90, shape={"Sk": frm // 2 + 1})["KIND"] == "ws"
         long = A.default_config(hd, 90, shape={"Sk": frm})
         assert long == ws and long["KIND"] == "ws", (hd, long)
         from vbw_cupy import autotune as at

@@ -192,9 +192,10 @@ def test_generate_calls_reuse_the_cache_storage_and_its_graphs(monkeypatch):
     held = model.new_cache(2, 64)
     other = model.new_cache(2, 64)
     assert other.storage is not held.storage                   # held: never taken over
+    arrays = other.storage
     model.recycle(other)                                       # ... unless handed over (generate_ids does this)
     taken = model.new_cache(2, 64)
-    assert taken.storage is not None and other.storage is None
+    assert taken.storage is arrays and other.storage is None
     with pytest.raises(ValueError, match="recycled"):
         model.decode_sample([1, 2], other, [0, 1])
     model.release_cache()

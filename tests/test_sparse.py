@@ -392,3 +392,33 @@ def test_gpu_public_api_empty_rows_and_dlpack():
     assert isinstance(o, cp.ndarray) and (o == 0).all() and (lse == -cp.inf).all()
     with pytest.raises(TypeError, match="NumPy and GPU"):
         vbw_cupy.block_sparse_attention(q, q.get(), q, indptr, indptr, block_q=64, block_k=64)
+
+
+@gpu
+def test_gpu_warp_specialized_tile_bad_list_and_empty_rows():
+    """The 128 x 128 tile at D = 128 (the warp-specialized kernel on sm_90: list staging by 384 threads, the
+    producer's early exit): a bad block id gives that query block NaN rows and the flag, an empty row gives
+    0 and lse -inf, and every other row equals the reference."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(8)
+    B, S, Hq, Hkv, D = 1, 512, 4, 2, 128
+    qh, kh, vh = (_rand(rng, s, np.float16) for s in ((B, S, Hq, D), (B, S, Hkv, D), (B, S, Hkv, D)))
+    pattern = np.array([[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 0, 1], [0, 1, 1, 1]], bool)
+    indptr, indices = SP.bsr_from_mask(pattern)
+    indptr, indices = indptr.copy(), indices[:indptr[-1]].copy()
+    good = indices.copy()
+    indices[indptr[2] + 1] = 4                       # query block 2 names key block 4 of 4
+    vbw_cupy.check_errors()
+    o, lse = vbw_cupy.block_sparse_attention(cp.asarray(qh), cp.asarray(kh), cp.asarray(vh), cp.asarray(indptr),
+                                             cp.asarray(indices), block_q=128, block_k=128, return_lse=True)
+    oh, lh = o.get().astype(np.float32), lse.get()
+    want, want_lse = vbw_cupy.block_sparse_attention(qh.astype(np.float32), kh.astype(np.float32),
+                                                     vh.astype(np.float32), indptr, good, block_q=128,
+                                                     block_k=128, return_lse=True)
+    assert np.isnan(oh[:, 256:384]).all() and np.isnan(lh[:, :, 256:384]).all()
+    assert (oh[:, 128:256] == 0).all() and (lh[:, :, 128:256] == -np.inf).all()
+    for rows in (slice(0, 128), slice(384, 512)):
+        np.testing.assert_allclose(oh[:, rows], want[:, rows], atol=2e-3, rtol=2e-2)
+        np.testing.assert_allclose(lh[:, :, rows], want_lse[:, :, rows], atol=1e-3, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"block_sparse_attention: indptr / indices: .*query block 2"):
+        vbw_cupy.check_errors()

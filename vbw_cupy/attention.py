@@ -72,7 +72,7 @@ def _wg(n, wgs=2, overlap=False, stages=2):
 def _ws(n, stages=2):
     """A warp-specialized attn_fwd_wg config (KIND "ws", TMA loads only): two consumer warpgroups of 64 query
     rows taking turns at the tensor cores, and a producer warpgroup streaming K and V (FlashAttention-3's
-    schedule). 384 threads; where the driver cannot encode tensor maps it runs as the "wg" config of its tiles."""
+    schedule). 384 threads; where the driver cannot encode tensor maps the head dim's lock-step default runs."""
     return {"KIND": "ws", "BLOCK_M": 128, "BLOCK_N": n, "WARPS": 12, "Q_REGS": 0, "STAGES": stages}
 
 
@@ -245,7 +245,9 @@ def _default_for(head_dim: int):
     """The Tunable's default_for: the default of a shape ({"Sk": longest key sequence, ...}) on an arch."""
     def default_for(shape, arch, cfg):
         long = _WS_FROM.get(_WG_HEAD_DIM.get(head_dim))
-        if arch == 90 and cfg["KIND"] != "mma" and long and shape.get("Sk", 0) >= long[0]:
+        sk = int(shape.get("Sk", 0))
+        # by the power of two at or above Sk, as the tuning bucket rounds it: one default a bucket
+        if arch == 90 and cfg["KIND"] != "mma" and long and sk > 0 and 1 << (sk - 1).bit_length() >= long[0]:
             return dict(long[1])
         return dict(cfg)
     return default_for

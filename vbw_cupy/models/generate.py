@@ -84,25 +84,27 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
         cache.free(b)
         return False
 
-    t0 = time.perf_counter()
-    active = [b for b in range(len(prompts)) if budget[b] > 0]
-    logits = ops.to_host(model.prefill([prompts[b] for b in active], cache, active)) if active else []
-    active = [b for b, row in zip(active, logits) if keep(b, sampler(row))]
-    result.prefill_seconds = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    on_gpu = sampler.on_gpu and hasattr(model, "decode_sample")  # only the token ids come back each step
-    gpu_seed = 0 if sampler.seed is None else sampler.seed
-    while active:
-        last = [seqs[b].ids[-1] for b in active]
-        if on_gpu:
-            picked = model.decode_sample(last, cache, active, temperature=sampler.temperature, seed=gpu_seed)
-        else:
-            picked = [sampler(row) for row in ops.to_host(model.decode(last, cache, active))]
-        result.decode_tokens += len(active)
-        active = [b for b, t in zip(active, picked) if keep(b, int(t))]
-    result.decode_seconds = time.perf_counter() - t0
-    if hasattr(model, "recycle"):  # a GPU model: the next call's cache takes these arrays (and decode graphs)
-        model.recycle(cache)
+    try:
+        t0 = time.perf_counter()
+        active = [b for b in range(len(prompts)) if budget[b] > 0]
+        logits = ops.to_host(model.prefill([prompts[b] for b in active], cache, active)) if active else []
+        active = [b for b, row in zip(active, logits) if keep(b, sampler(row))]
+        result.prefill_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        on_gpu = sampler.on_gpu and hasattr(model, "decode_sample")  # only the token ids come back each step
+        gpu_seed = 0 if sampler.seed is None else sampler.seed
+        while active:
+            last = [seqs[b].ids[-1] for b in active]
+            if on_gpu:
+                picked = model.decode_sample(last, cache, active, temperature=sampler.temperature, seed=gpu_seed)
+            else:
+                picked = [sampler(row) for row in ops.to_host(model.decode(last, cache, active))]
+            result.decode_tokens += len(active)
+            active = [b for b, t in zip(active, picked) if keep(b, int(t))]
+        result.decode_seconds = time.perf_counter() - t0
+    finally:  # a GPU model: the next call's cache takes these arrays (and decode graphs), even after an error
+        if hasattr(model, "recycle"):
+            model.recycle(cache)
     for s in seqs:  # max_new_tokens = 0: nothing was generated
         s.finish_reason = s.finish_reason or "length"
     return result

@@ -218,8 +218,13 @@ class LlamaGPU:
         args = (self.config, max_batch, max_tokens, self.act_dtype)
         spare, owner = self._spare
         reuse = None
-        if spare is not None and owner() is None and spare.block_table.shape == (max_batch, -(-max_tokens // 16)):
-            reuse = spare
+        if spare is not None and owner() is None:
+            if spare.block_table.shape == (max_batch, -(-max_tokens // 16)):
+                reuse = spare
+            else:  # another size: let the dead arrays (and graphs over them) go before allocating new ones
+                self._spare = (None, lambda: None)
+                self._graphs = {k: st for k, st in self._graphs.items() if st.cache() is not spare}
+                spare = None
         cache = GPUKVCache(*args, n_kv_heads=self.n_kv_heads, storage=reuse)
         self._spare = (cache.storage, weakref.ref(cache))
         return cache
