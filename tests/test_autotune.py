@@ -505,16 +505,22 @@ def test_candidate_compile_stops_when_nothing_is_kept(env, monkeypatch):
     assert len(asked) == 1 and env.calls
 
 
+def _replace_cached_config(env, config, **others):
+    """Overwrite the config of the cache file's one entry (and add `others` beside it), then start over as a new
+    process would, with the fake timer's calls cleared."""
+    data = json.loads(at.cache_path().read_text())
+    (key, entry), = data["entries"].items()
+    entry["config"] = config
+    data["entries"].update(others)
+    at.cache_path().write_text(json.dumps(data))
+    at.reset()
+    env.calls.clear()
+
+
 def test_cached_config_this_version_does_not_declare_is_retuned(env):
     shape = {"M": 256, "K": 64}
     at.pick("t_fake", shape, "float16", noop)
-    path = at.cache_path()
-    data = json.loads(path.read_text())
-    (key, entry), = data["entries"].items()
-    entry["config"] = {"BM": 999, "W": 4}  # e.g. a tile removed from the candidate table since it was tuned
-    path.write_text(json.dumps(data))
-    at.reset()
-    env.calls.clear()
+    _replace_cached_config(env, {"BM": 999, "W": 4})  # e.g. a tile removed from the candidate table since it was tuned
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         cfg = at.pick("t_fake", shape, "float16", noop)
@@ -527,12 +533,7 @@ def test_cached_config_that_does_not_fit_the_device_is_retuned(env):
     not fit this device is never launched: one warning, then the tuner runs as on a miss."""
     shape = {"M": 256, "K": 64}
     at.pick("t_fake", shape, "float16", noop)
-    data = json.loads(at.cache_path().read_text())
-    (key, entry), = data["entries"].items()
-    entry["config"] = {"BM": 256, "W": 8}             # declared, but 256 * 8 * 256 bytes > 227 KB
-    at.cache_path().write_text(json.dumps(data))
-    at.reset()
-    env.calls.clear()
+    _replace_cached_config(env, {"BM": 256, "W": 8})   # declared, but 256 * 8 * 256 bytes > 227 KB
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         cfg = at.pick("t_fake", shape, "float16", noop)
@@ -579,13 +580,7 @@ def test_cached_config_of_the_wrong_type_is_never_used(env, bad):
     config must name a declared one with the same types; pick hands back the declared dict, never the file's."""
     shape = {"M": 256, "K": 64}
     good = at.pick("t_fake", shape, "float16", noop)
-    data = json.loads(at.cache_path().read_text())
-    (key, entry), = data["entries"].items()
-    entry["config"] = bad
-    data["entries"]["other|key"] = "garbage"           # a non-entry beside it is skipped, not fatal
-    at.cache_path().write_text(json.dumps(data))
-    at.reset()
-    env.calls.clear()
+    _replace_cached_config(env, bad, **{"other|key": "garbage"})   # a non-entry beside it is skipped, not fatal
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         cfg = at.pick("t_fake", shape, "float16", noop)
