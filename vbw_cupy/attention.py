@@ -28,6 +28,7 @@ non-contiguous inputs.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -170,8 +171,7 @@ def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True, tma: bool =
     """The kernel template instance of cfg. tma (wgmma configs): Q, K and V arrive by TMA (with tensor maps)
     instead of cp.async; sparse (wgmma configs): the block-sparse variant (vbw_cupy.sparse)."""
     b = lambda x: "true" if x else "false"
-    if cfg["KIND"] == "ws" and not tma:  # (the producer issues TMA copies only: without maps, the wg default)
-        cfg = _WG_DEFAULTS[head_dim]
+    cfg = _loadable(head_dim, cfg, tma)
     if cfg["KIND"] != "mma":
         if not vec:
             raise ValueError(f"attention config {cfg}: the wgmma kernel needs 16-byte aligned rows (d % 8 == 0)")
@@ -213,6 +213,12 @@ def _tma_variants(cfg) -> tuple:
     return {"mma": (False,), "ws": (True,)}.get(cfg["KIND"], (False, True))
 
 
+def _loadable(head_dim: int, cfg: dict, tma: bool) -> dict:
+    """cfg, or where it cannot load without tensor maps (a "ws" producer issues TMA copies only) and tma is off,
+    the head dim's lock-step default."""
+    return _WG_DEFAULTS[head_dim] if cfg["KIND"] == "ws" and not tma else cfg
+
+
 def _row_warps(cfg) -> int:
     """The warps that own query rows (a "ws" CTA's producer warpgroup owns none)."""
     return cfg["WARPS"] - (4 if cfg["KIND"] == "ws" else 0)
@@ -236,21 +242,20 @@ def default_config(head_dim: int, arch: int, vec: bool = True, shape: dict | Non
     `shape`, the warp-specialized tiles for long key sequences, _WS_FROM), else the mma.sync kernel's entry for
     the nearest arch at or below `arch`."""
     if arch == 90 and vec and head_dim in _WG_DEFAULTS:
-        return _default_for(head_dim)(shape, arch, _WG_DEFAULTS[head_dim]) if shape else dict(_WG_DEFAULTS[head_dim])
+        return _shape_default(head_dim, shape or {}, arch, _WG_DEFAULTS[head_dim])
     d = _DEFAULTS[head_dim]
     return dict(d[max([a for a in d if a <= arch] or [min(d)])])
 
 
-def _default_for(head_dim: int):
-    """The Tunable's default_for: the default of a shape ({"Sk": longest key sequence, ...}) on an arch."""
-    def default_for(shape, arch, cfg):
-        long = _WS_FROM.get(_WG_HEAD_DIM.get(head_dim))
-        sk = int(shape.get("Sk", 0))
-        # by the power of two at or above Sk, as the tuning bucket rounds it: one default a bucket
-        if arch == 90 and cfg["KIND"] != "mma" and long and sk > 0 and 1 << (sk - 1).bit_length() >= long[0]:
-            return dict(long[1])
-        return dict(cfg)
-    return default_for
+def _shape_default(head_dim: int, shape: dict, arch: int, cfg: dict) -> dict:
+    """The default of a shape ({"Sk": longest key sequence, ...}) on an arch, given the arch's default cfg (the
+    Tunable's default_for, with head_dim bound)."""
+    long = _WS_FROM.get(_WG_HEAD_DIM.get(head_dim))
+    sk = int(shape.get("Sk", 0))
+    # by the power of two at or above Sk, as the tuning bucket rounds it: one default a bucket
+    if arch == 90 and cfg["KIND"] != "mma" and long and sk > 0 and 1 << (sk - 1).bit_length() >= long[0]:
+        return dict(long[1])
+    return dict(cfg)
 
 
 def _runnable(head_dim: int, cfg: dict, vec: bool) -> dict:
@@ -323,7 +328,7 @@ if _autotune is not None:
             name=_tunable_name(_hd), params=_PARAMS, candidates=tuple(_all_configs(_hd, True)),
             # 100: archs above sm_90 take the nearest lower entry, which must not be sm_90a's wgmma config
             defaults={a: default_config(_hd, a) for a in (*_DEFAULTS[_hd], 100)}, bucket=_bucket, fits=_fits(_hd),
-            default_for=_default_for(_hd),
+            default_for=functools.partial(_shape_default, _hd),
             warm_l2=True, settled=(90,),  # tuned 0.78-1.01x the defaults on an H100 (notes/autotune.md)
             source=SOURCE,
             standard_shapes=tuple(({"Sq": s, "Sk": s, "masked": m, "B": 16384 // s, "H": 16}, dt)
@@ -411,8 +416,7 @@ class _Launch:
         boxes = (cfg["BLOCK_M"], cfg["BLOCK_N"]) if wg and _USE_TMA else None
         if boxes is not None and _map_args(self.q, self.k, self.v, boxes) is None:
             boxes = None  # the driver cannot encode the maps: cp.async
-        if boxes is None and cfg["KIND"] == "ws":  # (the producer warpgroup issues TMA copies only)
-            cfg = _WG_DEFAULTS[self.head_dim]
+        cfg = _loadable(self.head_dim, cfg, boxes is not None)
         opts = _EXTRA_OPTIONS.get(self.head_dim, ()) if isinstance(_EXTRA_OPTIONS, dict) else _EXTRA_OPTIONS
         kern = rt.get_kernel(SOURCE, instance_name(self.q.dtype, self.head_dim, cfg, self.vec, boxes is not None,
                                                    self.sparse), tuple(opts))
