@@ -224,7 +224,7 @@ class LlamaGPU:
             else:  # another size: let the dead arrays (and graphs over them) go before allocating new ones
                 self._spare = (None, lambda: None)
                 self._graphs = {k: st for k, st in self._graphs.items() if st.cache() is not spare}
-                spare = None
+                spare = None   # (this name too held them)
         cache = GPUKVCache(*args, n_kv_heads=self.n_kv_heads, storage=reuse)
         self._spare = (cache.storage, weakref.ref(cache))
         return cache
