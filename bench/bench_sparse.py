@@ -13,6 +13,7 @@ SDPA EFFICIENT with the mask at 10%.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
     variants = [("default", None)] + [(f"{st} stages", attention._wg(128, stages=st)) for st in a.stages]
     variants += [(f"ws {st} stages", attention._ws(128, stages=st)) for st in a.ws]
     default = sparse._WG_TILES
-    for d, _, (label, tile) in ((d, r, v) for d in a.density for r in range(a.rounds) for v in variants):
+    for d, _, (label, tile) in itertools.product(a.density, range(a.rounds), variants):
         if tile is not None:
             sparse._WG_TILES = {**default, 128: (tile,)}
         row = time_case(Case(a.S, a.D, a.B, a.H, d, a.block_q, a.block_k), rep=a.rep)
