@@ -18,9 +18,9 @@
 // outside the batch and block ids outside the cache are flagged in the error word (errors.cuh) and give NaN
 // rows; nothing is read or written through them.
 //
-// L2 prefetch: add_rmsnorm, rope_store and silu_mul take up to two byte ranges of later GEMMs' weights and ask L2
-// for them (l2_prefetch) once the kernel before them is done: these kernels are latency-bound, so the DRAM is
-// otherwise idle while they and the attention after rope_store run. Only a hint: nothing waits on it.
+// l2_prefetch: asks L2 for byte ranges of later GEMMs' weights. The decode step launches it before the attention,
+// which is latency-bound, so the DRAM would otherwise idle while it runs; the prefetches are issued before the
+// kernel waits on the one before it and nothing waits on them.
 //
 // History: v1 measured inside the model's decode step; see notes/ for the per-kernel profile. v2: every kernel
 // starts with pdl_start() (pdl.cuh), so the decode graph launches them as programmatic dependents.
@@ -38,25 +38,6 @@ using vbw::to_float;
 constexpr int THREADS = 256;
 
 __device__ __forceinline__ float nan_f() { return __int_as_float(0x7fc00000); }
-
-// Asks L2 for bytes [0, n) of p, in 64 KB bulk prefetches spread over the grid's threads (sm_90; a no-op
-// before). p is 16-byte aligned (gpu.py passes array offsets that are); a tail under 16 bytes is left out.
-__device__ __forceinline__ void l2_prefetch(const char* p, long long n) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr long long PIECE = 65536;
-  const long long pieces = (n + PIECE - 1) / PIECE;
-  const long long nthreads = (long long)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
-  const long long cta = ((long long)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-  for (long long i = cta * blockDim.x + threadIdx.x; i < pieces; i += nthreads) {
-    const unsigned size = (unsigned)min(PIECE, n - i * PIECE) & ~15u;
-    if (size) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p + i * PIECE), "r"(size) : "memory");
-  }
-#endif
-}
-__device__ __forceinline__ void l2_prefetch2(const char* p0, long long n0, const char* p1, long long n1) {
-  if (p0 != nullptr) l2_prefetch(p0, n0);
-  if (p1 != nullptr) l2_prefetch(p1, n1);
-}
 
 // out[t] = table[ids[t]] as float32; an id outside [0, vocab) gives a NaN row and flags MODEL_TOKEN_IDS.
 template <typename E>
@@ -96,10 +77,8 @@ __device__ __forceinline__ float norm_block_sum(float v) {
 template <typename D, typename O>
 __global__ void __launch_bounds__(NORM_THREADS) add_rmsnorm(float* __restrict__ x, const D* __restrict__ delta,
                                                             const float* __restrict__ w, O* __restrict__ out,
-                                                            int dim, float eps, const char* pf0, long long pn0,
-                                                            const char* pf1, long long pn1) {
+                                                            int dim, float eps) {
   vbw::pdl_start();
-  l2_prefetch2(pf0, pn0, pf1, pn1);
   const long long base = (long long)blockIdx.x * dim;
   float vals[NORM_VALS];
   float ss = 0.f;
@@ -159,9 +138,8 @@ __global__ void rope_store(const T* __restrict__ qkv, const int* __restrict__ po
                            T* __restrict__ k_out, T* __restrict__ v_out, T* __restrict__ k_cache,
                            T* __restrict__ v_cache, const int* __restrict__ block_table, int max_batch,
                            int max_blocks, int num_blocks, int block_size, int Hq, int Hkv, int D, int style,
-                           int* err, const char* pf0, long long pn0, const char* pf1, long long pn1) {
+                           int* err) {
   vbw::pdl_start();
-  l2_prefetch2(pf0, pn0, pf1, pn1);
   const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half = D / 2;
   const int p = pos[t], s = slot[t];
   const bool pos_ok = (unsigned)p < (unsigned)max_pos && (unsigned)s < (unsigned)max_batch &&
@@ -210,15 +188,39 @@ __global__ void rope_store(const T* __restrict__ qkv, const int* __restrict__ po
 
 // gu [T, 2 * H] (gate then up, one fused GEMM) -> out [T, H] = silu(gate) * up, in float32.
 template <typename T>
-__global__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, int H, long long n, const char* pf0,
-                         long long pn0, const char* pf1, long long pn1) {
+__global__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, int H, long long n) {
   vbw::pdl_start();
-  l2_prefetch2(pf0, pn0, pf1, pn1);
   for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
     const long long t = e / H, c = e - t * H;
     const float g = to_float(gu[t * 2 * H + c]), u = to_float(gu[t * 2 * H + H + c]);
     out[e] = from_float<T>(g / (1.f + expf(-g)) * u);
   }
+}
+
+// grid any, block any: the threads split bytes [0, n0) of p0 and [0, n1) of p1 into 128-byte lines (BULK:
+// 4 KB bulk prefetches, sm_90) and ask L2 for each; then the kernel waits for the one before it (pdl.cuh), so a
+// kernel waiting on this one also waits on that one.
+template <bool BULK>
+__global__ void l2_prefetch(const char* p0, long long n0, const char* p1, long long n1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr long long PIECE = BULK ? 4096 : 128;
+  const long long nthreads = (long long)gridDim.x * blockDim.x, me = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const char* p = r ? p1 : p0;
+    const long long n = r ? n1 : n0;
+    if (p == nullptr) continue;
+    for (long long i = me; i * PIECE < n; i += nthreads) {
+      if (BULK) {
+        const unsigned size = (unsigned)min(PIECE, n - i * PIECE) & ~15u;
+        if (size) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p + i * PIECE), "r"(size) : "memory");
+      } else {
+        asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(p + i * PIECE) : "memory");
+      }
+    }
+  }
+#endif
+  vbw::pdl_start();
 }
 
 // splitmix64: a counter-based generator, one 64-bit draw per (key, counter).

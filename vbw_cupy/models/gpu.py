@@ -43,18 +43,22 @@ _ACT = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 # The decode graph launches the kernels that allow it as programmatic dependents (cuda_src/pdl.cuh): each one's
 # launch and weight loads overlap the kernel before it. False: plain launches (A/B runs; read at capture).
 _PDL = True
-# L2 prefetch (cuda_src/model.cu, l2_prefetch): bytes of the next GEMMs' weights that the latency-bound kernels
-# ask L2 for -- each norm the next GEMM's first `norm` bytes, rope_store (before the attention) the O projection
-# and the first `attention` bytes of gate / up, silu_mul the down projection's first `silu`. None: no prefetch.
-_L2_AHEAD = dict(norm=8 << 20, attention=24 << 20, silu=4 << 20)
-_NO_PREFETCH = (rt.NULL, np.int64(0), rt.NULL, np.int64(0))
+# L2 prefetch (cuda_src/model.cu, l2_prefetch) in the decode step: before the attention, the O projection's
+# weights and gate / up's first bytes, _L2_AHEAD in all (0: none). _L2_BULK: 4 KB bulk prefetches, else lines.
+_L2_AHEAD = 24 << 20
+_L2_BULK = False
 
 
 def kernel_instances() -> list[tuple[str, str]]:
     names = [f"{_NS}embedding<float>", f"{_NS}step_positions", f"{_NS}sample_rows"]
     for t in _ACT.values():
         names += [f"{_NS}rope_store<{t}>", f"{_NS}silu_mul<{t}>", f"{_NS}add_rmsnorm<{t}, {t}>"]
+    names += [f"{_NS}l2_prefetch<true>", f"{_NS}l2_prefetch<false>"]
     return [(_SOURCE, n) for n in names]
+
+
+def _num_sms() -> int:
+    return rt.cupy.cuda.Device().attributes["MultiProcessorCount"]
 
 
 def _kernel(name: str):
@@ -210,7 +214,6 @@ class LlamaGPU:
         self.classifier = lin(weights.classifier)
         self.rope = cp.asarray(rope_table(config))
         self._graphs: dict = {}
-        self._prefetch = ((), [])   # (the _L2_AHEAD it was built for, _prefetch_plan)
         self._spare = (None, lambda: None)   # (storage of the last cache made, weakref to that cache)
 
     # -- host view of what runs (for the tests' reference runs)
@@ -265,12 +268,11 @@ class LlamaGPU:
         return partial
 
     # -- the kernels
-    def _norm(self, x, delta, w, prefetch=_NO_PREFETCH):
+    def _norm(self, x, delta, w):
         cp = rt.cupy
         out = cp.empty(x.shape, dtype=self.act_dtype)
         rt.launch(_kernel(f"add_rmsnorm<{self._t}, {self._t}>"), (x.shape[0],), (1024,),
-                  (x, rt.NULL if delta is None else delta, w, out, np.int32(x.shape[1]),
-                   np.float32(self.config.norm_eps), *prefetch))
+                  (x, rt.NULL if delta is None else delta, w, out, np.int32(x.shape[1]), np.float32(self.config.norm_eps)))
         return out
 
     def _embed(self, ids):
@@ -281,7 +283,7 @@ class LlamaGPU:
                    _errors.buffer(cp.cuda.Device().id)))
         return x
 
-    def _rope_store(self, qkv, pos, slots, cache: GPUKVCache, layer: int, packed_kv: bool, prefetch=_NO_PREFETCH):
+    def _rope_store(self, qkv, pos, slots, cache: GPUKVCache, layer: int, packed_kv: bool):
         cp, c = rt.cupy, self.config
         T, D = qkv.shape[0], c.head_dim
         Hq, Hkv = self.n_heads, self.n_kv_heads
@@ -294,56 +296,41 @@ class LlamaGPU:
                    rt.NULL if v is None else v, cache.k[layer], cache.v[layer], bt,
                    np.int32(bt.shape[0]), np.int32(bt.shape[1]), np.int32(cache.num_blocks),
                    np.int32(cache.block_size), np.int32(Hq), np.int32(Hkv), np.int32(D),
-                   np.int32(0 if c.rope_style == "adjacent" else 1), _errors.buffer(cp.cuda.Device().id), *prefetch))
+                   np.int32(0 if c.rope_style == "adjacent" else 1), _errors.buffer(cp.cuda.Device().id)))
         return q, k, v
 
-    def _swiglu(self, gu, prefetch=_NO_PREFETCH):
+    def _swiglu(self, gu):
         cp = rt.cupy
         H = gu.shape[1] // 2
         out = cp.empty((gu.shape[0], H), dtype=self.act_dtype)
         n = out.size
         rt.launch(_kernel(f"silu_mul<{self._t}>"), (min(-(-n // _THREADS), 4096),), (_THREADS,),
-                  (gu, out, np.int32(H), np.int64(n), *prefetch))
+                  (gu, out, np.int32(H), np.int64(n)))
         return out
 
-    def _prefetch_plan(self) -> list:
-        """Per layer the L2 prefetch arguments of its kernels (see _L2_AHEAD): (first norm, rope_store, norm
-        after the O projection, silu_mul, norm after the down projection). Built once per _L2_AHEAD value."""
-        a = _L2_AHEAD
-        key = None if a is None else tuple(sorted(a.items()))
-        if self._prefetch[0] == key:
-            return self._prefetch[1]
-        if a is None:
-            plan = [(_NO_PREFETCH,) * 5] * len(self.layers)
-            self._prefetch = (key, plan)
-            return plan
-        plan = []
-        for i, L in enumerate(self.layers):
-            nxt = self.layers[i + 1]["wqkv"] if i + 1 < len(self.layers) else self.classifier
-            o_bytes = L["wo"].span(0)[1]
-            rest = max(0, a["attention"] - int(o_bytes))
-            plan.append((L["wqkv"].span(0, a["norm"]) + _NO_PREFETCH[2:],
-                         L["wo"].span(0) + L["w13"].span(0, rest),
-                         L["w13"].span(rest, rest + a["norm"]) + _NO_PREFETCH[2:],
-                         L["w2"].span(0, a["silu"]) + _NO_PREFETCH[2:],
-                         nxt.span(0, a["norm"]) + _NO_PREFETCH[2:]))
-        self._prefetch = (key, plan)
-        return plan
+    def _prefetch(self, layer: int) -> None:
+        """Ask L2 for layer's O projection and the first bytes of its gate / up (_L2_AHEAD in all)."""
+        if not _L2_AHEAD:
+            return
+        L = self.layers[layer]
+        o_ptr, o_n = L["wo"].span(0, _L2_AHEAD)
+        rt.launch(_kernel(f"l2_prefetch<{'true' if _L2_BULK else 'false'}>"), (2 * _num_sms(),), (256,),
+                  (o_ptr, o_n) + L["w13"].span(0, max(0, _L2_AHEAD - int(o_n))))
 
     def _forward(self, x, pos, slots, cache, attend, packed_kv, rows=None):
         """The blocks and the classifier over x [T, dim] float32 (consumed): float32 logits [T, vocab], or of
         the rows `rows` (a CuPy index array) only."""
         c = self.config
         T = x.shape[0]
-        pf = self._prefetch_plan()
-        h = self._norm(x, None, self.layers[0]["rms_att"], pf[0][0])
+        h = self._norm(x, None, self.layers[0]["rms_att"])
         for i, L in enumerate(self.layers):
-            q, k, v = self._rope_store(L["wqkv"](h), pos, slots, cache, i, packed_kv, pf[i][1])
+            q, k, v = self._rope_store(L["wqkv"](h), pos, slots, cache, i, packed_kv)
+            if not packed_kv:   # decode: the attention is latency-bound
+                self._prefetch(i)
             o = attend(i, q, k, v).reshape(T, self.n_heads * c.head_dim)
-            h = self._norm(x, self._reduce(L["wo"](o)), L["rms_ffn"], pf[i][2])
-            d = self._reduce(L["w2"](self._swiglu(L["w13"](h), pf[i][3])))
-            h = self._norm(x, d, self.layers[i + 1]["rms_att"] if i + 1 < len(self.layers) else self.rms_final,
-                           pf[i][4])
+            h = self._norm(x, self._reduce(L["wo"](o)), L["rms_ffn"])
+            d = self._reduce(L["w2"](self._swiglu(L["w13"](h))))
+            h = self._norm(x, d, self.layers[i + 1]["rms_att"] if i + 1 < len(self.layers) else self.rms_final)
         return self.classifier(h if rows is None else h[rows], out_dtype=np.float32)
 
     # -- prefill
