@@ -53,7 +53,7 @@ def kernel_instances() -> list[tuple[str, str]]:
     names = [f"{_NS}embedding<float>", f"{_NS}step_positions", f"{_NS}sample_rows"]
     for t in _ACT.values():
         names += [f"{_NS}rope_store<{t}>", f"{_NS}silu_mul<{t}>", f"{_NS}add_rmsnorm<{t}, {t}>"]
-    names += [f"{_NS}l2_prefetch<true>", f"{_NS}l2_prefetch<false>"]
+    names += [f"vbw_prefetch::l2_prefetch<{b}>" for b in ("true", "false")]
     return [(_SOURCE, n) for n in names]
 
 
@@ -214,6 +214,7 @@ class LlamaGPU:
         self.classifier = lin(weights.classifier)
         self.rope = cp.asarray(rope_table(config))
         self._graphs: dict = {}
+        self._side: dict = {}   # device id -> the decode step's prefetch stream
         self._spare = (None, lambda: None)   # (storage of the last cache made, weakref to that cache)
 
     # -- host view of what runs (for the tests' reference runs)
@@ -308,29 +309,46 @@ class LlamaGPU:
                   (gu, out, np.int32(H), np.int64(n)))
         return out
 
-    def _prefetch(self, layer: int) -> None:
-        """Ask L2 for layer's O projection and the first bytes of its gate / up (_L2_AHEAD in all)."""
-        if not _L2_AHEAD:
-            return
+    def _side_stream(self):
+        dev = rt.cupy.cuda.Device().id
+        st = self._side.get(dev)
+        if st is None:
+            st = self._side[dev] = rt.cupy.cuda.Stream(non_blocking=True)
+        return st
+
+    def _prefetch(self, layer: int, side):
+        """On stream `side`, after what the current stream has queued: ask L2 for layer's O projection and the
+        first bytes of its gate / up (_L2_AHEAD in all)."""
+        cp = rt.cupy
         L = self.layers[layer]
         o_ptr, o_n = L["wo"].span(0, _L2_AHEAD)
-        rt.launch(_kernel(f"l2_prefetch<{'true' if _L2_BULK else 'false'}>"), (2 * _num_sms(),), (256,),
-                  (o_ptr, o_n) + L["w13"].span(0, max(0, _L2_AHEAD - int(o_n))))
+        fork = cp.cuda.Event(disable_timing=True)
+        fork.record(cp.cuda.get_current_stream())
+        side.wait_event(fork)
+        with side:
+            rt.launch(rt.get_kernel(_SOURCE, f"vbw_prefetch::l2_prefetch<{'true' if _L2_BULK else 'false'}>"),
+                      (2 * _num_sms(),), (256,), (o_ptr, o_n) + L["w13"].span(0, max(0, _L2_AHEAD - int(o_n))))
 
     def _forward(self, x, pos, slots, cache, attend, packed_kv, rows=None):
         """The blocks and the classifier over x [T, dim] float32 (consumed): float32 logits [T, vocab], or of
         the rows `rows` (a CuPy index array) only."""
         c = self.config
         T = x.shape[0]
+        # decode: while the (latency-bound) attention runs, a side stream prefetches the next weights into L2
+        side = self._side_stream() if _L2_AHEAD and not packed_kv else None
         h = self._norm(x, None, self.layers[0]["rms_att"])
         for i, L in enumerate(self.layers):
             q, k, v = self._rope_store(L["wqkv"](h), pos, slots, cache, i, packed_kv)
-            if not packed_kv:   # decode: the attention is latency-bound
-                self._prefetch(i)
+            if side is not None:
+                self._prefetch(i, side)
             o = attend(i, q, k, v).reshape(T, self.n_heads * c.head_dim)
             h = self._norm(x, self._reduce(L["wo"](o)), L["rms_ffn"])
             d = self._reduce(L["w2"](self._swiglu(L["w13"](h))))
             h = self._norm(x, d, self.layers[i + 1]["rms_att"] if i + 1 < len(self.layers) else self.rms_final)
+        if side is not None:   # join: a captured step must end on the stream it began on
+            join = rt.cupy.cuda.Event(disable_timing=True)
+            join.record(side)
+            rt.cupy.cuda.get_current_stream().wait_event(join)
         return self.classifier(h if rows is None else h[rows], out_dtype=np.float32)
 
     # -- prefill
