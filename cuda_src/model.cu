@@ -18,10 +18,6 @@
 // outside the batch and block ids outside the cache are flagged in the error word (errors.cuh) and give NaN
 // rows; nothing is read or written through them.
 //
-// l2_prefetch: asks L2 for byte ranges of later GEMMs' weights. The decode step launches it before the attention,
-// which is latency-bound, so the DRAM would otherwise idle while it runs; the prefetches are issued before the
-// kernel waits on the one before it and nothing waits on them.
-//
 // History: v1 measured inside the model's decode step; see notes/ for the per-kernel profile. v2: every kernel
 // starts with pdl_start() (pdl.cuh), so the decode graph launches them as programmatic dependents.
 #include <cuda_fp16.h>
@@ -249,32 +245,3 @@ __global__ void __launch_bounds__(THREADS) sample_rows(const float* __restrict__
 }
 
 }  // namespace vbw_model
-
-namespace vbw_prefetch {  // not vbw_model: never a programmatic dependent (it runs on a side stream)
-
-// grid any, block any: the threads split bytes [0, n0) of p0 and [0, n1) of p1 into 128-byte lines (BULK: 4 KB
-// bulk prefetches, sm_90) and ask L2 for each. The CTAs stay resident until the lines arrive, so the decode
-// step runs this on a side stream, beside the attention, not in its chain of kernels.
-template <bool BULK>
-__global__ void l2_prefetch(const char* p0, long long n0, const char* p1, long long n1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr long long PIECE = BULK ? 4096 : 128;
-  const long long nthreads = (long long)gridDim.x * blockDim.x, me = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const char* p = r ? p1 : p0;
-    const long long n = r ? n1 : n0;
-    if (p == nullptr) continue;
-    for (long long i = me; i * PIECE < n; i += nthreads) {
-      if (BULK) {
-        const unsigned size = (unsigned)min(PIECE, n - i * PIECE) & ~15u;
-        if (size) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p + i * PIECE), "r"(size) : "memory");
-      } else {
-        asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(p + i * PIECE) : "memory");
-      }
-    }
-  }
-#endif
-}
-
-}  // namespace vbw_prefetch

@@ -336,12 +336,6 @@ def _prepared(w, mode):
     return res
 
 
-def kernel_weights(w, act_dtype):
-    """The array fp4_matmul's kernels read for w with activations of act_dtype (w in the kernels' layout, built
-    once and cached in w). The model prefetches it into L2 ahead of its GEMMs."""
-    return _prepared(w, _mode(w, np.dtype(act_dtype).name))[0]
-
-
 # -------------------------------------------------------------------------------------------- workspace
 def _workspace(nbytes: int, ntiles: int):
     """Split-K scratch (partials) and self-resetting tile counters: the current stream's (`_plans.scratch`)."""

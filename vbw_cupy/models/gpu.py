@@ -29,7 +29,7 @@ from .. import _errors
 from .. import _runtime as rt
 from ..attention import flash_attention_varlen
 from ..fp4 import FP4Tensor, dequantize, quantize
-from ..gemm import fp4_matmul, kernel_weights
+from ..gemm import fp4_matmul
 from ..paged import paged_attention
 from .llama import LayerWeights, LlamaConfig, LlamaWeights
 from .ops import ArrayOps
@@ -43,22 +43,13 @@ _ACT = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 # The decode graph launches the kernels that allow it as programmatic dependents (cuda_src/pdl.cuh): each one's
 # launch and weight loads overlap the kernel before it. False: plain launches (A/B runs; read at capture).
 _PDL = True
-# L2 prefetch (cuda_src/model.cu, l2_prefetch) in the decode step: before the attention, the O projection's
-# weights and gate / up's first bytes, _L2_AHEAD in all (0: none). _L2_BULK: 4 KB bulk prefetches, else lines.
-_L2_AHEAD = 24 << 20
-_L2_BULK = False
 
 
 def kernel_instances() -> list[tuple[str, str]]:
     names = [f"{_NS}embedding<float>", f"{_NS}step_positions", f"{_NS}sample_rows"]
     for t in _ACT.values():
         names += [f"{_NS}rope_store<{t}>", f"{_NS}silu_mul<{t}>", f"{_NS}add_rmsnorm<{t}, {t}>"]
-    names += [f"vbw_prefetch::l2_prefetch<{b}>" for b in ("true", "false")]
     return [(_SOURCE, n) for n in names]
-
-
-def _num_sms() -> int:
-    return rt.cupy.cuda.Device().attributes["MultiProcessorCount"]
 
 
 def _kernel(name: str):
@@ -150,20 +141,10 @@ def _check_live(cache) -> None:
 class _Linear:
     """A linear layer's weight [out, in] on the GPU: dense in the activations' dtype (cuBLAS, through `_blas`
     so that it can be captured) or an FP4Tensor (fp4_matmul)."""
-    __slots__ = ("w", "_read")
+    __slots__ = ("w",)
 
     def __init__(self, w_gpu_f32, fmt: str, act_dtype):
         self.w = w_gpu_f32.astype(act_dtype) if fmt == "fp16" else quantize(w_gpu_f32, fmt)
-        # the bytes the GEMM reads, in the order its kernels lay them out
-        self._read = kernel_weights(self.w, act_dtype) if isinstance(self.w, FP4Tensor) else self.w
-
-    def span(self, start: int, stop: int | None = None) -> tuple:
-        """(pointer, bytes) of bytes [start, stop) of what the GEMM reads, clipped to its size (stop None: to
-        the end); start is rounded down to 16 bytes (l2_prefetch's alignment)."""
-        n = self._read.nbytes
-        start = min(start, n) & ~15
-        stop = n if stop is None else min(stop, n)
-        return np.uint64(self._read.data.ptr + start), np.int64(max(0, stop - start))
 
     def __call__(self, x, out_dtype=None):
         if isinstance(self.w, FP4Tensor):
@@ -214,7 +195,6 @@ class LlamaGPU:
         self.classifier = lin(weights.classifier)
         self.rope = cp.asarray(rope_table(config))
         self._graphs: dict = {}
-        self._side: dict = {}   # device id -> the decode step's prefetch stream
         self._spare = (None, lambda: None)   # (storage of the last cache made, weakref to that cache)
 
     # -- host view of what runs (for the tests' reference runs)
@@ -309,46 +289,18 @@ class LlamaGPU:
                   (gu, out, np.int32(H), np.int64(n)))
         return out
 
-    def _side_stream(self):
-        dev = rt.cupy.cuda.Device().id
-        st = self._side.get(dev)
-        if st is None:
-            st = self._side[dev] = rt.cupy.cuda.Stream(non_blocking=True)
-        return st
-
-    def _prefetch(self, layer: int, side):
-        """On stream `side`, after what the current stream has queued: ask L2 for layer's O projection and the
-        first bytes of its gate / up (_L2_AHEAD in all)."""
-        cp = rt.cupy
-        L = self.layers[layer]
-        o_ptr, o_n = L["wo"].span(0, _L2_AHEAD)
-        fork = cp.cuda.Event(disable_timing=True)
-        fork.record(cp.cuda.get_current_stream())
-        side.wait_event(fork)
-        with side:
-            rt.launch(rt.get_kernel(_SOURCE, f"vbw_prefetch::l2_prefetch<{'true' if _L2_BULK else 'false'}>"),
-                      (2 * _num_sms(),), (256,), (o_ptr, o_n) + L["w13"].span(0, max(0, _L2_AHEAD - int(o_n))))
-
     def _forward(self, x, pos, slots, cache, attend, packed_kv, rows=None):
         """The blocks and the classifier over x [T, dim] float32 (consumed): float32 logits [T, vocab], or of
         the rows `rows` (a CuPy index array) only."""
         c = self.config
         T = x.shape[0]
-        # decode: while the (latency-bound) attention runs, a side stream prefetches the next weights into L2
-        side = self._side_stream() if _L2_AHEAD and not packed_kv else None
         h = self._norm(x, None, self.layers[0]["rms_att"])
         for i, L in enumerate(self.layers):
             q, k, v = self._rope_store(L["wqkv"](h), pos, slots, cache, i, packed_kv)
-            if side is not None:
-                self._prefetch(i, side)
             o = attend(i, q, k, v).reshape(T, self.n_heads * c.head_dim)
             h = self._norm(x, self._reduce(L["wo"](o)), L["rms_ffn"])
             d = self._reduce(L["w2"](self._swiglu(L["w13"](h))))
             h = self._norm(x, d, self.layers[i + 1]["rms_att"] if i + 1 < len(self.layers) else self.rms_final)
-        if side is not None:   # join: a captured step must end on the stream it began on
-            join = rt.cupy.cuda.Event(disable_timing=True)
-            join.record(side)
-            rt.cupy.cuda.get_current_stream().wait_event(join)
         return self.classifier(h if rows is None else h[rows], out_dtype=np.float32)
 
     # -- prefill
