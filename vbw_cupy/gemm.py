@@ -353,8 +353,10 @@ def _auto_split(cfg, ntiles, nkt, blk, itemsize, limits) -> int:
     if cfg["KIND"] in _WG:
         per_sm = 1
     elif cfg["KIND"] in _MMV:
-        # about 16 warps per SM: deeper splits (more requests in flight) measured slower on the H100
-        per_sm = max(1, 16 // cfg["WR"])
+        # about 24 warps per SM. H100, M = 1 nvfp4 in a graph, 16 / 24 / 32 warps: 12288x4096 16.1 / 15.3-16.0 /
+        # 15.4 us, 4096x11008 15.5 / 14.7 / 14.7, 32000x4096 31.2 / 31.2 / 35.0, 8192^2 18.7 / 18.7 / 20.9; the 7B
+        # decode step 2.777-2.784 / 2.714-2.756 / 2.794 ms (notes/session-2026-11-26b.md)
+        per_sm = max(1, 24 // cfg["WR"])
     slots = limits["num_sms"] * per_sm
     if ntiles >= 0.5 * slots:
         return 1
