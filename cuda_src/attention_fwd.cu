@@ -85,6 +85,24 @@
 #endif
 static_assert(128 * VBW_WS_PRODUCER_REGS + 256 * VBW_WS_CONSUMER_REGS <= 384 * 168, "WS registers");
 
+namespace vbw_attn {
+// attn_fwd_wg's element types: T = __half / __nv_bfloat16 (inputs and output of that type), or E4M3<O>: q, k, v
+// as e4m3 (fn) bytes with a float32 descale each (descale[0..2]), the output O.
+template <typename O> struct E4M3 {};
+template <typename T> struct Elems { using in = T; using out = T; static constexpr bool fp8 = false; };
+template <typename O> struct Elems<E4M3<O>> { using in = unsigned char; using out = O; static constexpr bool fp8 = true; };
+
+// 4 floats -> 4 e4m3 (fn) bytes, a first (lowest address), rounded to nearest even, saturating at +-448.
+__device__ __forceinline__ vbw::u32 e4m3x4(float a, float b, float c, float d) {
+  unsigned short lo = 0, hi = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
+#endif
+  return (vbw::u32)lo | ((vbw::u32)hi << 16);
+}
+}  // namespace vbw_attn
+
 // Where this CTA works, recomputed from the kernel's arguments wherever a kernel needs it (see cta_info).
 #define VBW_CTA() vbw_attn::cta_info<BLOCK_M>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, sect_heads, \
                                               win_left, win_right)
@@ -423,29 +441,48 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 // compile without any of it.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP, bool TMA, int STAGES, bool WS, bool SPARSE>
 __global__ void __launch_bounds__(WGS * 128 + (WS ? 128 : 0), 1)
-attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
+attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typename vbw_attn::Elems<T>::in* __restrict__ k,
+            const typename vbw_attn::Elems<T>::in* __restrict__ v, typename vbw_attn::Elems<T>::out* __restrict__ o,
             float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
             int batch, int seqlen_q, int seqlen_k, int heads, int group, int d, int num_m, int sect_heads,
             float scale_log2, int score_mode, float cap_prescale, int win_left, int win_right,
             long long q_rs, long long kv_rs, long long lse_stride_h, int* __restrict__ err,
             const int* __restrict__ sp_indptr, const int* __restrict__ sp_indices, long long sp_ptr_stride,
-            long long sp_idx_stride, int sp_nnz, int sp_nkb,
+            long long sp_idx_stride, int sp_nnz, int sp_nkb, const float* __restrict__ descale,
             const __grid_constant__ vbw::TmaDesc tm_q, const __grid_constant__ vbw::TmaDesc tm_k,
             const __grid_constant__ vbw::TmaDesc tm_v) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace vbw;
+  using TI = typename vbw_attn::Elems<T>::in;    // q, k, v elements
+  using TO = typename vbw_attn::Elems<T>::out;   // o
+  constexpr bool FP8 = vbw_attn::Elems<T>::fp8;
   constexpr int BLOCK_M = 64 * WGS;
   constexpr int NT = 128 * WGS;
   static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 192, "BLOCK_N: a wgmma N");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 192 || HEAD_DIM == 256, "HEAD_DIM: a wgmma N");
   static_assert(STAGES >= 2 && STAGES <= 4 && (!OVERLAP || STAGES == 2), "STAGES");
   static_assert(!WS || (TMA && !OVERLAP && WGS == 2 && STAGES <= 3), "WS: TMA, two consumer warpgroups");
+  // FP8: dense warp-specialized only; Q and K rows and V^T's 128-key rows are whole 128-byte panels
+  static_assert(!FP8 || (WS && !SPARSE && BLOCK_N == 128 && HEAD_DIM % 128 == 0), "FP8: ws, BLOCK_N 128, D 128 / 256");
   constexpr int NS = BLOCK_N / 2;    // S accumulators a thread
   constexpr int NO = HEAD_DIM / 2;   // O accumulators a thread
   constexpr int NN = BLOCK_N / 8;    // n8 column tiles of S
   constexpr int ND = HEAD_DIM / 8;   // n8 column tiles of O
-  constexpr u32 Q_BYTES = BLOCK_M * HEAD_DIM * 2;
-  constexpr u32 KV_BYTES = BLOCK_N * HEAD_DIM * 2;  // one K or V tile
+  constexpr int KP = BLOCK_N / (FP8 ? 32 : 16);  // k steps of P V
+  constexpr int EPP = 128 / (int)sizeof(TI);  // elements of a 128-byte swizzled panel row
+  constexpr u32 Q_LOAD = BLOCK_M * HEAD_DIM * sizeof(TI);
+  constexpr u32 Q_BYTES = BLOCK_M * HEAD_DIM * 2;  // Q, then the epilogue's staged 16-bit O
+  constexpr u32 KV_BYTES = BLOCK_N * HEAD_DIM * sizeof(TI);  // one K or V tile (FP8: V^T [HEAD_DIM][BLOCK_N])
+  // FP8: the inputs' descales fold into the score scale (S is in e4m3 units) and the output; P is stored as
+  // 256 p (<= 256 < 448, e4m3's subnormals then reach p = 2^-17), which the row sums carry too.
+  float v_descale = 1.f;
+  if constexpr (FP8) {
+    if (descale != nullptr) {
+      const float qk = descale[0] * descale[1];
+      if (score_mode == 0) scale_log2 *= qk; else cap_prescale *= qk;
+      v_descale = descale[2];
+    }
+  }
   const float NEG_INF = __int_as_float(0xff800000);
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -460,13 +497,13 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const int warp = (tid >> 5) & 3;  // warp within the warpgroup
   const int lane = tid & 31;
   const vbw_attn::Cta cta = VBW_CTA();
-  if (cu_q != nullptr && vbw_attn::varlen_bad<T, BLOCK_M>(cta, cu_q, cu_k, batch, seqlen_q, seqlen_k, num_m, o, lse,
+  if (cu_q != nullptr && vbw_attn::varlen_bad<TO, BLOCK_M>(cta, cu_q, cu_k, batch, seqlen_q, seqlen_k, num_m, o, lse,
                                                           q_rs, d, lse_stride_h, err))
     return;
   if (cta.m0 >= cta.sq) return;
   const int sk = cta.sk;
   const int rows_q = min(BLOCK_M, cta.sq - cta.m0);
-  const T* kg = k + cta.k_start * kv_rs + (long long)(cta.h / group) * d;
+  const TI* kg = k + cta.k_start * kv_rs + (long long)(cta.h / group) * d;
   const long long vk = v - k;
 
   int n_lo, n_hi, nm_lo, nm_hi;
@@ -488,9 +525,9 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     // buffer, under a pending copy).
     if (tid == 0) {
       init_bars();
-      mbar_expect_tx(bar, Q_BYTES);
+      mbar_expect_tx(bar, Q_LOAD);
 #pragma unroll
-      for (int p = 0; p < HEAD_DIM / 64; ++p) tma_load_4d(sQ + p * BLOCK_M * 128, &tm_q, bar, p * 64, cta.h, cta.m0, cta.b);
+      for (int p = 0; p < HEAD_DIM / EPP; ++p) tma_load_4d(sQ + p * BLOCK_M * 128, &tm_q, bar, p * EPP, cta.h, cta.m0, cta.b);
     }
   }
   if constexpr (SPARSE) {
@@ -514,7 +551,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     if (__syncthreads_or(bad)) {  // (also: thread 0's mbarrier initialization is seen by all from here on)
       if constexpr (EARLY_Q) mbar_wait(bar, 0);
       if (tid == 0) vbw_err::flag(err, vbw_err::SPARSE_INDICES, qb);
-      const unsigned short nan = (unsigned short)vbw::pack2<T>(__int_as_float(0x7fc00000), 0.f);  // T's NaN bits
+      const unsigned short nan = (unsigned short)vbw::pack2<TO>(__int_as_float(0x7fc00000), 0.f);  // TO's NaN bits
       unsigned short* o16 = reinterpret_cast<unsigned short*>(o + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d);
       for (int i = tid; i < rows_q * d; i += NT) o16[(long long)(i / d) * q_rs + i % d] = nan;
       if (lse != nullptr)
@@ -553,10 +590,10 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     auto tma_tile = [&](u32 dst, const vbw::TmaDesc* map, u32 b, int rows, int head, int row0, int who) {
       if (threadIdx.x == who) {
         const bool packed = cu_q != nullptr;
-        mbar_expect_tx(b, (u32)rows * HEAD_DIM * 2);
+        mbar_expect_tx(b, (u32)rows * HEAD_DIM * sizeof(TI));
 #pragma unroll
-        for (int p = 0; p < HEAD_DIM / 64; ++p)
-          tma_load_4d(dst + p * rows * 128, map, b, p * 64, head, row0, packed ? 0 : cta.b);
+        for (int p = 0; p < HEAD_DIM / EPP; ++p)
+          tma_load_4d(dst + p * rows * 128, map, b, p * EPP, head, row0, packed ? 0 : cta.b);
       }
     };
     // The TMA row of K / V row 0 of this sequence (packed inputs: its first token).
@@ -572,7 +609,12 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     };
     auto load_v = [&](int i) {
       const int m = tile(i);
-      if constexpr (TMA) {
+      if constexpr (FP8) {  // V^T [B, Hkv, HEAD_DIM, keys]: one box of HEAD_DIM rows x BLOCK_N keys (128 bytes)
+        if (threadIdx.x == NT) {
+          mbar_expect_tx(vbar(i), KV_BYTES);
+          tma_load_4d(kslot(i) + KV_BYTES, &tm_v, vbar(i), m * BLOCK_N, 0, cta.h / group, cta.b);
+        }
+      } else if constexpr (TMA) {
         tma_tile(kslot(i) + KV_BYTES, &tm_v, vbar(i), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N, WS ? NT : 0);
       } else {
         vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(i) + KV_BYTES,
@@ -590,7 +632,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     // bounds below sk), so this is called once, before the loop. Generic stores, then a proxy fence and a
     // barrier before wgmma reads the tile.
     auto clear_v_tail = [&](int it) {
-      if constexpr (TMA) {
+      if constexpr (TMA && !FP8) {  // (FP8 runs dense inputs only)
         const int r0 = sk - tile(it) * BLOCK_N;
         if (cu_q == nullptr || r0 >= BLOCK_N) return;
         wait_v(it);
@@ -613,10 +655,12 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     auto issue_s = [&](float (&s)[NS], int i) {
       wg_fence();
 #pragma unroll
-      for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+      for (int kk = 0; kk < HEAD_DIM * (int)sizeof(TI) / 32; ++kk) {  // 32-byte k steps: k16 (16-bit), k32 (FP8)
         const u32 col = (kk & 3) << 5;
-        WgmmaSS<T, BLOCK_N, 0>::run(s, desc_sw128_k(q_wg + (kk >> 2) * (BLOCK_M * 128) + col),
-                                    desc_sw128_k(kslot(i) + (kk >> 2) * (BLOCK_N * 128) + col), kk > 0);
+        const u64 da = desc_sw128_k(q_wg + (kk >> 2) * (BLOCK_M * 128) + col);
+        const u64 db = desc_sw128_k(kslot(i) + (kk >> 2) * (BLOCK_N * 128) + col);
+        if constexpr (FP8) WgmmaSS8<BLOCK_N>::run(s, da, db, kk > 0);
+        else WgmmaSS<T, BLOCK_N, 0>::run(s, da, db, kk > 0);
       }
       wg_commit();
     };
@@ -653,21 +697,35 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       }
 #pragma unroll
       for (int i = 0; i < NS; ++i) {
-        s[i] = fast_exp2((s[i] - msc[(i >> 1) & 1]) * scale_log2);
+        s[i] = FP8 ? fast_exp2(fmaf(s[i] - msc[(i >> 1) & 1], scale_log2, 8.f))   // 256 p
+                   : fast_exp2((s[i] - msc[(i >> 1) & 1]) * scale_log2);
         row_sum[(i >> 1) & 1] += s[i];
       }
       return make_float2(corr[0], corr[1]);
     };
-    auto pack_p = [&](const float (&s)[NS], u32 (&pa)[BLOCK_N / 16][4]) {
+    // P as wgmma A fragments, one per k step (KP of them). 16-bit: the accumulator layout is the A layout.
+    // FP8 (k32): A byte k of a lane's rows is 4t + k % 4 (+ 16 for k >= 4), the accumulators hold keys 2t, 2t + 1
+    // of each n8 tile; packed as they are, byte position p of a k32 step carries key
+    // 16 (p / 16) + 2 ((p % 16) / 4) + (p % 2) + 8 ((p / 2) % 2) of it, and V^T's keys are stored in that order
+    // (attention_fp8.cu), so P V needs no shuffle.
+    auto pack_p = [&](const float (&s)[NS], u32 (&pa)[KP][4]) {
 #pragma unroll
-      for (int t = 0; t < BLOCK_N / 16; ++t) {
-        pa[t][0] = pack2<T>(s[8 * t + 0], s[8 * t + 1]);
-        pa[t][1] = pack2<T>(s[8 * t + 2], s[8 * t + 3]);
-        pa[t][2] = pack2<T>(s[8 * t + 4], s[8 * t + 5]);
-        pa[t][3] = pack2<T>(s[8 * t + 6], s[8 * t + 7]);
+      for (int t = 0; t < KP; ++t) {
+        if constexpr (FP8) {
+          const float* x = s + 16 * t;
+          pa[t][0] = vbw_attn::e4m3x4(x[0], x[1], x[4], x[5]);
+          pa[t][1] = vbw_attn::e4m3x4(x[2], x[3], x[6], x[7]);
+          pa[t][2] = vbw_attn::e4m3x4(x[8], x[9], x[12], x[13]);
+          pa[t][3] = vbw_attn::e4m3x4(x[10], x[11], x[14], x[15]);
+        } else {
+          pa[t][0] = pack2<T>(s[8 * t + 0], s[8 * t + 1]);
+          pa[t][1] = pack2<T>(s[8 * t + 2], s[8 * t + 3]);
+          pa[t][2] = pack2<T>(s[8 * t + 4], s[8 * t + 5]);
+          pa[t][3] = pack2<T>(s[8 * t + 6], s[8 * t + 7]);
+        }
       }
     };
-    auto softmax_p = [&](float (&s)[NS], int it, u32 (&pa)[BLOCK_N / 16][4]) -> float2 {
+    auto softmax_p = [&](float (&s)[NS], int it, u32 (&pa)[KP][4]) -> float2 {
       const float2 corr = softmax_s(s, it);
       pack_p(s, pa);
       return corr;
@@ -679,14 +737,20 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       }
     };
     // O += P(m) V(m), issued and committed.
-    auto issue_pv = [&](const u32 (&pa)[BLOCK_N / 16][4], int i) {
+    auto issue_pv = [&](const u32 (&pa)[KP][4], int i) {
       // O += P V: V is the B operand read MN-major (rows are keys = k, columns d = n); 64-wide d panels
-      // BLOCK_N * 128 bytes apart (LBO), 8-key groups 1024 bytes apart.
+      // BLOCK_N * 128 bytes apart (LBO), 8-key groups 1024 bytes apart. FP8: V^T, K-major (HEAD_DIM rows of
+      // BLOCK_N = 128 keys, one panel), k32 steps 32 bytes apart.
       wg_fence();
 #pragma unroll
-      for (int t = 0; t < BLOCK_N / 16; ++t)
-        WgmmaRS<T, HEAD_DIM, 1>::run(acc_o, pa[t][0], pa[t][1], pa[t][2], pa[t][3],
-                                     desc_sw128_mn(kslot(i) + KV_BYTES + t * 16 * 128, BLOCK_N * 128));
+      for (int t = 0; t < KP; ++t) {
+        if constexpr (FP8)
+          WgmmaRS8<HEAD_DIM>::run(acc_o, pa[t][0], pa[t][1], pa[t][2], pa[t][3],
+                                  desc_sw128_k(kslot(i) + KV_BYTES + ((t & 3) << 5)));
+        else
+          WgmmaRS<T, HEAD_DIM, 1>::run(acc_o, pa[t][0], pa[t][1], pa[t][2], pa[t][3],
+                                       desc_sw128_mn(kslot(i) + KV_BYTES + t * 16 * 128, BLOCK_N * 128));
+      }
       wg_commit();
     };
 
@@ -737,7 +801,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       // One P register set: the softmax of S(i+1) runs on its float scores while P(i) V(i) reads P(i), and
       // P(i+1) is packed once that GEMM is done (FlashAttention-3 does the same; two sets cost BLOCK_N / 4
       // registers, which BLOCK_N = 192 at D = 128 cannot spare).
-      u32 pa[BLOCK_N / 16][4];
+      u32 pa[KP][4];
       softmax_p(s, 0, pa);  // O is still 0: nothing to rescale
       for (; n < cnt - 1; ++n) {
         wait_k(n + 1);
@@ -791,7 +855,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
         wait_v(n);
         issue_s(s, n);
         wg_wait<0>();
-        u32 pa[BLOCK_N / 16][4];
+        u32 pa[KP][4];
         rescale_o(softmax_p(s, n, pa));
         issue_pv(pa, n);
         wg_wait<0>();
@@ -817,11 +881,11 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       }
       issue_s(s, 0);
       wg_wait<0>();
-      u32 pa0[BLOCK_N / 16][4], pa1[BLOCK_N / 16][4];
+      u32 pa0[KP][4], pa1[KP][4];
       softmax_p(s, 0, pa0);  // O is still 0: nothing to rescale
       // Ordinals i < cnt - 1; the last one (no S(i+1)) is peeled off so every wgmma group here is unconditional
       // (with a conditional one, ptxas cannot tell which group wait_group 1 retires and serializes them all).
-      auto step = [&](const u32 (&pa_cur)[BLOCK_N / 16][4], u32 (&pa_next)[BLOCK_N / 16][4], int i) {
+      auto step = [&](const u32 (&pa_cur)[KP][4], u32 (&pa_next)[KP][4], int i) {
         if constexpr (!TMA) {
           cp_async_wait<0>();
           fence_async_smem();
@@ -839,7 +903,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
         wg_wait<0>();
         rescale_o(corr);
       };
-      auto last = [&](const u32 (&pa_cur)[BLOCK_N / 16][4]) {
+      auto last = [&](const u32 (&pa_cur)[KP][4]) {
         if constexpr (!TMA) {
           cp_async_wait<0>();
           fence_async_smem();
@@ -869,7 +933,7 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const vbw_attn::Cta ce = VBW_CTA();
   const int m0 = ce.m0;
   const int rows_e = min(BLOCK_M, ce.sq - m0);
-  T* og = o + (ce.q_start + m0) * q_rs + (long long)ce.h * d;
+  TO* og = o + (ce.q_start + m0) * q_rs + (long long)ce.h * d;
   const long long lse_base =
       (long long)ce.h * lse_stride_h + (cu_q != nullptr ? ce.q_start : (long long)ce.b * heads * seqlen_q);
 #pragma unroll
@@ -877,16 +941,17 @@ attn_fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     float sum = row_sum[hf];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float inv = sum > 0.f ? 1.f / sum : vbw_attn::nan_or(sum, 0.f);  // NaN scores: NaN row
+    const float inv = sum > 0.f ? v_descale / sum : vbw_attn::nan_or(sum, 0.f);  // NaN scores: NaN row
     const int r = wg * 64 + warp * 16 + (lane >> 2) + hf * 8;
 #pragma unroll
     for (int j = 0; j < ND; ++j) {
       const int col = j * 8 + (lane & 3) * 2;
       *reinterpret_cast<u32*>(sQ_ptr + vbw_attn::sw_offset<BLOCK_M>(r, col)) =
-          pack2<T>(acc_o[4 * j + 2 * hf] * inv, acc_o[4 * j + 2 * hf + 1] * inv);
+          pack2<TO>(acc_o[4 * j + 2 * hf] * inv, acc_o[4 * j + 2 * hf + 1] * inv);
     }
     if (lse != nullptr && (lane & 3) == 0 && r < rows_e) {
-      const float val = sum > 0.f ? (row_max[hf] * scale_log2 + __log2f(sum)) * 0.69314718055994531f
+      // (FP8: the sums are of 256 p)
+      const float val = sum > 0.f ? (row_max[hf] * scale_log2 + __log2f(sum) - (FP8 ? 8.f : 0.f)) * 0.69314718055994531f
                                   : vbw_attn::nan_or(sum, NEG_INF);
       lse[lse_base + m0 + r] = val;
     }

@@ -6,6 +6,9 @@
 //                                                memory (N = 128, 192)
 //   WgmmaRS<T, N, TB>::run(d, a0..a3, db)        the same with A from registers (the m16n8k16 A fragment layout
 //                                                per warp: warp w of the warpgroup holds rows 16w..16w+15)
+//   WgmmaRS8<N>::run(d, a0..a3, db)              FP8 with A from registers: m64nNk32 e4m3, B K-major (N = 128,
+//                                                256); a0 / a1 hold 4 bytes of k 4t..4t+3 of rows g / g + 8,
+//                                                a2 / a3 the same at k + 16 (mma.sync m16n8k32's 8-bit A layout)
 //     T = __half / __nv_bfloat16, fp32 accumulators d[N / 2]; TB = 1 reads B MN-major (transposed: N contiguous)
 //     Accumulator layout (lane l, g = l / 4, t = l % 4, warp w): d[4j + e] is row 16w + g + 8 (e / 2),
 //     column 8j + 2t + e % 2, i.e. the m16n8 C fragment of mma.sync repeated over the N / 8 column tiles.
@@ -95,9 +98,22 @@ using u64 = unsigned long long;
     }                                                                                                     \
   };
 
+// Operands after the accumulators: a0..a3 (%NACC..%NACC+3), desc (%NACC+4), scale-d source (%NACC+5).
+#define VBW_WGMMA_RS8(N, NACC, IA0, IA1, IA2, IA3, ID, IP)                                                \
+  template <> struct WgmmaRS8<N> {                                                                        \
+    static __device__ __forceinline__ void run(float (&d)[NACC], u32 a0, u32 a1, u32 a2, u32 a3,          \
+                                               u64 desc) {                                                \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                      \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" VBW_REGS_##N              \
+                   "}, {%" #IA0 ", %" #IA1 ", %" #IA2 ", %" #IA3 "}, %" #ID ", p, 1, 1;\n}\n"            \
+                   : VBW_ACC_##N : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));              \
+    }                                                                                                     \
+  };
+
 template <typename T, int N, int TB = 0> struct WgmmaSS;
 template <typename T, int N, int TB = 0> struct WgmmaRS;
 template <int N> struct WgmmaSS8;
+template <int N> struct WgmmaRS8;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define VBW_WGMMA_ALL(TB)                                                                                 \
@@ -122,6 +138,8 @@ VBW_WGMMA_ALL(1)
 #undef VBW_WGMMA_ALL
 VBW_WGMMA_SS8(128, 64, 64, 65, 66)
 VBW_WGMMA_SS8(192, 96, 96, 97, 98)
+VBW_WGMMA_RS8(128, 64, 64, 65, 66, 67, 68, 69)
+VBW_WGMMA_RS8(256, 128, 128, 129, 130, 131, 132, 133)
 #endif
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

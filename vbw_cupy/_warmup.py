@@ -12,6 +12,8 @@ OPS = {
     "fp4_matmul": ("gemm", "fp4"),               # an FP4Tensor `a` is dequantized first
     "flash_attention": ("attention",),
     "flash_attention_varlen": ("attention",),
+    "flash_attention_fp8": ("attention_fp8", "attention"),   # the fallback off sm_90 decodes, then flash_attention
+    "quantize_e4m3": ("attention_fp8",),
     "paged_attention": ("paged",),
     "PagedKVCache": ("paged",),
     "block_sparse_attention": ("sparse",),

@@ -161,21 +161,25 @@ def head_dim_bucket(D: int) -> int:
 def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     """Dynamic shared memory of one CTA. mma: Q [BLOCK_M] + K, V [STAGES][BLOCK_N] rows of HEAD_DIM + 8
     elements; wg: the same rows of the wgmma width _WG_HEAD_DIM[head_dim], unpadded (swizzled), 1 KB to align
-    the base to 1024 bytes and 128 bytes of TMA mbarriers."""
+    the base to 1024 bytes and 128 bytes of TMA mbarriers; Q's rows are 16-bit (they stage the output) even
+    for FP8 inputs (itemsize 1, attention_fp8.py)."""
     if cfg["KIND"] != "mma":
-        return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * _WG_HEAD_DIM[head_dim] * itemsize + 1024 + 128
+        return (2 * cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"] * itemsize) * _WG_HEAD_DIM[head_dim] + 1024 + 128
     return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize
 
 
-def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True, tma: bool = False, sparse: bool = False) -> str:
+def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True, tma: bool = False, sparse: bool = False,
+                  out_dtype=None) -> str:
     """The kernel template instance of cfg. tma (wgmma configs): Q, K and V arrive by TMA (with tensor maps)
-    instead of cp.async; sparse (wgmma configs): the block-sparse variant (vbw_cupy.sparse)."""
+    instead of cp.async; sparse (wgmma configs): the block-sparse variant (vbw_cupy.sparse). dtype uint8: FP8
+    (E4M3) inputs with output out_dtype (attention_fp8.py)."""
     b = lambda x: "true" if x else "false"
     cfg = _loadable(head_dim, cfg, tma)
     if cfg["KIND"] != "mma":
         if not vec:
             raise ValueError(f"attention config {cfg}: the wgmma kernel needs 16-byte aligned rows (d % 8 == 0)")
-        return (f"attn_fwd_wg<{rt.ctype(dtype)}, {_WG_HEAD_DIM[head_dim]}, {cfg['BLOCK_N']}, {cfg['BLOCK_M'] // 64}, "
+        t = rt.ctype(dtype) if np.dtype(dtype) != np.uint8 else f"vbw_attn::E4M3<{rt.ctype(out_dtype)}>"
+        return (f"attn_fwd_wg<{t}, {_WG_HEAD_DIM[head_dim]}, {cfg['BLOCK_N']}, {cfg['BLOCK_M'] // 64}, "
                 f"{b(cfg['KIND'] == 'wgp')}, {b(tma)}, {cfg['STAGES']}, {b(cfg['KIND'] == 'ws')}, {b(sparse)}>")
     return (f"attn_fwd<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['WARPS']}, "
             f"{b(cfg['Q_REGS'])}, {cfg['STAGES']}, {b(vec)}>")
@@ -372,10 +376,14 @@ class _Launch:
     """Everything one kernel launch needs except the tile config (so the tuner can re-run it)."""
 
     def __init__(self, q, k, v, o, lse, cu_q, cu_k, B, seqlen_q, seqlen_k, max_q, max_k, Hq, Hkv, D,
-                 scale, left, right, softcap, lse_stride_h, sparse=()):
+                 scale, left, right, softcap, lse_stride_h, sparse=(), descale=None):
         self.q, self.k, self.v, self.o = q, k, v, o
+        # FP8 (attention_fp8.py): q, k E4M3 codes, v the transposed copy vt_permute wrote; descale: float32 [3].
+        # Its one compiled width is 128 (smaller head dims are zero-padded by the tensor maps).
+        self.fp8 = q.dtype == np.uint8
+        self.descale = rt.NULL if descale is None else descale
         self.B, self.max_q, self.max_k, self.Hq, self.Hkv, self.D = B, max_q, max_k, Hq, Hkv, D
-        self.head_dim = head_dim_bucket(D)
+        self.head_dim = 128 if self.fp8 else head_dim_bucket(D)
         # varlen lengths may be unread on the host (checked on the device): clamp against what no sequence exceeds
         left, right = _clamp_window(left, right, *((max_q, max_k) if cu_q is None else (MAX_SEQLEN, MAX_SEQLEN)))
         mode, scale_log2, pre = score_transform(scale, softcap)
@@ -413,23 +421,29 @@ class _Launch:
         if cfg["BLOCK_M"] % (16 * _row_warps(cfg)) != 0:
             raise ValueError(f"attention config {cfg}: BLOCK_M must be a multiple of 16 * WARPS")
         wg = cfg["KIND"] != "mma"
-        boxes = (cfg["BLOCK_M"], cfg["BLOCK_N"]) if wg and _USE_TMA else None
-        if boxes is not None and _map_args(self.q, self.k, self.v, boxes) is None:
+        boxes = (cfg["BLOCK_M"], cfg["BLOCK_N"]) if wg and (_USE_TMA or self.fp8) else None
+        if boxes is not None and self.maps(boxes) is None:
             boxes = None  # the driver cannot encode the maps: cp.async
+        if self.fp8 and (boxes is None or cfg["KIND"] != "ws"):
+            raise ValueError(f"FP8 attention runs the warp-specialized kernel with tensor maps, not {cfg}")
         cfg = _loadable(self.head_dim, cfg, boxes is not None)
         opts = _EXTRA_OPTIONS.get(self.head_dim, ()) if isinstance(_EXTRA_OPTIONS, dict) else _EXTRA_OPTIONS
         kern = rt.get_kernel(SOURCE, instance_name(self.q.dtype, self.head_dim, cfg, self.vec, boxes is not None,
-                                                   self.sparse), tuple(opts))
+                                                   self.sparse, self.o.dtype), tuple(opts))
         num_m = rt.cdiv(self.max_q, cfg["BLOCK_M"])
         scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + self.tail_args + \
-            (self.sparse_args if wg else ())
-        smem = smem_bytes(self.head_dim, cfg) + (self.sparse_smem if wg else 0)
+            (self.sparse_args + (self.descale,) if wg else ())
+        smem = smem_bytes(self.head_dim, cfg, self.q.dtype.itemsize) + (self.sparse_smem if wg else 0)
         return kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), smem, scalars, wg, boxes
+
+    def maps(self, boxes):
+        """The wgmma kernel's tensor-map arguments for boxes (see _map_args; FP8: _map_args_fp8)."""
+        return (_map_args_fp8 if self.fp8 else _map_args)(self.q, self.k, self.v, boxes)
 
     def run(self, cfg):
         """Launch with cfg; returns bound(cfg)."""
         b = kern, grid, block, smem, scalars, wg, boxes = self.bound(cfg)
-        maps = _map_args(self.q, self.k, self.v, boxes) if wg else ()
+        maps = self.maps(boxes) if wg else ()
         rt.launch(kern, grid, block, self.head_args[:7] + scalars + maps, shared_mem=smem)
         return b
 
@@ -475,6 +489,24 @@ def _map_args(q, k, v, boxes):
 
     maps = (tmap(q, Sq, Hq, boxes[0]), tmap(k, Sk, Hkv, boxes[1]), tmap(v, Sk, Hkv, boxes[1]))
     return None if any(m is None for m in maps) else maps
+
+
+def _map_args_fp8(q, k, vt, boxes):
+    """FP8 tensor maps: q, k [B, S, H, D] bytes as _map_args lays them out, in 128-byte (128-element) boxes; vt
+    [B, Hkv, D, Skp] (attention_fp8.py) as [Skp, D, Hkv, B] in boxes of BLOCK_N keys x HEAD_DIM rows."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    Skp = vt.shape[-1]
+
+    def tmap(x, S, H, rows):
+        return rt.tensor_map(x.data.ptr, (D, H, S, B), (D, H * D, S * H * D), (128, 1, rows, 1), elem_bytes=1)
+
+    maps = (tmap(q, Sq, Hq, boxes[0]), tmap(k, Sk, Hkv, boxes[1]),
+            rt.tensor_map(vt.data.ptr, (Skp, D, Hkv, B), (Skp, D * Skp, Hkv * D * Skp), (boxes[1], 128, 1, 1),
+                          elem_bytes=1))
+    return None if any(m is None for m in maps) else maps
+
+
 _L2 = {}
 
 

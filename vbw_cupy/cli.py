@@ -19,7 +19,7 @@ from . import _device
 from . import _runtime as rt
 
 # Modules that own kernels; each exposes kernel_instances() and selftest_cases().
-OP_MODULES = ("fp4", "fp8", "gemm", "attention", "paged", "sparse", "models.gpu", "dist.ring", "autotune")
+OP_MODULES = ("fp4", "fp8", "gemm", "attention", "attention_fp8", "paged", "sparse", "models.gpu", "dist.ring", "autotune")
 
 
 def op_modules():

@@ -180,6 +180,29 @@ def dequantize_fp8(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return (e4m3_decode(codes) * np.asarray(scales, dtype=np.float32)[..., None]).astype(np.float32)
 
 
+def quantize_e4m3_tensor(x: np.ndarray):
+    """E4M3 (fn) codes of x (any shape) with one float32 descale for the whole tensor: descale = amax / 448 in
+    float32 (1 when x is all zero, NaN when amax is not finite), codes = E4M3(x / descale) (float32 division,
+    then round to nearest even, magnitudes clamped to 448; NaN -> 0x7F). Returns (codes uint8, descale float32
+    array of shape (1,)); x ~= E4M3(codes) * descale."""
+    x32 = np.asarray(x).astype(np.float32)
+    amax = np.float32(np.max(np.abs(x32))) if x32.size else np.float32(0)
+    if amax == 0:
+        ds = np.float32(1)
+    elif np.isfinite(amax):
+        ds = np.float32(amax / np.float32(448))
+    else:
+        ds = np.float32(np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        v = x32 / ds
+    a = np.minimum(np.abs(v), np.float32(448))
+    live = a > 0
+    mag = np.where(live, e4m3_encode(np.where(live, a, 1.0)), 0)
+    codes = mag.astype(np.uint8) | (np.signbit(v).astype(np.uint8) << 7)
+    codes = np.where(np.isnan(v), np.uint8(0x7F), codes).astype(np.uint8)
+    return codes, np.array([ds], dtype=np.float32)
+
+
 _ACTIVATIONS = {
     None: lambda z: z,
     "relu": lambda z: np.maximum(z, 0.0),
@@ -250,6 +273,18 @@ def _window(window, causal):
     """(left, right) as ints, right = 0 when `causal` (docs/attention.md; any left window is kept)."""
     left, right = int(window[0]), int(window[1])
     return (left, 0) if causal else (left, right)
+
+
+def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0,
+                        return_lse=False, out_dtype=np.float16):
+    """FP8 attention: `flash_attention` in float64 on the inputs E4M3(q) * descale[0], E4M3(k) * descale[1],
+    E4M3(v) * descale[2] (q, k, v uint8 E4M3 codes; descale None = ones), o rounded once to out_dtype."""
+    ds = np.ones(3) if descale is None else np.asarray(descale, dtype=np.float32).astype(np.float64)
+    dq, dk, dv = (e4m3_decode(c).astype(np.float64) * ds[i] for i, c in enumerate((q, k, v)))
+    o, lse = flash_attention(dq, dk, dv, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                             return_lse=True)
+    o = _round_from_f64(o, out_dtype)
+    return (o, lse) if return_lse else o
 
 
 def _round_from_f64(x, dtype):

@@ -1,0 +1,193 @@
+"""FP8 attention (vbw_cupy.attention_fp8): quantize_e4m3 bit-exact with the reference, flash_attention_fp8 against
+the float64 reference on the decoded inputs.
+
+Bound (docs/accuracy.md, FP8 attention): the relative Frobenius error against float64 is at most twice that of
+the same computation in float32 with P rounded to E4M3 as the kernel rounds it (`attention_fp8._emulated`). CPU
+tests check the reference path, the argument errors and that the bound is a real one (the emulation's error is
+well above float32 rounding and well below the inputs' own E4M3 rounding error).
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import vbw_cupy as vc
+from vbw_cupy import attention_fp8 as F
+from vbw_cupy import reference as ref
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+gpu = pytest.mark.gpu
+
+
+def _codes(rng, shapes, dtype=np.float16):
+    xs = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    qs = [ref.quantize_e4m3_tensor(x) for x in xs]
+    return xs, [c for c, _ in qs], np.concatenate([d for _, d in qs])
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])
+def test_quantize_e4m3_reference_round_trip(dtype):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((3, 257)) * 10).astype(dtype)
+    codes, ds = vc.quantize_e4m3(x)
+    assert codes.dtype == np.uint8 and codes.shape == x.shape and ds.shape == (1,) and ds.dtype == np.float32
+    x32 = x.astype(np.float32)
+    assert ds[0] == np.float32(np.abs(x32).max()) / np.float32(448)
+    back = ref.e4m3_decode(codes) * ds[0]
+    # E4M3 keeps 4 significant bits: within half an ulp (2^-4 relative) of x, or of the subnormal step below 2^-6
+    tol = np.maximum(np.abs(x32) * 2.0 ** -4, 2.0 ** -10 * ds[0]) * 1.0001
+    assert np.all(np.abs(back - x32) <= tol)
+    assert np.abs(ref.e4m3_decode(codes)).max() == 448    # the largest magnitude maps to 448 exactly
+
+
+def test_quantize_e4m3_special_values():
+    z = np.zeros((4, 5), np.float16)
+    codes, ds = vc.quantize_e4m3(z)
+    assert ds[0] == 1 and not codes.any()
+    codes, _ = vc.quantize_e4m3(np.array([-0.0, 1.0], np.float32))
+    assert codes[0] == 0x80                                  # the sign of -0 is kept
+    for bad in (np.nan, np.inf):
+        codes, ds = vc.quantize_e4m3(np.array([1.0, bad, -2.0], np.float32))
+        assert np.isnan(ds[0]) and (codes == 0x7F).all()     # nothing silently finite
+
+
+def test_fp8_numpy_path_is_the_reference():
+    rng = np.random.default_rng(1)
+    _, (q, k, v), ds = _codes(rng, [(2, 9, 4, 32), (2, 13, 2, 32), (2, 13, 2, 32)])
+    o, lse = vc.flash_attention_fp8(q, k, v, ds, causal=True, return_lse=True)
+    o2, lse2 = ref.flash_attention_fp8(q, k, v, ds, causal=True, return_lse=True)
+    np.testing.assert_array_equal(o, o2)
+    np.testing.assert_array_equal(lse, lse2)
+    assert o.dtype == np.float16
+    assert vc.flash_attention_fp8(q, k, v, out_dtype=BF16).dtype == BF16
+
+
+def test_fp8_reference_decodes_with_the_descales():
+    rng = np.random.default_rng(2)
+    xs, (q, k, v), ds = _codes(rng, [(1, 7, 2, 16)] * 3)
+    dec = [(ref.e4m3_decode(c) * d).astype(np.float64) for c, d in zip((q, k, v), ds)]
+    want = ref.flash_attention(*dec)
+    np.testing.assert_array_equal(vc.flash_attention_fp8(q, k, v, ds, out_dtype=np.float16),
+                                  want.astype(np.float16))
+
+
+def test_fp8_argument_errors():
+    rng = np.random.default_rng(3)
+    xs, (q, k, v), ds = _codes(rng, [(1, 8, 2, 16)] * 3)
+    with pytest.raises(TypeError, match="q"):
+        vc.flash_attention_fp8(xs[0], k, v)
+    with pytest.raises(ValueError, match="descale"):
+        vc.flash_attention_fp8(q, k, v, ds[:2])
+    with pytest.raises(TypeError, match="out_dtype"):
+        vc.flash_attention_fp8(q, k, v, out_dtype=np.float32)
+    with pytest.raises(ValueError, match="v"):
+        vc.flash_attention_fp8(q, k, v[:, :4])
+    with pytest.raises(TypeError, match="x"):
+        vc.quantize_e4m3(np.arange(4))
+
+
+def test_emulation_bound_is_a_real_bound():
+    """The GPU tests' baseline: above float32 noise, below the error E4M3 inputs already carry."""
+    rng = np.random.default_rng(4)
+    xs, (q, k, v), ds = _codes(rng, [(1, 256, 2, 64)] * 3)
+    o64 = ref.flash_attention_fp8(q, k, v, ds, causal=True, out_dtype=np.float32)
+    base = ref.rel_error(F._emulated(q, k, v, ds, True), o64)
+    inputs = ref.rel_error(ref.flash_attention(*[x.astype(np.float32) for x in xs], causal=True), o64)
+    assert 1e-4 < base < 0.05 and base < inputs, (base, inputs)
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+def _gpu_case(B, Sq, Sk, Hq, Hkv, D, causal, out_dtype=np.float16, seed=0):
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(seed)
+    xs = [cp.asarray(rng.standard_normal(s).astype(np.float16)) for s in ((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D))]
+    qs = [vc.quantize_e4m3(x) for x in xs]
+    codes, ds = [c for c, _ in qs], cp.concatenate([d for _, d in qs])
+    o, lse = vc.flash_attention_fp8(*codes, ds, causal=causal, return_lse=True, out_dtype=out_dtype)
+    hc, hd = [c.get() for c in codes], ds.get()
+    o64, lse64 = ref.flash_attention_fp8(*hc, hd, causal=causal, return_lse=True, out_dtype=np.float32)
+    g = Hq // Hkv
+    base = ref.rel_error(F._emulated(hc[0], np.repeat(hc[1], g, axis=2), np.repeat(hc[2], g, axis=2), hd, causal), o64)
+    err = ref.rel_error(o.get().astype(np.float32), o64)
+    assert o.dtype == np.dtype(out_dtype) and bool(cp.isfinite(o).all())
+    assert err <= 2 * base + 1e-6, (err, base)
+    np.testing.assert_allclose(lse.get(), lse64, rtol=1e-3, atol=2e-3)
+    return err, base
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("n", [1, 1000, 3 * 257 * 5])
+def test_gpu_quantize_e4m3_bit_exact(dtype, n):
+    cp = pytest.importorskip("cupy")
+    dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    x = (np.random.default_rng(n).standard_normal(n) * 3).astype(dt)
+    codes, ds = vc.quantize_e4m3(cp.asarray(x))
+    want_codes, want_ds = ref.quantize_e4m3_tensor(x)
+    np.testing.assert_array_equal(codes.get(), want_codes)
+    np.testing.assert_array_equal(ds.get(), want_ds)
+
+
+@gpu
+def test_gpu_quantize_e4m3_special_values():
+    cp = pytest.importorskip("cupy")
+    for x in (np.zeros(300, np.float16), np.array([1.0, np.nan, -3.0], np.float32),
+              np.array([np.inf, 1.0], np.float32), np.array([-0.0, 2.0, -1e-30], np.float32)):
+        codes, ds = vc.quantize_e4m3(cp.asarray(x))
+        want_codes, want_ds = ref.quantize_e4m3_tensor(x)
+        np.testing.assert_array_equal(codes.get(), want_codes)
+        np.testing.assert_array_equal(ds.get(), want_ds)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(2, 300, 300, 4, 4, 128, True), (1, 200, 777, 8, 2, 128, False),
+                                   (1, 1024, 1024, 2, 2, 128, True), (1, 512, 512, 4, 4, 64, True),
+                                   (1, 130, 260, 2, 1, 96, False), (1, 257, 257, 2, 2, 40, True)],
+                         ids=lambda s: "B{}-Sq{}-Sk{}-H{}/{}-D{}-{}".format(*s[:6], "causal" if s[6] else "full"))
+def test_gpu_fp8_attention_within_bound(shape):
+    _gpu_case(*shape)
+
+
+@gpu
+def test_gpu_fp8_attention_bfloat16_out():
+    _gpu_case(1, 384, 384, 2, 2, 128, True, out_dtype=BF16)
+
+
+@gpu
+def test_gpu_fp8_fallback_within_bound(monkeypatch):
+    """Off sm_90 (here forced) the codes are decoded and flash_attention runs: the same bound holds."""
+    monkeypatch.setattr(F, "_fp8_kernel_runs", lambda q, D: False)
+    _gpu_case(1, 300, 300, 4, 2, 128, True)
+
+
+@gpu
+def test_gpu_fp8_graph_capture_and_replay():
+    """quantize_e4m3 and flash_attention_fp8 captured in one CUDA graph, replayed on new values: equal to eager."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(5)
+    xs = [cp.asarray(rng.standard_normal((1, 300, 4, 128)).astype(np.float16)) for _ in range(3)]
+
+    def call():
+        qs = [vc.quantize_e4m3(x) for x in xs]
+        ds = cp.concatenate([d for _, d in qs])
+        return vc.flash_attention_fp8(*[c for c, _ in qs], ds, causal=True), ds
+
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        call()
+        s.synchronize()
+        s.begin_capture()
+        res = call()
+        g = s.end_capture()
+    for _ in range(2):
+        for x in xs:
+            x[...] = cp.asarray(rng.standard_normal(x.shape).astype(np.float16))
+        cp.cuda.Device().synchronize()
+        g.launch(stream=s)
+        s.synchronize()
+        with s:
+            want = call()
+            s.synchronize()
+        np.testing.assert_array_equal(res[0].get(), want[0].get())
+        np.testing.assert_array_equal(res[1].get(), want[1].get())

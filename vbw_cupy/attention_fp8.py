@@ -1,0 +1,233 @@
+"""FP8 attention (docs/attention.md, "FP8 attention"): `flash_attention_fp8` takes q, k, v as E4M3 (fn) codes with a
+float32 descale each, and `quantize_e4m3` makes such codes from a float16 / bfloat16 / float32 tensor.
+
+NumPy inputs run `vbw_cupy.reference` (float64 on the decoded values); CuPy inputs on an sm_90 GPU run the
+warp-specialized attention kernel with E4M3 tensor-core products (cuda_src/attention_fwd.cu, attn_fwd_wg<E4M3<O>,
+...>): S = Q K^T and P V both on FP8 wgmma, P rounded to E4M3 (as 256 p), float32 softmax and accumulation.
+The kernel reads V transposed with its keys permuted into the order the P fragments are packed in: each call
+first writes that copy (cuda_src/attention_fp8.cu, vt_permute, about 4% of an S = 4096 call) into a buffer the
+current stream keeps. Other GPUs, and head dims the FP8 kernel does not run, decode the codes and run
+`flash_attention` instead (same results within the same bound, slower). Nothing synchronizes the device: the
+descales stay on the GPU, so both functions can be captured in a CUDA graph.
+
+Not supported: varlen / paged inputs and per-head descales (one float per tensor).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _checks
+from . import _device
+from . import _plans
+from . import _runtime as rt
+from . import attention as _attn
+from . import reference as ref
+
+SOURCE = "attention_fp8.cu"
+_NS = "vbw_attn_fp8::"
+_THREADS = 256
+#: output dtypes of flash_attention_fp8
+OUT_DTYPES = ("float16", "bfloat16")
+#: head dims the FP8 kernel runs (the compiled width is 128; smaller ones are zero-padded): D % 16 == 0, D <= 128
+FP8_HEAD_DIM = 128
+_CONFIG = _attn._ws(128)   # two consumer warpgroups of 64 rows, 128-key tiles (one 128-byte row of V^T), 2 stages
+_UINT8 = np.dtype(np.uint8)
+
+
+def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
+    out = [(SOURCE, f"{_NS}vt_permute")]
+    out += [(SOURCE, f"{_NS}{k}<{rt.ctype(t)}>") for t in _checks.FLOAT_DTYPES for k in ("absmax", "quantize_e4m3_tensor")]
+    out += [(SOURCE, f"{_NS}decode_e4m3<{rt.ctype(t)}>") for t in OUT_DTYPES]
+    if arch in (None, 90):
+        out += [(_attn.SOURCE, _attn.instance_name(_UINT8, FP8_HEAD_DIM, _CONFIG, True, True, False, t))
+                for t in OUT_DTYPES]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ quantize
+def quantize_e4m3(x):
+    """E4M3 (fn) codes of x with one float32 descale for the whole tensor: (codes uint8 of x's shape, descale
+    float32 [1]), x ~= E4M3(codes) * descale, descale = max|x| / 448 (1 for an all-zero x, NaN when x holds
+    NaN or Inf, which then makes every code NaN: nothing downstream is silently finite). Rounds to nearest
+    even. NumPy in, NumPy out (`vbw_cupy.reference.quantize_e4m3_tensor`); CuPy in, CuPy out, bit-identical,
+    no synchronization (max|x| is a CuPy reduction on the device).
+
+    >>> import cupy as cp
+    >>> x = cp.random.standard_normal((2, 1024, 8, 128)).astype(cp.float16)
+    >>> codes, ds = quantize_e4m3(x)             # uint8 [2, 1024, 8, 128], float32 [1]
+    """
+    _checks.check_array_like("x", x)
+    if np.dtype(x.dtype).name not in _checks.FLOAT_DTYPES:
+        raise TypeError(f"x: expected one of {_checks.FLOAT_DTYPES}, got {x.dtype}")
+    if isinstance(x, np.ndarray):
+        return ref.quantize_e4m3_tensor(x)
+    cp = rt.require_cupy()
+    x = rt.as_gpu_array(x, "x")
+    with x.device:
+        x = rt.ensure_contiguous(x)
+        codes = cp.empty(x.shape, dtype=cp.uint8)
+        descale = cp.empty(1, dtype=cp.float32)
+        # max |x| in the stream's own 4 bytes (no pool memory inside a call: capturable), zeroed each call
+        amax = _plans.scratch("quantize_e4m3 amax", 4)
+        amax.data.memset_async(0, 4, cp.cuda.get_current_stream())
+        n = int(x.size)
+        blocks = max(1, min(rt.cdiv(n, _THREADS), 8 * _device.num_sms()))
+        t = rt.ctype(x.dtype)
+        rt.launch(rt.get_kernel(SOURCE, f"{_NS}absmax<{t}>"), (blocks,), (_THREADS,), (x, np.int64(n), amax))
+        rt.launch(rt.get_kernel(SOURCE, f"{_NS}quantize_e4m3_tensor<{t}>"), (blocks,), (_THREADS,),
+                  (x, np.int64(n), amax, codes, descale))
+    return codes, descale
+
+
+# ------------------------------------------------------------------------------------------------ attention
+def _check_descale(descale, host: bool):
+    if descale is None:
+        return None
+    if host:
+        d = np.asarray(descale)
+        if d.shape != (3,) or not np.issubdtype(d.dtype, np.floating):
+            raise ValueError(f"descale: expected 3 floats (q, k, v), got shape {d.shape} of {d.dtype}")
+        return d.astype(np.float32)
+    d = rt.as_gpu_array(descale, "descale")
+    if d.shape != (3,) or d.dtype != np.float32:
+        raise ValueError(f"descale: expected a float32 GPU array of shape (3,) (q, k, v), got shape "
+                         f"{tuple(d.shape)} of {d.dtype}")
+    return d
+
+
+def _fp8_kernel_runs(q, D: int) -> bool:
+    """Whether the FP8 kernel can run this call (else the codes are decoded and flash_attention runs)."""
+    return (_device.device_arch(q.data.device_id) == 90 and D % 16 == 0 and D <= FP8_HEAD_DIM
+            and rt.have_tensor_maps())
+
+
+def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0,
+                        return_lse=False, out_dtype=np.float16):
+    """Attention on E4M3 (fn) inputs (docs/attention.md, "FP8 attention").
+
+    q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]: uint8 E4M3 codes (from `quantize_e4m3`, or any FP8 producer);
+    descale: None (all 1) or 3 float32 values (q, k, v): the inputs are E4M3(code) * descale, a CuPy float32
+    array [3] for GPU inputs (e.g. `cupy.concatenate([dq, dk, dv])` of quantize_e4m3's descales), a NumPy array
+    or sequence for NumPy inputs. causal, softmax_scale (applied to the decoded values' scores), window,
+    softcap, return_lse: as in `flash_attention`. Returns o [B, Sq, Hq, D] in out_dtype (float16 or bfloat16)
+    and with return_lse also lse float32 [B, Hq, Sq].
+
+    On an sm_90 GPU with D % 16 == 0 and D <= 128 both products run on FP8 tensor cores; its error against the
+    float64 reference is within twice that of the same computation in float32 with P rounded to E4M3
+    (tests/test_attention_fp8.py). Elsewhere the codes are decoded and `flash_attention` runs.
+
+    >>> import cupy as cp
+    >>> x = [cp.random.standard_normal((2, 4096, 16, 128)).astype(cp.float16) for _ in range(3)]
+    >>> (q, dq), (k, dk), (v, dv) = (quantize_e4m3(t) for t in x)
+    >>> o = flash_attention_fp8(q, k, v, cp.concatenate([dq, dk, dv]), causal=True)
+    """
+    host = _checks.split_host_device(q=q, k=k, v=v)
+    shape = _checks.check_attention_args(q, k, v, window, softcap, causal=causal, softmax_scale=softmax_scale,
+                                         dtypes=(_UINT8,))
+    try:
+        out_dtype = np.dtype(out_dtype)
+    except TypeError:
+        raise TypeError(f"out_dtype: expected float16 or bfloat16, got {out_dtype!r}") from None
+    if out_dtype.name not in OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected float16 or bfloat16, got {out_dtype}")
+    return_lse = _checks.check_flag("return_lse", return_lse)
+    ds = _check_descale(descale, host)
+    if host:
+        return ref.flash_attention_fp8(q, k, v, ds, causal=causal, softmax_scale=softmax_scale, window=window,
+                                       softcap=softcap, return_lse=return_lse, out_dtype=out_dtype)
+    cp = rt.require_cupy()
+    q, k, v = _attn._prepare_gpu(q, k, v)
+    B, Sq, Sk, Hq, Hkv, D = shape
+    _attn._check_seqlen("q", Sq)
+    _attn._check_seqlen("k", Sk)
+    _attn._check_grid(B, Hq, Sq)
+    _attn._check_gpu_common(q, k, v, *(() if ds is None else (ds,)))
+    left, right = _checks.effective_window(window, causal)
+    scale = _checks.effective_scale(softmax_scale, D)
+    with q.device:
+        q, k, v = rt.ensure_contiguous(q), rt.ensure_contiguous(k), rt.ensure_contiguous(v)
+        if not _fp8_kernel_runs(q, D):
+            return _decoded(q, k, v, ds, out_dtype, causal=causal, softmax_scale=softmax_scale, window=window,
+                            softcap=softcap, return_lse=return_lse)
+        Skp = rt.cdiv(Sk, 128) * 128
+        vt = _plans.scratch("flash_attention_fp8 v^T", B * Hkv * D * Skp).view(cp.uint8)[:B * Hkv * D * Skp]
+        vt = vt.reshape(B, Hkv, D, Skp)
+        rt.launch(rt.get_kernel(SOURCE, f"{_NS}vt_permute"), (Skp // 64, Hkv, B), (_THREADS,),
+                  (v, vt, np.int32(Sk), np.int32(Skp), np.int32(Hkv), np.int32(D)))
+        o = cp.empty(q.shape, dtype=out_dtype)
+        lse = cp.empty((B, Hq, Sq), dtype=cp.float32) if return_lse else None
+        launch = _attn._Launch(q, k, vt, o, lse, None, None, B, Sq, Sk, Sq, Sk, Hq, Hkv, D, scale, left, right,
+                               _checks.check_softcap(softcap), Sq, descale=ds)
+        launch.run(_CONFIG)
+    return (o, lse) if return_lse else o
+
+
+def _decoded(q, k, v, ds, out_dtype, **kw):
+    """The fallback: E4M3(codes) * descale in out_dtype (into the stream's buffers, not the pool: capturable),
+    then flash_attention."""
+    dec = []
+    for i, (name, x) in enumerate((("q", q), ("k", k), ("v", v))):
+        n = int(x.size)
+        buf = _plans.scratch(f"flash_attention_fp8 decoded {name}", 2 * n).view(out_dtype)[:n].reshape(x.shape)
+        blocks = max(1, min(rt.cdiv(n, _THREADS), 8 * _device.num_sms()))
+        rt.launch(rt.get_kernel(SOURCE, f"{_NS}decode_e4m3<{rt.ctype(out_dtype)}>"), (blocks,), (_THREADS,),
+                  (x, np.int64(n), rt.NULL if ds is None else ds, np.int32(i), buf))
+        dec.append(buf)
+    return _attn.flash_attention(*dec, **kw)
+
+
+def _selftest_case(B, S, H, D, causal):
+    def case():
+        cp = rt.require_cupy()
+        from . import _timing
+        rng = np.random.default_rng(4321)
+        xs = [cp.asarray(rng.standard_normal((B, S, H, D)).astype(np.float16)) for _ in range(3)]
+        (q, dq), (k, dk), (v, dv) = (quantize_e4m3(x) for x in xs)
+        ds = cp.concatenate([dq, dk, dv])
+        o = flash_attention_fp8(q, k, v, ds, causal=causal)
+        qh, kh, vh, dh = (cp.asnumpy(a) for a in (q, k, v, ds))
+        o64 = ref.flash_attention_fp8(qh, kh, vh, dh, causal=causal, out_dtype=np.float32)
+        err = ref.rel_error(cp.asnumpy(o).astype(np.float32), o64)
+        base = ref.rel_error(_emulated(qh, kh, vh, dh, causal), o64)
+        bound = 2 * base
+        ms = _timing.time_ms(lambda: flash_attention_fp8(q, k, v, ds, causal=causal), warmup=3, rep=10)
+        x16 = [x.astype(cp.float16) for x in xs]
+        ms16 = _timing.time_ms(lambda: _attn.flash_attention(*x16, causal=causal), warmup=3, rep=10)
+        flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
+        return {"op": "flash_attention_fp8", "shape": f"B{B} S{S} H{H} D{D} e4m3{' causal' if causal else ''} "
+                f"({flops / ms / 1e9:.0f} TFLOP/s)", "error": err, "bound": bound, "ok": bool(err <= bound),
+                "time_ms": ms, "peer": "flash_attention fp16", "peer_ms": ms16, "peer_naive": False}
+    case.__qualname__ = f"flash_attention_fp8[D{D},{'causal' if causal else 'full'}]"
+    return case
+
+
+def _emulated(q, k, v, descale, causal, softmax_scale=None):
+    """The bound's baseline (NumPy): the FP8 computation in float32 -- decoded inputs, float32 scores and
+    softmax, P rounded to E4M3 as 256 p (the kernel's rounding), float32 P V -- for [B, S, H, D] codes with
+    Hq == Hkv. Returns float32 o."""
+    dq, dk, dv = (ref.e4m3_decode(c) * np.float32(d) for c, d in zip((q, k, v), descale))
+    B, Sq, H, D = dq.shape
+    Sk = dk.shape[1]
+    scale = np.float32(1.0 / np.sqrt(D) if softmax_scale is None else softmax_scale)
+    s = np.einsum("bqhd,bkhd->bhqk", dq, dk, dtype=np.float32) * scale
+    if causal:
+        s = np.where(np.arange(Sk)[None, :] <= np.arange(Sq)[:, None] + Sk - Sq, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp2((s - m) * np.float32(np.log2(np.e)) + 8).astype(np.float32)
+    l = p.sum(axis=-1, keepdims=True)
+    p8 = ref.e4m3_decode(_e4m3_round(p))
+    o = np.einsum("bhqk,bkhd->bqhd", p8, dv, dtype=np.float32) / np.moveaxis(l, 1, 2)
+    return o.astype(np.float32)
+
+
+def _e4m3_round(p):
+    """E4M3 codes of p >= 0 (|.| <= 448), round to nearest even."""
+    a = np.minimum(p, np.float32(448))
+    live = a > 0
+    return np.where(live, ref.e4m3_encode(np.where(live, a, 1.0)), 0).astype(np.uint8)
+
+
+def selftest_cases() -> list:
+    """FP8 attention at D = 128: error against the float64 reference on the decoded inputs (bound: twice the
+    float32 emulation's), time against flash_attention on the same data in float16."""
+    return [_selftest_case(1, 4096, 16, 128, False), _selftest_case(1, 4096, 16, 128, True)]
