@@ -14,6 +14,10 @@ Standalone (one device call can test and benchmark):
                                                    peer timed before and after ours, its faster time kept)
     python bench/bench_attention.py --sweep        every tile config of vbw_cupy.attention at D 64/128/256
     python bench/bench_attention.py --precompile   compile every kernel instance in parallel (disk cache)
+    python bench/bench_attention.py --fp8          flash_attention_fp8 against our float16 flash_attention on the
+                                                   same data (D = 128, S = 4k / 8k / 16k, CUDA-graph replay; the
+                                                   FP8 side includes its V transpose), and cuDNN's FP16 where
+                                                   torch is (issue bar: 1.5x our float16 from S = 4k)
 """
 from __future__ import annotations
 
@@ -343,11 +347,35 @@ def precompile(ab_variants=False):
     return not bad
 
 
+def fp8(Ss=(4096, 8192, 16384), D=128, out=sys.stdout):
+    """FP8 vs float16 on the same values (the FP8 codes from quantize_e4m3 of the float16 inputs), graph replay."""
+    import cupy as cp
+    import vbw_cupy as vc
+    print(f"{'D':>4} {'S':>6} {'BxH':>6} {'causal':>6} | {'fp8 ms':>7} {'TFLOP/s':>7} | {'fp16 ms':>7} {'TFLOP/s':>7} | "
+          f"{'fp8 / fp16':>10}", file=out, flush=True)
+    rows = []
+    for S in Ss:
+        B, H = shape_for(D, S)
+        xs = [cp.random.standard_normal((B, S, H, D), dtype=cp.float32).astype(cp.float16) for _ in range(3)]
+        qs = [vc.quantize_e4m3(x) for x in xs]
+        codes, ds = [c for c, _ in qs], cp.concatenate([d for _, d in qs])
+        for causal in (False, True):
+            t8 = _timing.graph_time_ms([lambda: vc.flash_attention_fp8(*codes, ds, causal=causal)])
+            t16 = _timing.graph_time_ms([lambda: vc.flash_attention(*xs, causal=causal)])
+            f = flops(B, H, S, D, causal)
+            rows.append({"D": D, "S": S, "causal": causal, "fp8_ms": t8, "fp16_ms": t16, "speedup": t16 / t8})
+            print(f"{D:>4} {S:>6} {B:>3}x{H:<2} {str(causal):>6} | {t8:>7.3f} {f / t8 / 1e9:>7.0f} | {t16:>7.3f} "
+                  f"{f / t16 / 1e9:>7.0f} | {t16 / t8:>9.2f}x", file=out, flush=True)
+        del xs, qs, codes
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--precompile", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="flash_attention_fp8 vs our float16 (D = 128)")
     p.add_argument("--ab", action="store_true", help="A/B of code variants x tiles vs FLASH, then --quick with "
                    "the best (in this process only)")
     p.add_argument("--D", type=int, nargs="*")
@@ -366,6 +394,8 @@ def main(argv=None):
         A._EXTRA_OPTIONS = {D: AB_VARIANTS[v] for D, (v, _, _) in best.items()}
     if a.sweep:
         sweep(Ds=tuple(a.D or (64, 128, 256)), Ss=tuple(a.S or [4096]), rep=a.rep)
+    if a.fp8:
+        fp8(Ss=tuple(a.S or (4096, 8192, 16384)))
     if a.quick:
         quick(Ds=tuple(a.D or GRID_D), Ss=tuple(a.S or GRID_S), dtypes=tuple(a.dtype or ("float16", "bfloat16")),
               rep=a.rep)
