@@ -366,7 +366,6 @@ def fp8(Ss=(4096, 8192, 16384), D=128, out=sys.stdout):
             rows.append({"D": D, "S": S, "causal": causal, "fp8_ms": t8, "fp16_ms": t16, "speedup": t16 / t8})
             print(f"{D:>4} {S:>6} {B:>3}x{H:<2} {str(causal):>6} | {t8:>7.3f} {f / t8 / 1e9:>7.0f} | {t16:>7.3f} "
                   f"{f / t16 / 1e9:>7.0f} | {t16 / t8:>9.2f}x", file=out, flush=True)
-        del xs, qs, codes
     return rows
 
 
