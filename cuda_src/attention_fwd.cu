@@ -7,7 +7,8 @@
 //   j <= i + diag + win_right (win_right >= 0; causal is win_right = 0), j >= i + diag - win_left (win_left >= 0).
 // A row that sees no key gets o = 0 and lse = -inf.
 //
-// Operands (row-major, contiguous, element type T = __half or __nv_bfloat16):
+// Operands (row-major, contiguous, element type T = __half or __nv_bfloat16; attn_fwd_wg also E4M3<O>: q, k
+// E4M3 bytes, v a transposed copy [B, Hkv, d, keys], o of type O, see Elems below):
 //   q, o  [tokens_q, H,   d]      k, v  [tokens_k, Hkv, d]       lse (float32)
 //   dense:  tokens = B * S, batch b starts at b * S;        lse [B, H, Sq]
 //   varlen: batch b spans cu_q[b] .. cu_q[b+1] (cu_k for keys); lse [H, total_q]; seqlen_q / seqlen_k carry
@@ -57,12 +58,19 @@
 //      tiles, graph replay: D=128 0.99-1.20x (geomean 1.07, two runs), D=192 1.03, D=256 1.02, D=64 0.63-1.11x
 //      (kept on "wg"); sparse 10% kept 0.125-0.134x dense (was 0.143x). Persistent CTAs on top: no faster
 //      (notes/attempts/attention-ws-persistent.patch).
+//   v8 (H100, 2026-11-26) FP8: attn_fwd_wg<E4M3<O>, 128, 128, 2, ..., WS> (flash_attention_fp8): Q K^T and P V on
+//      e4m3 wgmma (k32), P as 256 p packed in register order with V^T's keys permuted to match (attention_fp8.cu),
+//      descales folded into the score scale and the output. Graph replay, B * S = 32k, H = 16, D = 128, against
+//      the float16 ws kernel on the same values: S = 4k 1.26-1.35x (690-734 TFLOP/s), 8k 1.34-1.49x, 16k
+//      1.40-1.48x (up to 772); 3 stages no better. ncu (S = 4k): MUFU (ex2) pipe 41% of peak, issue slots 44%,
+//      0.58 eligible warps a scheduler: latency-bound between the two warpgroups' turns, not by one pipe.
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks
 //   attention_softmax.cuh   online max / rescale factors, the NaN rule of a row's sum (shared with the sparse kernel)
 //   attention_tile.cuh      attn_fwd's padded shared-memory tiles and their cp.async loader (shared with sparse)
 //   attention_wgmma_tile.cuh  attn_fwd_wg's 128B-swizzled panels: cp.async loader, element offsets (epilogue)
+//   attention_fp8.cu        FP8 inputs: per-tensor E4M3 quantization and V's transposed, key-permuted copy
 //   mma.cuh / wgmma.cuh     the tensor-core, ldmatrix, cp.async, TMA and mbarrier wrappers
 // Tile sizes per head dim and architecture, each with the reason it was chosen: vbw_cupy/attention.py.
 
