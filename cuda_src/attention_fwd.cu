@@ -109,37 +109,6 @@ __device__ __forceinline__ vbw::u32 e4m3x4(float a, float b, float c, float d) {
 #endif
   return (vbw::u32)lo | ((vbw::u32)hi << 16);
 }
-
-// FP8 P V reads V^T (K-major: row d holds the tile's keys), in the key order pack_p gives P: position p of each
-// 32-key group holds key 16 (p / 16) + 2 ((p % 16) / 4) + p % 2 + 8 ((p / 2) % 2). The producer warpgroup's 128
-// threads write it from the TMA-loaded V tile: src [128 keys][128 d bytes] and dst [128 d][128 positions], both
-// 128-byte rows with the 128-byte swizzle. A thread moves 4 x 4 byte blocks (4 keys of one output word x 4 d
-// rows) with 4 loads, 8 byte permutes and 4 stores; a warp's 32 stores fill one dst row. The loop is not
-// unrolled: unrolled, its addresses took the producer past its 24 registers (spills).
-__device__ __forceinline__ void transpose_v(unsigned char* smem_raw, vbw::u32 raw, vbw::u32 src, vbw::u32 dst, int t) {
-  unsigned char* const smem = smem_raw - raw;  // smem + a shared address = its generic pointer
-  const int wc = t & 31;                                                      // output word: positions 4wc..
-  const int kb = 32 * (wc >> 3) + 16 * ((wc >> 2) & 1) + 2 * (wc & 3);        // its keys kb, kb+1, kb+8, kb+9
-#pragma unroll 1
-  for (int it = 0; it < 8; ++it) {
-    const int dg = (t >> 5) + 4 * it;                                         // d rows 4dg .. 4dg + 3
-    vbw::u32 w[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = kb + (e & 1) + 8 * (e >> 1);
-      w[e] = *reinterpret_cast<const vbw::u32*>(smem + src + r * 128 + ((((4 * dg) >> 4) ^ (r & 7)) << 4) + ((4 * dg) & 15));
-    }
-    const vbw::u32 t0 = __byte_perm(w[0], w[1], 0x5140), t1 = __byte_perm(w[2], w[3], 0x5140);
-    const vbw::u32 t2 = __byte_perm(w[0], w[1], 0x7362), t3 = __byte_perm(w[2], w[3], 0x7362);
-    const vbw::u32 o[4] = {__byte_perm(t0, t1, 0x5410), __byte_perm(t0, t1, 0x7632), __byte_perm(t2, t3, 0x5410),
-                           __byte_perm(t2, t3, 0x7632)};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int dr = 4 * dg + j;
-      *reinterpret_cast<vbw::u32*>(smem + dst + dr * 128 + ((((4 * wc) >> 4) ^ (dr & 7)) << 4) + ((4 * wc) & 15)) = o[j];
-    }
-  }
-}
 }  // namespace vbw_attn
 
 // Where this CTA works, recomputed from the kernel's arguments wherever a kernel needs it (see cta_info).
@@ -552,13 +521,10 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   const int* sp_list = nullptr;
   // The TMA mbarriers follow the K/V slots: [0] Q, [1 + s] K of slot s, [1 + STAGES + s] V of slot s; WS adds
   // the slots' "empty" barriers, [1 + 2 STAGES + s] K and [1 + 3 STAGES + s] V, one arrival per consumer warp.
-  // FP8 puts STAGES slots of raw (untransposed) V between the ring and the barriers, with their TMA barriers
-  // [1 + 4 STAGES + s]; its V barriers [1 + STAGES + s] complete by the producer's arrival after the transpose.
-  constexpr int RAW = FP8 ? STAGES : 0;
-  const u32 bar = sK + (2 * STAGES + RAW) * KV_BYTES;
-  constexpr int NBAR = 1 + (WS ? 4 : 2) * STAGES + RAW;
+  const u32 bar = sK + 2 * STAGES * KV_BYTES;
+  constexpr int NBAR = 1 + (WS ? 4 : 2) * STAGES;
   auto init_bars = [&]() {
-    for (int i = 0; i < NBAR; ++i) mbar_init(bar + 8 * i, (i < 1 + 2 * STAGES || i >= 1 + 4 * STAGES) ? 1 : 4 * WGS);
+    for (int i = 0; i < NBAR; ++i) mbar_init(bar + 8 * i, i < 1 + 2 * STAGES ? 1 : 4 * WGS);
   };
   constexpr bool EARLY_Q = SPARSE && TMA;
   if constexpr (EARLY_Q) {
@@ -582,7 +548,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     const int* ids = sp_indices + pat * sp_idx_stride + (bad ? 0 : s0);
     // the ids go to shared memory after the K/V ring and its mbarriers: tile(i) is then one shared load, off
     // the critical path of the TMA issue and the mask test
-    int* list = reinterpret_cast<int*>(smem_raw + (bar - raw) + 8 * NBAR);
+    int* list = reinterpret_cast<int*>(smem_raw + (sK - raw) + 2 * STAGES * KV_BYTES + 8 * NBAR);
     if (!bad)
       for (int i = tid; i < s1 - s0; i += NT) {
         const int id = ids[i];
@@ -651,7 +617,12 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     };
     auto load_v = [&](int i) {
       const int m = tile(i);
-      if constexpr (TMA) {
+      if constexpr (FP8) {  // V^T [B, Hkv, HEAD_DIM, keys]: one box of HEAD_DIM rows x BLOCK_N keys (128 bytes)
+        if (threadIdx.x == NT) {
+          mbar_expect_tx(vbar(i), KV_BYTES);
+          tma_load_4d(kslot(i) + KV_BYTES, &tm_v, vbar(i), m * BLOCK_N, 0, cta.h / group, cta.b);
+        }
+      } else if constexpr (TMA) {
         tma_tile(kslot(i) + KV_BYTES, &tm_v, vbar(i), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N, WS ? NT : 0);
       } else {
         vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(i) + KV_BYTES,
@@ -810,34 +781,6 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
       // turn, issues S(i+1) = Q K^T and O += P(i) V(i), hands the turn over, and runs the softmax of S(i+1)
       // while the other's GEMMs run. The producer gives its registers to the consumers (setmaxnreg).
       if (wg == WGS) {
-        if constexpr (FP8) {
-          // All 128 threads: thread NT streams K into the ring and raw V tiles into their own slots (STAGES
-          // ahead); every thread then transposes V(i) into the ring's V slot once the consumers freed it,
-          // and thread NT completes its barrier.
-          setmaxnreg_dec<VBW_WS_PRODUCER_REGS>();
-          auto rawslot = [&](int i) -> u32 { return sK + 2 * STAGES * KV_BYTES + ((u32)i % STAGES) * KV_BYTES; };
-          auto rawbar = [&](int i) -> u32 { return bar + 8 * (1 + 4 * STAGES) + 8 * ((u32)i % STAGES); };
-          auto load_raw = [&](int i) {
-            tma_tile(rawslot(i), &tm_v, rawbar(i), BLOCK_N, cta.h / group, tile(i) * BLOCK_N, NT);
-          };
-          for (int i = 0; i < min(cnt, STAGES); ++i) load_raw(i);
-          for (int i = 0; i < cnt; ++i) {
-            if (tid == NT) {
-              if (i >= STAGES) mbar_wait(kempty(i), phase(i) ^ 1u);
-              load_k(i);
-            }
-            mbar_wait(rawbar(i), phase(i));
-            if (i >= STAGES) mbar_wait(vempty(i), phase(i) ^ 1u);
-            vbw_attn::transpose_v(smem_raw, raw, rawslot(i), kslot(i) + KV_BYTES, tid - NT);
-            fence_async_smem();       // the generic writes, before wgmma reads them (async proxy)
-            named_bar(6, 128);        // every thread's part is written and its raw slot read
-            if (tid == NT) {
-              mbar_arrive(vbar(i));
-              if (i + STAGES < cnt) load_raw(i + STAGES);
-            }
-          }
-          return;
-        }
         setmaxnreg_dec<VBW_WS_PRODUCER_REGS>();
         if (tid == NT) {
           for (int i = 0; i < cnt; ++i) {

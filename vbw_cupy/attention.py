@@ -164,8 +164,7 @@ def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     the base to 1024 bytes and 128 bytes of TMA mbarriers; Q's rows are 16-bit (they stage the output) even
     for FP8 inputs (itemsize 1, attention_fp8.py)."""
     if cfg["KIND"] != "mma":
-        kv_slots = (2 if itemsize == 2 else 3) * cfg["STAGES"]   # FP8: + the untransposed V tiles
-        return (2 * cfg["BLOCK_M"] + kv_slots * cfg["BLOCK_N"] * itemsize) * _WG_HEAD_DIM[head_dim] + 1024 + 128
+        return (2 * cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"] * itemsize) * _WG_HEAD_DIM[head_dim] + 1024 + 128
     return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize
 
 
@@ -379,7 +378,7 @@ class _Launch:
     def __init__(self, q, k, v, o, lse, cu_q, cu_k, B, seqlen_q, seqlen_k, max_q, max_k, Hq, Hkv, D,
                  scale, left, right, softcap, lse_stride_h, sparse=(), descale=None):
         self.q, self.k, self.v, self.o = q, k, v, o
-        # FP8 (attention_fp8.py): q, k, v E4M3 codes; descale: float32 [3] or None.
+        # FP8 (attention_fp8.py): q, k E4M3 codes, v the transposed copy vt_permute wrote; descale: float32 [3].
         # Its one compiled width is 128 (smaller head dims are zero-padded by the tensor maps).
         self.fp8 = q.dtype == np.uint8
         self.descale = rt.NULL if descale is None else descale
@@ -438,8 +437,8 @@ class _Launch:
         return kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), smem, scalars, wg, boxes
 
     def maps(self, boxes):
-        """The wgmma kernel's tensor-map arguments for boxes (see _map_args)."""
-        return _map_args(self.q, self.k, self.v, boxes, self.q.dtype.itemsize)
+        """The wgmma kernel's tensor-map arguments for boxes (see _map_args; FP8: _map_args_fp8)."""
+        return (_map_args_fp8 if self.fp8 else _map_args)(self.q, self.k, self.v, boxes)
 
     def run(self, cfg):
         """Launch with cfg; returns bound(cfg)."""
@@ -469,10 +468,10 @@ def _variant() -> tuple:
     return _USE_TMA, _plans.frozen(_EXTRA_OPTIONS)
 
 
-def _map_args(q, k, v, boxes, itemsize: int = 2):
+def _map_args(q, k, v, boxes):
     """The wgmma kernel's three tensor-map arguments: with boxes = (BLOCK_M, BLOCK_N), TMA maps of q, k, v as
     [D, heads, seqlen, batch] (innermost first; the bounds zero-fill rows past a sequence and columns past D)
-    with boxes of 128 bytes of columns (64 16-bit or 128 FP8 elements) x BLOCK_M (q) / BLOCK_N (k, v) rows; packed varlen arrays [tokens, heads, D] as
+    with boxes of 64 columns x BLOCK_M (q) / BLOCK_N (k, v) rows; packed varlen arrays [tokens, heads, D] as
     one batch of all tokens (the kernel zeroes what it reads past a sequence's end); with boxes None, three
     unused zero maps. None when the driver cannot encode a map."""
     if boxes is None:
@@ -486,12 +485,27 @@ def _map_args(q, k, v, boxes, itemsize: int = 2):
         Sk, Hkv = k.shape[1], k.shape[2]
 
     def tmap(x, S, H, rows):
-        e = itemsize
-        return rt.tensor_map(x.data.ptr, (D, H, S, B), (e * D, e * H * D, e * S * H * D), (128 // e, 1, rows, 1),
-                             elem_bytes=e)
+        return rt.tensor_map(x.data.ptr, (D, H, S, B), (2 * D, 2 * H * D, 2 * S * H * D), (64, 1, rows, 1))
 
     maps = (tmap(q, Sq, Hq, boxes[0]), tmap(k, Sk, Hkv, boxes[1]), tmap(v, Sk, Hkv, boxes[1]))
     return None if any(m is None for m in maps) else maps
+
+
+def _map_args_fp8(q, k, vt, boxes):
+    """FP8 tensor maps: q, k [B, S, H, D] bytes as _map_args lays them out, in 128-byte (128-element) boxes; vt
+    [B, Hkv, D, Skp] (attention_fp8.py) as [Skp, D, Hkv, B] in boxes of BLOCK_N keys x HEAD_DIM rows."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    Skp = vt.shape[-1]
+
+    def tmap(x, S, H, rows):
+        return rt.tensor_map(x.data.ptr, (D, H, S, B), (D, H * D, S * H * D), (128, 1, rows, 1), elem_bytes=1)
+
+    maps = (tmap(q, Sq, Hq, boxes[0]), tmap(k, Sk, Hkv, boxes[1]),
+            rt.tensor_map(vt.data.ptr, (Skp, D, Hkv, B), (Skp, D * Skp, Hkv * D * Skp), (boxes[1], 128, 1, 1),
+                          elem_bytes=1))
+    return None if any(m is None for m in maps) else maps
+
 
 _L2 = {}
 

@@ -4,8 +4,9 @@ float32 descale each, and `quantize_e4m3` makes such codes from a float16 / bflo
 NumPy inputs run `vbw_cupy.reference` (float64 on the decoded values); CuPy inputs on an sm_90 GPU run the
 warp-specialized attention kernel with E4M3 tensor-core products (cuda_src/attention_fwd.cu, attn_fwd_wg<E4M3<O>,
 ...>): S = Q K^T and P V both on FP8 wgmma, P rounded to E4M3 (as 256 p), float32 softmax and accumulation.
-The kernel's producer warpgroup transposes each V tile in shared memory, its keys permuted into the order the P
-fragments are packed in (attention_fwd.cu, transpose_v), so V is read once, as given. Other GPUs, and head dims the FP8 kernel does not run, decode the codes and run
+The kernel reads V transposed with its keys permuted into the order the P fragments are packed in: each call
+first writes that copy (cuda_src/attention_fp8.cu, vt_permute, about 4% of an S = 4096 call) into a buffer the
+current stream keeps. Other GPUs, and head dims the FP8 kernel does not run, decode the codes and run
 `flash_attention` instead (same results within the same bound, slower). Nothing synchronizes the device: the
 descales stay on the GPU, so both functions can be captured in a CUDA graph.
 
@@ -34,7 +35,8 @@ _UINT8 = np.dtype(np.uint8)
 
 
 def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
-    out = [(SOURCE, f"{_NS}{k}<{rt.ctype(t)}>") for t in _checks.FLOAT_DTYPES for k in ("absmax", "quantize_e4m3_tensor")]
+    out = [(SOURCE, f"{_NS}vt_permute")]
+    out += [(SOURCE, f"{_NS}{k}<{rt.ctype(t)}>") for t in _checks.FLOAT_DTYPES for k in ("absmax", "quantize_e4m3_tensor")]
     out += [(SOURCE, f"{_NS}decode_e4m3<{rt.ctype(t)}>") for t in OUT_DTYPES]
     if arch in (None, 90):
         out += [(_attn.SOURCE, _attn.instance_name(_UINT8, FP8_HEAD_DIM, _CONFIG, True, True, False, t))
@@ -147,9 +149,14 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
         if not _fp8_kernel_runs(q, D):
             return _decoded(q, k, v, ds, out_dtype, causal=causal, softmax_scale=softmax_scale, window=window,
                             softcap=softcap, return_lse=return_lse)
+        Skp = rt.cdiv(Sk, 128) * 128
+        vt = _plans.scratch("flash_attention_fp8 v^T", B * Hkv * D * Skp).view(cp.uint8)[:B * Hkv * D * Skp]
+        vt = vt.reshape(B, Hkv, D, Skp)
+        rt.launch(rt.get_kernel(SOURCE, f"{_NS}vt_permute"), (Skp // 64, Hkv, B), (_THREADS,),
+                  (v, vt, np.int32(Sk), np.int32(Skp), np.int32(Hkv), np.int32(D)))
         o = cp.empty(q.shape, dtype=out_dtype)
         lse = cp.empty((B, Hq, Sq), dtype=cp.float32) if return_lse else None
-        launch = _attn._Launch(q, k, v, o, lse, None, None, B, Sq, Sk, Sq, Sk, Hq, Hkv, D, scale, left, right,
+        launch = _attn._Launch(q, k, vt, o, lse, None, None, B, Sq, Sk, Sq, Sk, Hq, Hkv, D, scale, left, right,
                                _checks.check_softcap(softcap), Sq, descale=ds)
         launch.run(_CONFIG)
     return (o, lse) if return_lse else o
