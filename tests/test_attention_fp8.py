@@ -4,7 +4,8 @@ the float64 reference on the decoded inputs.
 Bound (docs/accuracy.md, FP8 attention): the relative Frobenius error against float64 is at most twice that of
 the same computation in float32 with P rounded to E4M3 as the kernel rounds it (`attention_fp8._emulated`). CPU
 tests check the reference path, the argument errors and that the bound is a real one (the emulation's error is
-well above float32 rounding and well below the inputs' own E4M3 rounding error).
+well above float32 rounding and well below the inputs' own E4M3 rounding error). The CUDA-graph test of both ops
+is in tests/test_call_path.py with the other ops'.
 """
 import ml_dtypes
 import numpy as np
@@ -159,36 +160,3 @@ def test_gpu_fp8_fallback_within_bound(monkeypatch):
     monkeypatch.setattr(F, "_fp8_kernel_runs", lambda q, D: False)
     _gpu_case(1, 300, 300, 4, 2, 128, True)
 
-
-@gpu
-def test_gpu_fp8_graph_capture_and_replay():
-    """quantize_e4m3 and flash_attention_fp8 captured in one CUDA graph, replayed on new values: equal to eager."""
-    cp = pytest.importorskip("cupy")
-    rng = np.random.default_rng(5)
-    xs = [cp.asarray(rng.standard_normal((1, 300, 4, 128)).astype(np.float16)) for _ in range(3)]
-
-    def call():
-        qs = [vc.quantize_e4m3(x) for x in xs]
-        ds = cp.concatenate([d for _, d in qs])
-        # (every array the graph writes is returned, so none goes back to the pool while the graph lives)
-        return (vc.flash_attention_fp8(*[c for c, _ in qs], ds, causal=True), ds) + tuple(c for c, _ in qs)
-
-    cp.cuda.Device().synchronize()
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        call()
-        s.synchronize()
-        s.begin_capture()
-        res = call()
-        g = s.end_capture()
-    for _ in range(2):
-        for x in xs:
-            x[...] = cp.asarray(rng.standard_normal(x.shape).astype(np.float16))
-        cp.cuda.Device().synchronize()
-        g.launch(stream=s)
-        s.synchronize()
-        with s:
-            want = call()
-            s.synchronize()
-        for a, b in zip(res, want):
-            np.testing.assert_array_equal(a.get(), b.get())

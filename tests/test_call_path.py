@@ -217,6 +217,15 @@ def _rand(shape, dtype=F16):
     return lambda rng: cp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
 
 
+def _fp8_attention(q, k, v):
+    """quantize_e4m3 of each input, then flash_attention_fp8; returns every array the graph writes (so none goes
+    back to the pool while the graph lives)."""
+    import cupy as cp
+    qs = [vc.quantize_e4m3(x) for x in (q, k, v)]
+    ds = cp.concatenate([d for _, d in qs])
+    return (vc.flash_attention_fp8(*[c for c, _ in qs], ds, causal=True), ds) + tuple(c for c, _ in qs)
+
+
 GRAPH_CASES = {
     "quantize mxfp4": (lambda r: [_rand((256, 1000))(r)], lambda x: vc.quantize(x, "mxfp4")),
     "quantize nvfp4 given scale": (lambda r: [_rand((64, 4096), BF16)(r)],
@@ -228,6 +237,7 @@ GRAPH_CASES = {
     "flash_attention D=80 window": (lambda r: [_rand((1, 200, 4, 80), BF16)(r), _rand((1, 333, 4, 80), BF16)(r),
                                                _rand((1, 333, 4, 80), BF16)(r)],
                                     lambda q, k, v: attention.flash_attention(q, k, v, window=(50, 3))),
+    "quantize_e4m3 + flash_attention_fp8": (lambda r: [_rand((1, 300, 4, 128))(r) for _ in range(3)], _fp8_attention),
 }
 
 
