@@ -13,7 +13,7 @@
 //   pi(p) = 16 (p / 16) + 2 ((p % 16) / 4) + p % 2 + 8 ((p / 2) % 2): the order in which attn_fwd_wg packs P's
 //   accumulators into wgmma A fragments (pack_p there). Keys >= Sk are zero. One CTA per (64 keys, h, b):
 //   the [64][D] block is read with 16-byte loads into shared memory, then each thread gathers 16 permuted keys
-//   of one row d and writes them as one 16-byte store.
+//   of one row d and writes them as one 16-byte store. (Batch and key block share grid.x: any B.)
 //
 // decode_e4m3<O>: out[i] = E4M3(codes[i]) * descale[which] (descale null: 1), as O: the fallback of GPUs
 //   without the FP8 kernel (attention_fp8.py decodes, then runs flash_attention).
@@ -71,11 +71,12 @@ __device__ __forceinline__ int key_of(int p) {  // pi(p) of the header, p in [0,
   return 16 * (p >> 4) + 2 * ((p & 15) >> 2) + (p & 1) + 8 * ((p >> 1) & 1);
 }
 
-// grid (Skp / 64, Hkv, B), 256 threads; D % 16 == 0, D <= 256.
+// grid (Skp / 64 * B, Hkv), 256 threads; D % 16 == 0, D <= 256; v and vt 16-byte aligned.
 __global__ void __launch_bounds__(256) vt_permute(const u8* __restrict__ v, u8* __restrict__ vt, int Sk, int Skp,
                                                   int Hkv, int D) {
   __shared__ __align__(16) u8 tile[64][256];
-  const int k0 = blockIdx.x * 64, h = blockIdx.y, b = blockIdx.z;
+  const int nkb = Skp / 64;
+  const int k0 = (int)(blockIdx.x % nkb) * 64, h = blockIdx.y, b = (int)(blockIdx.x / nkb);
   const int cpr = D / 16;
   for (int c = threadIdx.x; c < 64 * cpr; c += 256) {
     const int r = c / cpr, ch = c - r * cpr;

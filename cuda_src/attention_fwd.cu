@@ -487,7 +487,11 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   if constexpr (FP8) {
     if (descale != nullptr) {
       const float qk = descale[0] * descale[1];
-      if (score_mode == 0) scale_log2 *= qk; else cap_prescale *= qk;
+      // scale_log2 must stay > 0 (the softmax subtracts the row max): a product <= 0 (or NaN) becomes a
+      // prescale of the scores instead, as attention.py's score_transform does for softmax_scale <= 0
+      if (score_mode != 0) cap_prescale *= qk;
+      else if (qk > 0.f) scale_log2 *= qk;
+      else { score_mode = 2; cap_prescale = qk; }
       v_descale = descale[2];
     }
   }

@@ -98,17 +98,24 @@ def test_emulation_bound_is_a_real_bound():
 
 
 # ------------------------------------------------------------------------------------------------ GPU
-def _gpu_case(B, Sq, Sk, Hq, Hkv, D, causal, out_dtype=np.float16, seed=0):
+def _gpu_case(B, Sq, Sk, Hq, Hkv, D, causal, out_dtype=np.float16, seed=0, descale="quantize", **opts):
+    """One GPU call against the reference on the decoded inputs, within 2x the float32 emulation's error.
+    descale: "quantize" (quantize_e4m3's), None, "negq" (q's negated) or "zeroq" (q's 0: uniform attention)."""
     cp = pytest.importorskip("cupy")
     rng = np.random.default_rng(seed)
     xs = [cp.asarray(rng.standard_normal(s).astype(np.float16)) for s in ((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D))]
     qs = [vc.quantize_e4m3(x) for x in xs]
     codes, ds = [c for c, _ in qs], cp.concatenate([d for _, d in qs])
-    o, lse = vc.flash_attention_fp8(*codes, ds, causal=causal, return_lse=True, out_dtype=out_dtype)
-    hc, hd = [c.get() for c in codes], ds.get()
-    o64, lse64 = ref.flash_attention_fp8(*hc, hd, causal=causal, return_lse=True, out_dtype=np.float32)
+    if descale is None:
+        ds = None
+    elif descale in ("negq", "zeroq"):
+        ds[0] = -ds[0] if descale == "negq" else 0
+    o, lse = vc.flash_attention_fp8(*codes, ds, causal=causal, return_lse=True, out_dtype=out_dtype, **opts)
+    hc, hd = [c.get() for c in codes], None if ds is None else ds.get()
+    o64, lse64 = ref.flash_attention_fp8(*hc, hd, causal=causal, return_lse=True, out_dtype=np.float32, **opts)
     g = Hq // Hkv
-    base = ref.rel_error(F._emulated(hc[0], np.repeat(hc[1], g, axis=2), np.repeat(hc[2], g, axis=2), hd, causal), o64)
+    base = ref.rel_error(F._emulated(hc[0], np.repeat(hc[1], g, axis=2), np.repeat(hc[2], g, axis=2), hd, causal,
+                                     **opts), o64)
     err = ref.rel_error(o.get().astype(np.float32), o64)
     assert o.dtype == np.dtype(out_dtype) and bool(cp.isfinite(o).all())
     assert err <= 2 * base + 1e-6, (err, base)
@@ -144,9 +151,25 @@ def test_gpu_quantize_e4m3_special_values():
 @pytest.mark.parametrize("shape", [(2, 300, 300, 4, 4, 128, True), (1, 200, 777, 8, 2, 128, False),
                                    (1, 1024, 1024, 2, 2, 128, True), (1, 512, 512, 4, 4, 64, True),
                                    (1, 130, 260, 2, 1, 96, False), (1, 257, 257, 2, 2, 40, True)],
-                         ids=lambda s: "B{}-Sq{}-Sk{}-H{}/{}-D{}-{}".format(*s[:6], "causal" if s[6] else "full"))
+                         ids=lambda s: "B{}-Sq{}-Sk{}-H{}/{}-D{}-{}{}".format(*s[:6], "causal" if s[6] else "full",
+                                                                             "-fallback" if s[5] % 16 else ""))
 def test_gpu_fp8_attention_within_bound(shape):
     _gpu_case(*shape)
+
+
+@gpu
+@pytest.mark.parametrize("case", ["softcap", "negative_scale", "window", "rows_without_keys", "descale_none",
+                                  "negative_descale", "zero_descale"])
+def test_gpu_fp8_options(case):
+    """The score modes the descales fold into (softcap, a softmax_scale <= 0, a descale <= 0), windows, rows
+    that see no key (o 0, lse -inf), no descale."""
+    kw = {"softcap": dict(softcap=20.0), "negative_scale": dict(softmax_scale=-0.05),
+          "window": dict(window=(40, 8)), "descale_none": dict(descale=None),
+          "negative_descale": dict(descale="negq"), "zero_descale": dict(descale="zeroq")}.get(case, {})
+    if case == "rows_without_keys":
+        _gpu_case(1, 300, 200, 4, 2, 128, True)
+    else:
+        _gpu_case(1, 333, 333, 4, 2, 128, case != "window", **kw)
 
 
 @gpu

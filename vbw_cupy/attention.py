@@ -178,6 +178,8 @@ def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True, tma: bool =
     if cfg["KIND"] != "mma":
         if not vec:
             raise ValueError(f"attention config {cfg}: the wgmma kernel needs 16-byte aligned rows (d % 8 == 0)")
+        if np.dtype(dtype) == np.uint8 and out_dtype is None:
+            raise ValueError("instance_name: FP8 (uint8) inputs need out_dtype")
         t = rt.ctype(dtype) if np.dtype(dtype) != np.uint8 else f"vbw_attn::E4M3<{rt.ctype(out_dtype)}>"
         return (f"attn_fwd_wg<{t}, {_WG_HEAD_DIM[head_dim]}, {cfg['BLOCK_N']}, {cfg['BLOCK_M'] // 64}, "
                 f"{b(cfg['KIND'] == 'wgp')}, {b(tma)}, {cfg['STAGES']}, {b(cfg['KIND'] == 'ws')}, {b(sparse)}>")

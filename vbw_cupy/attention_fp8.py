@@ -49,20 +49,21 @@ def quantize_e4m3(x):
     """E4M3 (fn) codes of x with one float32 descale for the whole tensor: (codes uint8 of x's shape, descale
     float32 [1]), x ~= E4M3(codes) * descale, descale = max|x| / 448 (1 for an all-zero x, NaN when x holds
     NaN or Inf, which then makes every code NaN: nothing downstream is silently finite). Rounds to nearest
-    even. NumPy in, NumPy out (`vbw_cupy.reference.quantize_e4m3_tensor`); CuPy in, CuPy out, bit-identical,
-    no synchronization (max|x| is a CuPy reduction on the device).
+    even. NumPy in, NumPy out (`vbw_cupy.reference.quantize_e4m3_tensor`); GPU arrays (CuPy, or anything with
+    __dlpack__) in, CuPy out, bit-identical, no synchronization (max|x| is reduced on the device).
 
     >>> import cupy as cp
     >>> x = cp.random.standard_normal((2, 1024, 8, 128)).astype(cp.float16)
     >>> codes, ds = quantize_e4m3(x)             # uint8 [2, 1024, 8, 128], float32 [1]
     """
     _checks.check_array_like("x", x)
+    if not isinstance(x, np.ndarray):
+        x = rt.as_gpu_array(x, "x")
     if np.dtype(x.dtype).name not in _checks.FLOAT_DTYPES:
         raise TypeError(f"x: expected one of {_checks.FLOAT_DTYPES}, got {x.dtype}")
     if isinstance(x, np.ndarray):
         return ref.quantize_e4m3_tensor(x)
     cp = rt.require_cupy()
-    x = rt.as_gpu_array(x, "x")
     with x.device:
         x = rt.ensure_contiguous(x)
         codes = cp.empty(x.shape, dtype=cp.uint8)
@@ -85,20 +86,25 @@ def _check_descale(descale, host: bool):
         return None
     if host:
         d = np.asarray(descale)
-        if d.shape != (3,) or not np.issubdtype(d.dtype, np.floating):
-            raise ValueError(f"descale: expected 3 floats (q, k, v), got shape {d.shape} of {d.dtype}")
+        if d.dtype.kind not in "fiu":
+            raise TypeError(f"descale: expected 3 numbers (q, k, v), got {d.dtype}")
+        if d.shape != (3,):
+            raise ValueError(f"descale: expected 3 values (q, k, v), got shape {d.shape}")
         return d.astype(np.float32)
     d = rt.as_gpu_array(descale, "descale")
-    if d.shape != (3,) or d.dtype != np.float32:
-        raise ValueError(f"descale: expected a float32 GPU array of shape (3,) (q, k, v), got shape "
-                         f"{tuple(d.shape)} of {d.dtype}")
+    if d.dtype != np.float32:
+        raise TypeError(f"descale: expected a float32 GPU array (q, k, v), got {d.dtype}")
+    if d.shape != (3,) or not d.flags.c_contiguous:
+        raise ValueError(f"descale: expected a contiguous GPU array of shape (3,) (q, k, v), got shape "
+                         f"{tuple(d.shape)}{'' if d.flags.c_contiguous else ', strided'}")
     return d
 
 
-def _fp8_kernel_runs(q, D: int) -> bool:
-    """Whether the FP8 kernel can run this call (else the codes are decoded and flash_attention runs)."""
+def _fp8_kernel_runs(q, k, v, D: int) -> bool:
+    """Whether the FP8 kernel can run this call (else the codes are decoded and flash_attention runs): sm_90,
+    D % 16 == 0 and D <= 128, 16-byte aligned arrays (TMA and the V transpose's 16-byte loads)."""
     return (_device.device_arch(q.data.device_id) == 90 and D % 16 == 0 and D <= FP8_HEAD_DIM
-            and rt.have_tensor_maps())
+            and all(a.data.ptr % 16 == 0 for a in (q, k, v)) and rt.have_tensor_maps())
 
 
 def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0,
@@ -112,9 +118,11 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
     softcap, return_lse: as in `flash_attention`. Returns o [B, Sq, Hq, D] in out_dtype (float16 or bfloat16)
     and with return_lse also lse float32 [B, Hq, Sq].
 
-    On an sm_90 GPU with D % 16 == 0 and D <= 128 both products run on FP8 tensor cores; its error against the
-    float64 reference is within twice that of the same computation in float32 with P rounded to E4M3
-    (tests/test_attention_fp8.py). Elsewhere the codes are decoded and `flash_attention` runs.
+    On an sm_90 GPU with D % 16 == 0 and D <= 128 (16-byte aligned arrays) both products run on FP8 tensor
+    cores; its error against the float64 reference is within twice that of the same computation in float32 with
+    P rounded to E4M3 (tests/test_attention_fp8.py). Elsewhere the codes are decoded into out_dtype and
+    `flash_attention` runs (with float16, decoded magnitudes past 65504 overflow: use bfloat16 for such data).
+    Descales may be any float (<= 0 too); a NaN descale gives NaN output.
 
     >>> import cupy as cp
     >>> x = [cp.random.standard_normal((2, 4096, 16, 128)).astype(cp.float16) for _ in range(3)]
@@ -122,6 +130,8 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
     >>> o = flash_attention_fp8(q, k, v, cp.concatenate([dq, dk, dv]), causal=True)
     """
     host = _checks.split_host_device(q=q, k=k, v=v)
+    if not host:
+        q, k, v = _attn._prepare_gpu(q, k, v)
     shape = _checks.check_attention_args(q, k, v, window, softcap, causal=causal, softmax_scale=softmax_scale,
                                          dtypes=(_UINT8,))
     try:
@@ -136,23 +146,22 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
         return ref.flash_attention_fp8(q, k, v, ds, causal=causal, softmax_scale=softmax_scale, window=window,
                                        softcap=softcap, return_lse=return_lse, out_dtype=out_dtype)
     cp = rt.require_cupy()
-    q, k, v = _attn._prepare_gpu(q, k, v)
     B, Sq, Sk, Hq, Hkv, D = shape
     _attn._check_seqlen("q", Sq)
     _attn._check_seqlen("k", Sk)
     _attn._check_grid(B, Hq, Sq)
-    _attn._check_gpu_common(q, k, v, *(() if ds is None else (ds,)))
+    rt.check_same_device(q=q, k=k, v=v, **({} if ds is None else {"descale": ds}))
     left, right = _checks.effective_window(window, causal)
     scale = _checks.effective_scale(softmax_scale, D)
     with q.device:
         q, k, v = rt.ensure_contiguous(q), rt.ensure_contiguous(k), rt.ensure_contiguous(v)
-        if not _fp8_kernel_runs(q, D):
+        if not _fp8_kernel_runs(q, k, v, D):
             return _decoded(q, k, v, ds, out_dtype, causal=causal, softmax_scale=softmax_scale, window=window,
                             softcap=softcap, return_lse=return_lse)
         Skp = rt.cdiv(Sk, 128) * 128
         vt = _plans.scratch("flash_attention_fp8 v^T", B * Hkv * D * Skp).view(cp.uint8)[:B * Hkv * D * Skp]
         vt = vt.reshape(B, Hkv, D, Skp)
-        rt.launch(rt.get_kernel(SOURCE, f"{_NS}vt_permute"), (Skp // 64, Hkv, B), (_THREADS,),
+        rt.launch(rt.get_kernel(SOURCE, f"{_NS}vt_permute"), (Skp // 64 * B, Hkv), (_THREADS,),
                   (v, vt, np.int32(Sk), np.int32(Skp), np.int32(Hkv), np.int32(D)))
         o = cp.empty(q.shape, dtype=out_dtype)
         lse = cp.empty((B, Hq, Sq), dtype=cp.float32) if return_lse else None
@@ -201,23 +210,35 @@ def _selftest_case(B, S, H, D, causal):
     return case
 
 
-def _emulated(q, k, v, descale, causal, softmax_scale=None):
+def _emulated(q, k, v, descale, causal, softmax_scale=None, window=(-1, -1), softcap=0.0):
     """The bound's baseline (NumPy): the FP8 computation in float32 -- decoded inputs, float32 scores and
     softmax, P rounded to E4M3 as 256 p (the kernel's rounding), float32 P V -- for [B, S, H, D] codes with
-    Hq == Hkv. Returns float32 o."""
-    dq, dk, dv = (ref.e4m3_decode(c) * np.float32(d) for c, d in zip((q, k, v), descale))
+    Hq == Hkv (repeat k / v heads first for GQA), masks as `reference.flash_attention`'s. A row that sees no
+    key gets 0. Returns float32 o."""
+    ds = np.ones(3, np.float32) if descale is None else np.asarray(descale, np.float32)
+    dq, dk, dv = (ref.e4m3_decode(c) * d for c, d in zip((q, k, v), ds))
     B, Sq, H, D = dq.shape
     Sk = dk.shape[1]
     scale = np.float32(1.0 / np.sqrt(D) if softmax_scale is None else softmax_scale)
     s = np.einsum("bqhd,bkhd->bhqk", dq, dk, dtype=np.float32) * scale
-    if causal:
-        s = np.where(np.arange(Sk)[None, :] <= np.arange(Sq)[:, None] + Sk - Sq, s, -np.inf)
+    if softcap > 0:
+        s = (np.float32(softcap) * np.tanh(s / np.float32(softcap))).astype(np.float32)
+    left, right = ref._window(window, causal)
+    rel = np.arange(Sk)[None, :] - (np.arange(Sq)[:, None] + Sk - Sq)   # key j minus query i's diagonal
+    seen = np.ones((Sq, Sk), bool)
+    if left >= 0:
+        seen &= rel >= -left
+    if right >= 0:
+        seen &= rel <= right
+    s = np.where(seen, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0).astype(np.float32)
     p = np.exp2((s - m) * np.float32(np.log2(np.e)) + 8).astype(np.float32)
     l = p.sum(axis=-1, keepdims=True)
     p8 = ref.e4m3_decode(_e4m3_round(p))
-    o = np.einsum("bhqk,bkhd->bqhd", p8, dv, dtype=np.float32) / np.moveaxis(l, 1, 2)
-    return o.astype(np.float32)
+    o = np.einsum("bhqk,bkhd->bqhd", p8, dv, dtype=np.float32)
+    l = np.moveaxis(l, 1, 2)
+    return np.where(l > 0, o / np.where(l > 0, l, 1), 0).astype(np.float32)
 
 
 def _e4m3_round(p):
