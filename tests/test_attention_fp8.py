@@ -192,3 +192,35 @@ def test_gpu_fp8_fallback_within_bound(monkeypatch):
     monkeypatch.setattr(F, "_fp8_kernel_runs", lambda *args: False)
     _gpu_case(1, 300, 300, 4, 2, 128, True)
 
+
+
+@gpu
+@pytest.mark.parametrize("with_descale", [True, False])
+def test_gpu_fp8_repeated_call_replays_the_same_launches(with_descale):
+    """The second call of a signature takes the packed fast path: identical results, new array addresses and
+    values included (compared with the full path run after clearing the plans), and a strided input after it
+    goes back to the full path."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(9)
+
+    def inputs():
+        xs = [cp.asarray(rng.standard_normal((2, 200, 4, 128)).astype(np.float16)) for _ in range(3)]
+        qs = [vc.quantize_e4m3(x) for x in xs]
+        return [c for c, _ in qs], (cp.concatenate([d for _, d in qs]) if with_descale else None)
+
+    codes, ds = inputs()
+    first = vc.flash_attention_fp8(*codes, ds, causal=True, return_lse=True)
+    key = F._fast_key(*codes, ds, True, None, (-1, -1), 0.0, True, np.float16)
+    assert F._fast_plans.get(key) is not None, "the first call left no plan to replay"
+    again = vc.flash_attention_fp8(*codes, ds, causal=True, return_lse=True)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a.get(), b.get())
+    codes2, ds2 = inputs()                                   # new addresses and values: the fast path again
+    fast = vc.flash_attention_fp8(*codes2, ds2, causal=True, return_lse=True)
+    F._fast_plans.clear()
+    full = vc.flash_attention_fp8(*codes2, ds2, causal=True, return_lse=True)
+    for a, b in zip(fast, full):
+        np.testing.assert_array_equal(a.get(), b.get())
+    strided = cp.ascontiguousarray(cp.concatenate([codes2[0], codes2[0]], axis=3))[..., :128]   # a view
+    np.testing.assert_array_equal(vc.flash_attention_fp8(strided, codes2[1], codes2[2], ds2, causal=True).get(),
+                                  full[0].get())
