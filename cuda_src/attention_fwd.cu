@@ -61,8 +61,8 @@
 //   v8 (H100, 2026-11-26) FP8: attn_fwd_wg<E4M3<O>, 128, 128, 2, ..., WS> (flash_attention_fp8): Q K^T and P V on
 //      e4m3 wgmma (k32), P as 256 p packed in register order with V^T's keys permuted to match (attention_fp8.cu),
 //      descales folded into the score scale and the output. Graph replay, B * S = 32k, H = 16, D = 128, against
-//      the float16 ws kernel on the same values: S = 4k 1.26-1.35x (690-734 TFLOP/s), 8k 1.34-1.49x, 16k
-//      1.40-1.48x (up to 772); 3 stages no better. ncu (S = 4k): MUFU (ex2) pipe 41% of peak, issue slots 44%,
+//      the float16 ws kernel on the same values: S = 4k 1.18-1.36x (690-734 TFLOP/s), 8k 1.34-1.46x, 16k
+//      1.35-1.49x (up to 772; four runs); 3 stages no better. ncu (S = 4k): MUFU (ex2) pipe 41% of peak, issue slots 44%,
 //      0.58 eligible warps a scheduler: latency-bound between the two warpgroups' turns, not by one pipe.
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
