@@ -6,9 +6,10 @@ warp-specialized attention kernel with E4M3 tensor-core products (cuda_src/atten
 ...>): S = Q K^T and P V both on FP8 wgmma, P rounded to E4M3 (as 256 p), float32 softmax and accumulation.
 The kernel reads V transposed with its keys permuted into the order the P fragments are packed in: each call
 first writes that copy (cuda_src/attention_fp8.cu, vt_permute, about 4% of an S = 4096 call) into a buffer the
-current stream keeps. Other GPUs, and head dims the FP8 kernel does not run, decode the codes and run
-`flash_attention` instead (same results within the same bound, slower). Nothing synchronizes the device: the
-descales stay on the GPU, so both functions can be captured in a CUDA graph.
+current stream keeps. Other GPUs, head dims the FP8 kernel does not run and unaligned arrays decode the codes into
+the output dtype and run `flash_attention` instead (within the same bound, slower; float16 overflows past 65504
+there). Nothing synchronizes the device: the descales stay on the GPU, so both functions can be captured in a
+CUDA graph. A repeated call of the same signature replays its two launches from packed argument blocks (`_fast`).
 
 Not supported: varlen / paged inputs and per-head descales (one float per tensor).
 """
