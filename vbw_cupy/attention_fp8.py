@@ -90,14 +90,16 @@ def _check_descale(descale, host: bool):
         if d.dtype.kind not in "fiu":
             raise TypeError(f"descale: expected 3 numbers (q, k, v), got {d.dtype}")
         if d.shape != (3,):
-            raise ValueError(f"descale: expected 3 values (q, k, v), got shape {d.shape}")
+            raise ValueError(f"descale: expected 3 values (q, k, v), got shape {d.shape} (quantize_e4m3's descales "
+                             f"are [1] each: concatenate the three)")
         return d.astype(np.float32)
     d = rt.as_gpu_array(descale, "descale")
     if d.dtype != np.float32:
         raise TypeError(f"descale: expected a float32 GPU array (q, k, v), got {d.dtype}")
     if d.shape != (3,) or not d.flags.c_contiguous:
         raise ValueError(f"descale: expected a contiguous GPU array of shape (3,) (q, k, v), got shape "
-                         f"{tuple(d.shape)}{'' if d.flags.c_contiguous else ', strided'}")
+                         f"{tuple(d.shape)}{'' if d.flags.c_contiguous else ', strided'} (quantize_e4m3's "
+                         f"descales are [1] each: cupy.concatenate the three)")
     return d
 
 
@@ -144,6 +146,8 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
     shape = _checks.check_attention_args(q, k, v, window, softcap, causal=causal, softmax_scale=softmax_scale,
                                          dtypes=(_UINT8,))
     try:
+        if out_dtype is None:
+            raise TypeError
         out_dtype = np.dtype(out_dtype)
     except TypeError:
         raise TypeError(f"out_dtype: expected float16 or bfloat16, got {out_dtype!r}") from None
