@@ -88,7 +88,9 @@ def _break_array(draw, x):
     y = x.copy()
     if y.size:
         i = draw(st.integers(0, y.size - 1))
-        if y.dtype.kind in "iu":
+        if y.dtype == np.uint8:                 # E4M3 codes: any byte, NaN codes (0x7F, 0xFF) included
+            y.flat[i] = draw(st.sampled_from([0x7F, 0xFF, 0x7E, 0xFE, 0, 0x80, 1]))
+        elif y.dtype.kind in "iu":
             y.flat[i] = draw(st.sampled_from(BAD_INTS))
         else:
             big = float(ml_dtypes.finfo(y.dtype).max) / 4  # large but finite: no op may give NaN for finite inputs
@@ -348,6 +350,29 @@ def fp8_case(draw):
 
 
 @st.composite
+def fp8_attention_case(draw):
+    """E4M3 codes (from quantize_e4m3 of random data) with their descales, or none."""
+    B, Sq, Sk = draw(st.integers(1, 2)), draw(st.integers(1, 20)), draw(st.integers(1, 20))
+    Hkv, g, D = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.sampled_from([1, 8, 16]))
+    qs = [vc.quantize_e4m3(_rand(draw, s, F16)) for s in ((B, Sq, Hkv * g, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D))]
+    descale = draw(st.sampled_from(["given", None, [1.0, -2.0, 0.5], [0.0, 1.0, 1.0]]))
+    if descale == "given":
+        descale = np.concatenate([d for _, d in qs])
+    args = dict(q=qs[0][0], k=qs[1][0], v=qs[2][0], descale=descale, causal=draw(st.booleans()),
+                softmax_scale=draw(st.sampled_from([None, 0.3, -0.5])),
+                window=(draw(st.integers(-1, 6)), draw(st.integers(-1, 6))),
+                softcap=draw(st.sampled_from([0.0, 0.0, 5.0])), return_lse=draw(st.booleans()),
+                out_dtype=draw(st.sampled_from([F16, BF16])))
+    arrays = ("q", "k", "v")
+    broken = _maybe_break(draw, args, arrays, [o for o in args if o not in arrays and o != "descale"])
+    if broken is None and draw(st.booleans()):   # a bad descale: shape, type, values
+        args["descale"] = draw(st.sampled_from([[1.0, 1.0], np.ones((3, 1), np.float32), "x", [1, 2, 3],
+                                                np.array([1.0, float("nan"), 1.0], np.float32), 3.0]))
+        broken = "descale"
+    return args, broken, arrays
+
+
+@st.composite
 def matmul_case(draw):
     M, N, K = draw(st.integers(1, 5)), draw(st.integers(1, 9)), draw(st.integers(1, 40))
     dt, fmt = draw(st.sampled_from([F16, BF16, F32])), draw(st.sampled_from(["nvfp4", "mxfp4"]))
@@ -450,6 +475,33 @@ def _fp8_oracle(args, t):
         assert (np.abs(d - x) <= np.abs(x) * 2.0**-4 + s * 2.0**-10).all()
 
 
+def _e4m3_oracle(args, out):
+    """quantize_e4m3: the tuple form, and every element within E4M3's rounding of x (finite x)."""
+    x = np.asarray(args["x"], np.float64)
+    codes, ds = out
+    assert codes.shape == x.shape and codes.dtype == np.uint8 and ds.shape == (1,) and ds.dtype == np.float32
+    if _finite(x):
+        d = np.asarray(vc.reference.e4m3_decode(codes), np.float64) * float(ds[0])
+        assert (np.abs(d - x) <= np.abs(x) * 2.0**-4 + float(ds[0]) * 2.0**-10).all()
+
+
+def _fp8_attention_oracle(args, out):
+    """flash_attention_fp8 (NumPy): the naive float64 attention on the decoded inputs."""
+    ds = np.ones(3) if args["descale"] is None else np.asarray(args["descale"], np.float64)
+    q, k, v = (np.asarray(vc.reference.e4m3_decode(args[n]), np.float64) * ds[i] for i, n in enumerate("qkv"))
+    win = tuple(int(w) for w in args["window"])
+    allowed = window_mask(q.shape[1], k.shape[1], win, bool(args["causal"]))
+    o, lse = naive_attention(q, k, v, allowed, _scale(args, q.shape[-1]), float(args["softcap"]))
+    got_o, got_lse = out if isinstance(out, tuple) else (out, None)
+    assert got_o.shape == q.shape and got_o.dtype == np.dtype(args["out_dtype"])
+    if not (_finite(q, k, v) and abs(_scale(args, q.shape[-1])) * max(1.0, float(np.abs(ds[:2]).max())) <= 16):
+        return   # NaN codes / descales propagate as the reference's rules say; huge scores: shapes only
+    vmax = max(1.0, float(np.abs(v).max()))
+    _close(got_o, o, _tol(args["out_dtype"]), scale=vmax)
+    if got_lse is not None:
+        _close(got_lse, lse, 1e-5)
+
+
 def _act(z, name):
     return {None: z, "relu": np.maximum(z, 0), "silu": z / (1 + np.exp(-z))}.get(name, z)
 
@@ -524,6 +576,20 @@ def test_fuzz_dequantize(case, dtype):
 def test_fuzz_quantize_fp8(case):
     args, broken, arrays = case
     _run(vc.quantize_fp8, args, broken, arrays, _fp8_oracle)
+
+
+@FUZZ
+@given(fp8_case())
+def test_fuzz_quantize_e4m3(case):
+    args, broken, arrays = case
+    _run(vc.quantize_e4m3, args, broken, arrays, _e4m3_oracle)
+
+
+@FUZZ
+@given(fp8_attention_case())
+def test_fuzz_flash_attention_fp8(case):
+    args, broken, arrays = case
+    _run(vc.flash_attention_fp8, args, broken, arrays, _fp8_attention_oracle)
 
 
 @FUZZ
