@@ -485,25 +485,26 @@ def _map_args(q, k, v, boxes):
     else:
         B, Sq, Hq, D = q.shape
         Sk, Hkv = k.shape[1], k.shape[2]
-
-    def tmap(x, S, H, rows):
-        return rt.tensor_map(x.data.ptr, (D, H, S, B), (2 * D, 2 * H * D, 2 * S * H * D), (64, 1, rows, 1))
-
-    maps = (tmap(q, Sq, Hq, boxes[0]), tmap(k, Sk, Hkv, boxes[1]), tmap(v, Sk, Hkv, boxes[1]))
+    maps = (_row_map(q, B, Sq, Hq, D, boxes[0]), _row_map(k, B, Sk, Hkv, D, boxes[1]),
+            _row_map(v, B, Sk, Hkv, D, boxes[1]))
     return None if any(m is None for m in maps) else maps
 
 
+def _row_map(x, B, S, H, D, rows):
+    """TMA map of x [B, S, H, D] (16-bit or 8-bit elements) as [D, H, S, B], boxes of one 128-byte panel of
+    columns (64 or 128 elements) x `rows` rows."""
+    e = x.dtype.itemsize
+    return rt.tensor_map(x.data.ptr, (D, H, S, B), (e * D, e * H * D, e * S * H * D), (128 // e, 1, rows, 1),
+                         elem_bytes=e)
+
+
 def _map_args_fp8(q, k, vt, boxes):
-    """FP8 tensor maps: q, k [B, S, H, D] bytes as _map_args lays them out, in 128-byte (128-element) boxes; vt
-    [B, Hkv, D, Skp] (attention_fp8.py) as [Skp, D, Hkv, B] in boxes of BLOCK_N keys x HEAD_DIM rows."""
+    """FP8 tensor maps: q, k [B, S, H, D] bytes as _map_args lays them out (`_row_map`); vt [B, Hkv, D, Skp]
+    (attention_fp8.py) as [Skp, D, Hkv, B] in boxes of BLOCK_N keys x HEAD_DIM rows."""
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     Skp = vt.shape[-1]
-
-    def tmap(x, S, H, rows):
-        return rt.tensor_map(x.data.ptr, (D, H, S, B), (D, H * D, S * H * D), (128, 1, rows, 1), elem_bytes=1)
-
-    maps = (tmap(q, Sq, Hq, boxes[0]), tmap(k, Sk, Hkv, boxes[1]),
+    maps = (_row_map(q, B, Sq, Hq, D, boxes[0]), _row_map(k, B, Sk, Hkv, D, boxes[1]),
             rt.tensor_map(vt.data.ptr, (Skp, D, Hkv, B), (Skp, D * Skp, Hkv * D * Skp), (boxes[1], 128, 1, 1),
                           elem_bytes=1))
     return None if any(m is None for m in maps) else maps

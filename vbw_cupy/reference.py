@@ -58,6 +58,17 @@ def e4m3_encode(s: np.ndarray) -> np.ndarray:
     return code.astype(np.uint8)
 
 
+def e4m3_codes(v: np.ndarray) -> np.ndarray:
+    """E4M3 (fn) codes of values v (any float dtype): magnitudes clamped to 448, rounded to nearest even, the
+    sign kept (-0 -> 0x80), NaN -> 0x7F."""
+    v = np.asarray(v)
+    a = np.minimum(np.abs(v.astype(np.float64)), 448.0)
+    live = a > 0
+    mag = np.where(live, e4m3_encode(np.where(live, a, 1.0)), 0)  # e4m3_encode wants a > 0
+    codes = mag.astype(np.uint8) | (np.signbit(v).astype(np.uint8) << 7)
+    return np.where(np.isnan(v), np.uint8(0x7F), codes).astype(np.uint8)
+
+
 def e4m3_decode(code: np.ndarray) -> np.ndarray:
     """float32 values of E4M3 (fn) codes: 0x7F and 0xFF are NaN (ml_dtypes.float8_e4m3fn decodes them)."""
     return np.asarray(code).astype(np.uint8).view(_ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -167,10 +178,7 @@ def quantize_fp8(x: np.ndarray):
     e = np.where(live, np.maximum(e, FP8_MIN_EXP), 0)
     finite = np.isfinite(amax)
     v = np.where(finite[..., None], x32, 0).astype(np.float64) * np.exp2(-e.astype(np.float64))[..., None]
-    a = np.abs(v)
-    mag = np.where(a > 0, e4m3_encode(np.where(a > 0, a, 1.0)), 0)  # e4m3_encode wants a > 0
-    codes = mag.astype(np.uint8) | (np.signbit(v).astype(np.uint8) << 7)
-    codes = np.where(finite[..., None], codes, np.uint8(0x7F)).astype(np.uint8)
+    codes = np.where(finite[..., None], e4m3_codes(v), np.uint8(0x7F)).astype(np.uint8)
     scales = np.where(finite, np.exp2(e.astype(np.float64)), np.nan).astype(np.float32)
     return codes, scales
 
@@ -195,12 +203,7 @@ def quantize_e4m3_tensor(x: np.ndarray):
         ds = np.float32(np.nan)
     with np.errstate(invalid="ignore", divide="ignore"):
         v = x32 / ds
-    a = np.minimum(np.abs(v), np.float32(448))
-    live = a > 0
-    mag = np.where(live, e4m3_encode(np.where(live, a, 1.0)), 0)
-    codes = mag.astype(np.uint8) | (np.signbit(v).astype(np.uint8) << 7)
-    codes = np.where(np.isnan(v), np.uint8(0x7F), codes).astype(np.uint8)
-    return codes, np.array([ds], dtype=np.float32)
+    return e4m3_codes(v), np.array([ds], dtype=np.float32)
 
 
 _ACTIVATIONS = {
