@@ -36,6 +36,12 @@
 //      A fragment), only the activations through shared memory. DIAG (M = 1): the activation tile is
 //      "diagonal" (row r holds token 0 in the blocks b = r mod 8), so MMA column r collects block r's partial
 //      and the block scales are applied in fp32 once per 8 blocks: 16 instead of 24 ALU/FMA ops per 8 weights.
+//   fp4_gemm_mmvk  <T, BLK, PU>: the M = 1 default (DIAG as above). K is split among the warps of one CTA
+//      (8 k-parts of a row group by default), each warp streaming its atoms and its own slice of the activation
+//      row straight into registers (the B fragment is built by masking: lane g's column is block g); the
+//      k-parts meet once in shared memory. No activation ring, barrier per k-tile or split-K workspace.
+//      PU = 1: the next 4-atom unit is requested after the current one is computed (58 registers, 32 warps an
+//      SM); PU = 2 (82 registers) measured 10-20% slower.
 //   fp4_gemm_wgrs  <T, BLK, BC, WGS, STAGES, KSUB>: Hopper (sm_90a) wgmma m64nBCk16, A = the decoded weights
 //      straight from registers, B = activations from 128B-swizzled smem; WGS warpgroups x 64 rows, KSUB 64-k
 //      sub-tiles per stage. Drains wgmma every k-tile (ptxas serializes wgmma if an A register is written while
@@ -60,6 +66,10 @@
 //   v8 (H100) split-K in a thread-block cluster (split 2), padded atom rows: M=1 14336x4096 19.2 -> 18.7 us.
 //   v9 (H100) programmatic dependent launch (pdl.cuh) in the model's decode graph, mmv's first weight tiles
 //      requested before the wait: 7B nvfp4 decode 351 vs 319 tokens/s (notes/kernel-history.md, pdl.cuh).
+//   v10 (H100) fp4_gemm_mmvk for M = 1, graph replay against bench/bare_read.py's read of the same bytes:
+//      nvfp4 8192^2 16.0 us (1.09x; mmvd 18.9, 1.28x), 14336x4096 1.16x, 4096x14336 1.13x, 28672x4096 1.14x,
+//      4096^2 6.4 us (0.93x; mmvd 9.3). ncu (8192^2): ~100 instructions an atom either way, issue 45% busy; the
+//      gain is occupancy (32 warps an SM, no barrier) (notes/session-2026-11-26c.md).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

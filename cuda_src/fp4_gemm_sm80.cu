@@ -1,6 +1,7 @@
 // fp4_gemm_sm80.cu: the FP4-weight GEMM kernels for any sm_80+ (layout, modes and history: fp4_gemm.cuh):
 //   fp4_gemm_prepare / fp4_scale_range (the weight re-layout, once per weight), fp4_gemm_mma (mma.sync,
-//   cp.async ring, split-K), fp4_gemm_mmv (M <= 16, weights streamed into registers; clusters on sm_90).
+//   cp.async ring, split-K), fp4_gemm_mmv (M <= 16, weights streamed into registers; clusters on sm_90),
+//   fp4_gemm_mmvk (M = 1: weights and activations streamed into registers, K split inside the CTA).
 #include "fp4_gemm.cuh"
 
 namespace vbw_fp4gemm {
@@ -566,6 +567,154 @@ fp4_gemm_mmv(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
       const int m = m0 + c * 8 + 2 * t + (r & 1);
       if (n < N && m < M && (!DIAG || t == 0)) store_out(out, bias, flags, n, m, N, flat[c * 4 + r] * out_scale);
     }
+}
+
+
+// ---------------------------------------------------------------------------------------------- mmvk (M = 1)
+// fp4_gemm_mmvk <T, BLK, PU>: the M = 1 decode GEMV with K split among the warps of one CTA instead of over CTAs.
+//   CTA = R row groups x S k-parts, one warp each (blockDim.x = 32 R S, S = ceil(katoms / apw)); warp (r, s)
+//   streams atoms [s apw, (s + 1) apw) of row group blockIdx.x R + r, PU units of 4 atoms (256 k) in flight.
+//   Nothing goes through shared memory on the way: the weights stream into registers (as fp4_gemm_mmv) and so
+//   does each lane's own slice of the activation row (L1-cached loads), so there is no ring, no barrier per
+//   k-tile and no split-K workspace, fence or counter; the S partials of a row meet once, in shared memory, and
+//   are added in k order (deterministic).
+//   DIAG as in fp4_gemm_mmv (M = 1): MMA column c collects block c of every 8-block group. Here the B fragment
+//   is built in registers: lane (g, t) holds column g, which is nonzero only in the k16 step(s) of block g of
+//   the group, so a lane loads just that block's activation pairs (2 words nvfp4, 4 mxfp4) per group and
+//   masks them into the steps' B registers; the group's scale codes are one load per lane (its blocks 2t, 2t+1).
+template <typename T, int BLK, int PU>
+__global__ void __launch_bounds__(512)
+fp4_gemm_mmvk(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restrict__ out,
+              const void* __restrict__ bias, void* __restrict__ ws, int* __restrict__ counters,
+              int M, int N, int K, int lda, int katoms, int apw, float out_scale, int flags) {
+  using OT = typename OpT<T>::type;
+  static_assert(!same<T, float>::value, "16-bit activations only");
+  constexpr int ATOM = atom_bytes(BLK);
+  constexpr int NG = BLK == 16 ? 2 : 1;  // 8-block groups per unit of 4 atoms
+  __shared__ float red[16 * 16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int S = (katoms + apw - 1) / apw;
+  const int R = (blockDim.x >> 5) / S;  // row groups of the CTA
+  const int r = warp / S, s = warp - r * S;
+  const int n_rg = (N + 15) >> 4;
+  const int rg = blockIdx.x * R + r;
+  const bool rg_ok = rg < n_rg;
+  const int a0 = s * apw;
+  const int nu = max(0, min(apw, katoms - a0)) >> 2;  // units of 4 atoms (katoms and apw are multiples of 4)
+
+  // this lane's 16 bytes of the warp's first atom, and its scale word of a group (row g's and row g + 8's codes
+  // of blocks 2t, 2t + 1: nvfp4 atom t >> 1 of the group, bytes 2 (t & 1), +1; mxfp4 atom t, bytes 0-1 / 2-3);
+  // the three pointers step one unit per load
+  const u8* wl = Wp + ((size_t)(rg_ok ? rg : 0) * katoms + a0) * ATOM + lane * 16;
+  const u8* wsl = wl - lane * 16 + 512 + (BLK == 16 ? (t >> 1) * ATOM + g * 8 : t * ATOM + g * 4);
+  // this lane's activation words: block g of each group (nvfp4 k = 16 g + 2t, + 8; mxfp4 32 g + 2t + {0, 8, 16,
+  // 24}); ku: the unit's first k
+  int ku = a0 * 64;
+  const u32* xl = reinterpret_cast<const u32*>(A) + ((ku + (BLK == 16 ? 16 : 32) * g + 2 * t) >> 1);
+
+  uint4 wq[PU][4];
+  uint2 sc[PU][NG];
+  u32 xv[PU][4];
+  auto load_w = [&](int u, int b) {
+    if (u < nu) {
+#pragma unroll
+      for (int a = 0; a < 4; ++a) wq[b][a] = ldg_stream16(wl + a * ATOM);
+#pragma unroll
+      for (int q = 0; q < NG; ++q) {
+        if (BLK == 16) sc[b][q] = ldg_stream8(wsl + 2 * q * ATOM);
+        else sc[b][q] = make_uint2(ldg_stream4(wsl), 0u);
+      }
+      wl += 4 * ATOM;
+      wsl += 4 * ATOM;
+    }
+  };
+  // word i of the unit: nvfp4 group i / 2, + 8 (i & 1); mxfp4 + 8 i (in halves; / 2 in words)
+  auto xoff = [](int i) { return BLK == 16 ? (i >> 1) * 64 + (i & 1) * 4 : i * 4; };
+  auto load_x = [&](int u, int b) {
+    if (u < nu) {
+      if (ku + 256 <= K) {  // the whole unit inside K
+#pragma unroll
+        for (int i = 0; i < 4; ++i) xv[b][i] = __ldg(xl + xoff(i));
+      } else {
+        const int kl = ku + (BLK == 16 ? 16 : 32) * g + 2 * t;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) xv[b][i] = kl + 2 * xoff(i) < K ? __ldg(xl + xoff(i)) : 0u;
+      }
+      xl += 128;
+      ku += 256;
+    }
+  };
+
+  float part[4] = {0.f, 0.f, 0.f, 0.f};  // the current 8-block group's columns
+  float dsum[2] = {0.f, 0.f};            // rows g and g + 8, this lane's two blocks of every group
+  const u32 sh = BLK == 16 ? (t & 1) * 2 : 0;
+  const u32 sel0 = 0x4044u | (sh << 8), sel1 = 0x4044u | ((sh + 1) << 8);  // byte sh / sh + 1 -> bits 16..23
+  auto compute = [&](int b) {
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int blk = BLK == 16 ? (a & 1) * 4 + j : 2 * a + (j >> 1);  // block of the group = MMA column
+        const int xi = BLK == 16 ? (a >> 1) * 2 : (j & 1) * 2;
+        const bool on = g == blk;
+        const u32 b0 = on ? xv[b][xi] : 0u, b1 = on ? xv[b][xi + 1] : 0u;
+        const u32 qw = j == 0 ? wq[b][a].x : j == 1 ? wq[b][a].y : j == 2 ? wq[b][a].z : wq[b][a].w;
+        u32 af[4];
+        decode_word<OT>(qw, af);
+        if (same<OT, __nv_bfloat16>::value) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) af[i] = mul2<OT>(af[i], exact_k2<OT>());
+        }
+        mma<OT>(part, af, b0, b1);
+      }
+      if ((BLK == 16 && (a & 1)) || a == 3) {  // end of a group: columns 2t, 2t + 1 are blocks 2t, 2t + 1
+        const uint2 sw = sc[b][BLK == 16 ? a >> 1 : 0];
+        const u32 wg_ = sw.x, wg8 = BLK == 16 ? sw.y : sw.x >> 16;
+        const u32 c0 = __byte_perm(wg_, 0u, sel0), c1 = __byte_perm(wg_, 0u, sel1);
+        const u32 c2 = __byte_perm(wg8, 0u, sel0), c3 = __byte_perm(wg8, 0u, sel1);
+        dsum[0] = fmaf(part[0], diag_mult<OT>(c0), fmaf(part[1], diag_mult<OT>(c1), dsum[0]));
+        dsum[1] = fmaf(part[2], diag_mult<OT>(c2), fmaf(part[3], diag_mult<OT>(c3), dsum[1]));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part[i] = 0.f;
+      }
+    }
+  };
+
+  // The weights are constants: the first units are requested before waiting on the previous kernel (pdl.cuh).
+#pragma unroll
+  for (int b = 0; b < PU; ++b) load_w(b, b);
+  vbw::pdl_wait();
+  vbw::pdl_launch_dependents();
+#pragma unroll
+  for (int b = 0; b < PU; ++b) load_x(b, b);
+  for (int u0 = 0; u0 < nu; u0 += PU) {
+#pragma unroll
+    for (int b = 0; b < PU; ++b) {
+      if (u0 + b < nu) {
+        compute(b);
+        load_w(u0 + b + PU, b);
+        load_x(u0 + b + PU, b);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // the quad's 8 columns
+    dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 1);
+    dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
+  }
+  if (t == 0) {
+    red[warp * 16 + g] = dsum[0];
+    red[warp * 16 + g + 8] = dsum[1];
+  }
+  __syncthreads();
+  if (s == 0 && lane < 16 && rg_ok) {
+    float v = 0.f;
+    for (int i = 0; i < S; ++i) v += red[(warp + i) * 16 + lane];
+    const int n = rg * 16 + lane;
+    if (n < N) store_out(out, bias, flags, n, 0, N, v * out_scale);
+  }
 }
 
 }  // namespace vbw_fp4gemm

@@ -424,7 +424,7 @@ def test_gpu_programmatic_launches_equal_plain_launches():
     def chain():
         x = x0
         for w in ws:
-            x = vc.fp4_matmul(x, w)                          # M = 1: the decode GEMV (mmv)
+            x = vc.fp4_matmul(x, w)                          # M = 1: the decode GEMV (mmvk)
             keep.append(x)
             x = paged.paged_attention(x.reshape(1, H, D), kc, vcache, table, lens).reshape(1, H * D)
             keep.append(x)
@@ -435,6 +435,7 @@ def test_gpu_programmatic_launches_equal_plain_launches():
         with rt.programmatic_launches():
             assert rt.pdl_enabled()
             assert rt.get_kernel("model.cu", "vbw_model::silu_mul<__half>").pdl
+            assert rt.get_kernel("fp4_gemm_sm80.cu", "vbw_fp4gemm::fp4_gemm_mmvk<__half, 16, 1>").pdl
             eager = chain().get()
             g, res, s = _capture(chain)
         _replay(g, s)

@@ -226,7 +226,7 @@ def test_every_config_tails_nan_poisoned(name, split, fmt):
     cfg = dict(gemm.TILES[name], SPLIT=split)
     if cfg["KIND"] in gemm._WG and _device.device_arch() != 90:
         pytest.skip("wgmma configs run on sm_90 only")
-    M = 1 if cfg["KIND"] == "mmvd" else 203  # the DIAG kernel runs M = 1 only
+    M = 1 if cfg["KIND"] in gemm._M1_ONLY else 203  # the DIAG kernels run M = 1 only
     for dtype in (np.float16, BF16):
         a, w = _gpu_case(M, 1000, 1000, fmt, dtype, seed=split)  # M, N, K all off the tile grid
         got = _run_nan_poisoned(a, w, cfg)
@@ -235,20 +235,39 @@ def test_every_config_tails_nan_poisoned(name, split, fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mmvd", "mmvk"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("K", [4095, 4096 + 64, 8192])
-def test_diag_decode_kernel_m1(fmt, K):
-    """M = 1 through the DIAG kernel (scales applied per 8 blocks in fp32): odd K, K not a whole 8-block group,
-    a row tail, every split; and M = 2 is refused before launch."""
+def test_diag_decode_kernel_m1(name, fmt, K):
+    """M = 1 through the DIAG kernels (scales applied per 8 blocks in fp32): odd K, K not a whole 8-block group,
+    a row tail, every split (mmvk: k-parts of a CTA, up to one 4-atom unit a warp); and M = 2 is refused before
+    launch."""
     for dtype in (np.float16, BF16):
         a, w = _gpu_case(1, 1000, K, fmt, dtype, seed=K)
-        for split in (0, 1, 5):
-            got = _run_nan_poisoned(a, w, dict(gemm.TILES["mmvd"], SPLIT=split), act="silu")
+        for split in ((0, 1, 5) if name == "mmvd" else (0, 1, 3, 16)):
+            got = _run_nan_poisoned(a, w, dict(gemm.TILES[name], SPLIT=split), act="silu")
             err, bound = _check(got, a, w, act="silu")
             assert err <= bound, (dtype, split, err, bound)
     a2 = rt.require_cupy().ones((2, K), np.float16)
     with pytest.raises(ValueError, match="M = 1 only"):
-        gemm.fp4_matmul(a2, w, _config=dict(gemm.TILES["mmvd"], SPLIT=0))
+        gemm.fp4_matmul(a2, w, _config=dict(gemm.TILES[name], SPLIT=0))
+
+
+def test_mmvk_shape():
+    """The k-split of the in-CTA decode kernel: whole 4-atom units a warp, every atom covered, at most 16 warps
+    a CTA; by default 8 k-parts (fewer when K has fewer 4-atom units) and one row group a CTA."""
+    cfg = gemm.TILES["mmvk"]
+    for n_rg, katoms in ((256, 64), (768, 64), (1376, 64), (256, 172), (2000, 64), (63, 16), (1, 4), (5000, 512)):
+        for split in (0, 1, 3, 16, 64):
+            S, apw, R = gemm._mmvk_shape(dict(cfg, SPLIT=split), n_rg, katoms)
+            assert apw % 4 == 0 and apw * S >= katoms > apw * (S - 1), (n_rg, katoms, split, S, apw)
+            assert 1 <= R * S <= 16 and R <= n_rg, (n_rg, katoms, split, S, R)
+            want = min(split or gemm._MMVK_SPLIT, 16, katoms // 4)
+            assert S == -(-katoms // (4 * -(-katoms // 4 // want))), (n_rg, katoms, split, S)
+    assert gemm._mmvk_shape(dict(cfg, SPLIT=0), 256, 64) == (8, 8, 1)     # 4096 x 4096: 8 parts of 2 units
+    assert gemm._mmvk_shape(dict(cfg, SPLIT=0), 256, 172) == (8, 24, 1)   # 4096 x 11008: 8 parts (the last short)
+    assert gemm._mmvk_shape(dict(cfg, SPLIT=0), 63, 16) == (4, 4, 2)      # K = 1024: 4 units, 2 row groups a CTA
+    assert gemm._mmvk_shape(dict(cfg, SPLIT=4), 512, 128) == (4, 32, 2)
 
 
 @pytest.mark.gpu
@@ -756,3 +775,12 @@ def test_gpu_weights_changed_in_place_then_invalidated(fmt, M):
     want = cp.asnumpy(gemm.fp4_matmul(a, FP4Tensor(w2.data.copy(), w2.scales.copy(), w2.global_scale, fmt,
                                                    (N, K)))).astype(np.float32)
     np.testing.assert_array_equal(got, want)
+
+
+def test_m1_default_is_the_in_cta_split_kernel():
+    """M = 1 defaults to mmvk (measured against mmvd on nine shapes on the H100) on every architecture."""
+    from vbw_cupy import autotune
+    for arch in (80, 86, 90):
+        for N in (4096, 8192, 14336, 32000):
+            cfg = autotune.default_config("fp4_gemm_m1", arch, {"M": 1, "N": N, "K": 4096, "format": "nvfp4"})
+            assert cfg["KIND"] == "mmvk" and cfg["STAGES"] == 1, (arch, N, cfg)

@@ -569,8 +569,8 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, stream=None) -> None:
 # waits for it in pdl_wait(), so its launch and its weight loads overlap the previous kernel's tail. Used for
 # the model's decode graph, where ~300 short kernels run back to back; everywhere else launches are plain.
 #: kernels (names as given to get_kernel, by prefix) that call pdl_wait() before any dependent access
-PDL_KERNELS = ("vbw_model::", "vbw_fp4gemm::fp4_gemm_mmv<", "vbw_fp4gemm::fp4_gemm_mma<", "paged_decode<",
-               "paged_decode_combine<")
+PDL_KERNELS = ("vbw_model::", "vbw_fp4gemm::fp4_gemm_mmv<", "vbw_fp4gemm::fp4_gemm_mmvk<",
+               "vbw_fp4gemm::fp4_gemm_mma<", "paged_decode<", "paged_decode_combine<")
 _pdl_state = threading.local()
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 _launch_ex = None  # (cuLaunchKernelEx, config struct type, attribute struct type), False when unavailable

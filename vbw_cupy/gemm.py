@@ -71,6 +71,7 @@ _BIAS_KIND = {"float16": 1, "bfloat16": 2, "float32": 3}
 _ATOM = {16: 576, 32: 544}
 _WG = ("wgmma", "wgrs")      # Hopper-only kinds
 _MMV = ("mmv", "mmvd")       # decode kinds (fp4_gemm_mmv); "mmvd" (DIAG) runs M = 1 only
+_M1_ONLY = ("mmvd", "mmvk")  # kinds for M = 1 only
 _SIR, _FPP = 0, 1
 _MAX_DIM = 2**31 - 1
 
@@ -94,6 +95,9 @@ TILES = {  # every tile that has compiled instances (kernel_instances); SPLIT is
     "mmv16": _cfg("mmv", 128, 16, 256, 8, 1, 2),
     "mmvd": _cfg("mmvd", 64, 8, 256, 4, 1, 2),    # M = 1: block scales applied per 8 blocks in fp32 (DIAG)
     "mmvdw": _cfg("mmvd", 128, 8, 256, 8, 1, 2),
+    # M = 1, K split inside the CTA (fp4_gemm_mmvk): WR = warps a CTA aims at, STAGES = 256-k units a warp has in
+    # flight while it computes, SPLIT = k-parts (warps) per row group (0: 8)
+    "mmvk": _cfg("mmvk", 16, 8, 256, 8, 1, 1),
     "wg64": _cfg("wgmma", 128, 64, 64, 2, 1, 8),   # Hopper: 2 warpgroups x 64 weight rows, BC tokens
     "wg128": _cfg("wgmma", 128, 128, 64, 2, 1, 6),
     "wg256": _cfg("wgmma", 128, 256, 64, 2, 1, 5),
@@ -119,6 +123,8 @@ def _with_split(name, split=0):
 
 def smem_bytes(cfg, blk: int, itemsize: int = 2) -> int:
     atom = _ATOM[blk]
+    if cfg["KIND"] == "mmvk":
+        return 0  # (1 KB static: the k-parts' row sums)
     if cfg["KIND"] in _MMV:
         return cfg["STAGES"] * cfg["BC"] * cfg["BK"] * itemsize
     if cfg["KIND"] == "mma":
@@ -131,7 +137,23 @@ def smem_bytes(cfg, blk: int, itemsize: int = 2) -> int:
 
 
 def _threads(cfg) -> int:
+    if cfg["KIND"] == "mmvk":
+        return 512  # at most; the launch's own count: _mmvk_shape
     return 128 * cfg["WR"] if cfg["KIND"] in _WG else 32 * cfg["WR"] * cfg["WC"]
+
+
+_MMVK_SPLIT = 8  # k-parts a row group by default: H100, nine shapes, 8 within 0-4% of the best of 4 / 8 / auto
+
+
+def _mmvk_shape(cfg, n_rg: int, katoms: int) -> tuple[int, int, int]:
+    """(k-parts S, atoms a warp apw, row groups a CTA R) of an mmvk launch: S warps share each row group's K (cfg's
+    SPLIT, 0: _MMVK_SPLIT), each a whole number of 4-atom units; R S <= 16 warps a CTA, R about cfg's WR / S."""
+    units = katoms // 4
+    S = max(1, min(int(cfg["SPLIT"]) or _MMVK_SPLIT, 16, units))
+    apw = 4 * -(-units // S)
+    S = -(-katoms // apw)
+    R = max(1, min(cfg["WR"] // S, 16 // S, n_rg))
+    return S, apw, R
 
 
 def _fits(cfg, lim) -> bool:
@@ -147,8 +169,11 @@ _SMALL8 = _SMALL + ("mma_s8", "mma_s8k", "mmv8")
 _SPLITS = (1, 2, 4, 8)
 _REGIMES = (  # (tunable name, largest M, per-arch defaults, candidates)
     ("fp4_gemm_m1", 1,
-     {80: _with_split("mmvd"), 90: _with_split("mmvd")},
-     [_with_split(n) for n in _SMALL8 + ("mmvd", "mmvdw")] + [_with_split("mmvd", s) for s in _SPLITS] +
+     # mmvk: H100, graph replay, nvfp4 M = 1: 0.93-1.17x a bare read of the weights on nine shapes against
+     # 1.18-1.35x for mmvd (notes/session-2026-11-26c.md)
+     {80: _with_split("mmvk"), 90: _with_split("mmvk")},
+     [_with_split(n) for n in _SMALL8 + ("mmvd", "mmvdw", "mmvk")] + [_with_split("mmvd", s) for s in _SPLITS] +
+     [_with_split("mmvk", s) for s in (4, 12, 16)] +
      [_with_split("mmv8", s) for s in _SPLITS] + [_with_split("mma_s8", 2)]),
     ("fp4_gemm_m8", 8,
      {80: _with_split("mma_s8k"), 90: _with_split("mma_s8k")},
@@ -235,6 +260,8 @@ def _wg_name(T, blk, cfg, tma=False):
 
 
 def _mmv_name(T, blk, cfg, cl=1):
+    if cfg["KIND"] == "mmvk":
+        return f"{_NS}fp4_gemm_mmvk<{T}, {blk}, {cfg['STAGES']}>"
     return (f"{_NS}fp4_gemm_mmv<{T}, {blk}, {cfg['BC']}, {cfg['BK']}, {cfg['WR']}, {cfg['STAGES']}, "
             f"{'true' if cfg['KIND'] == 'mmvd' else 'false'}, {cl}>")
 
@@ -249,7 +276,7 @@ def _source(name: str) -> str:
 
 
 def _kernel_name(T, blk, mode, cfg, tma=False, cl=1):
-    if cfg["KIND"] in _MMV:
+    if cfg["KIND"] in _MMV or cfg["KIND"] == "mmvk":
         return _mmv_name(T, blk, cfg, cl)
     return _mma_name(T, blk, mode, cfg) if cfg["KIND"] == "mma" else _wg_name(T, blk, cfg, tma)
 
@@ -387,8 +414,8 @@ def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
         raise ValueError(f"config {cfg}: no compiled instance with this tile")
     if cfg["KIND"] in _WG and limits.get("arch") != 90:
         raise ValueError("wgmma configs need an sm_90 (Hopper) device")
-    if cfg["KIND"] == "mmvd" and M != 1:
-        raise ValueError(f"config {cfg}: the DIAG decode kernel runs M = 1 only, got M = {M}")
+    if cfg["KIND"] in _M1_ONLY and M != 1:
+        raise ValueError(f"config {cfg}: the {cfg['KIND']} decode kernel runs M = 1 only, got M = {M}")
     itemsize = np.dtype(adt).itemsize
     # wgrs takes a tensor map of a (built per launch, `_launch`): the TMA variant where the driver encodes maps
     amap = None
@@ -399,6 +426,14 @@ def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
     gx, gy = rt.cdiv(rt.cdiv(N, 16) * 16, BR), rt.cdiv(M, BC)
     if gy > 65535:
         raise ValueError(f"a: {M} rows is too many for config {cfg} (at most {65535 * BC})")
+    flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
+    if cfg["KIND"] == "mmvk":  # one CTA per R row groups, K split among its warps
+        S, apw, R = _mmvk_shape(cfg, rt.cdiv(N, 16), katoms)
+        name = _kernel_name(rt.ctype(adt), blk, mode, cfg)
+        kern = rt.get_kernel(_source(name), name, _EXTRA_OPTIONS)
+        tail = (np.int32(M), np.int32(N), np.int32(K), np.int32(lda), np.int32(katoms), np.int32(apw),
+                out_scale, np.int32(flags))
+        return (kern, (rt.cdiv(rt.cdiv(N, 16), R), 1, 1), (32 * R * S,), 0, wp, None, None, tail, None, cfg)
     nkt = rt.cdiv(katoms, BK // 64)
     split = _auto_split(cfg, gx * gy, nkt, blk, itemsize, limits)
     kps = rt.cdiv(nkt, split)
@@ -413,7 +448,6 @@ def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
     ws = cnt = None
     if split > 1 and cl == 1:
         ws, cnt = _workspace(gx * gy * split * BR * BC * (8 if adt == "float32" else 4), gx * gy)
-    flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
     tail = (np.int32(M), np.int32(N), np.int32(K), np.int32(lda), np.int32(katoms), np.int32(kps),
             out_scale, np.int32(flags))
     return (kern, (gx, gy, split), (_threads(cfg),), smem, wp, ws, cnt, tail, amap, cfg)
