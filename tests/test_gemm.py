@@ -255,19 +255,23 @@ def test_diag_decode_kernel_m1(name, fmt, K):
 
 def test_mmvk_shape():
     """The k-split of the in-CTA decode kernel: whole 4-atom units a warp, every atom covered, at most 16 warps
-    a CTA; by default 8 k-parts (fewer when K has fewer 4-atom units) and one row group a CTA."""
+    a CTA; by default 4, 8 or 16 k-parts by how the CTAs fill whole waves (fewer when K has fewer units)."""
     cfg = gemm.TILES["mmvk"]
     for n_rg, katoms in ((256, 64), (768, 64), (1376, 64), (256, 172), (2000, 64), (63, 16), (1, 4), (5000, 512)):
         for split in (0, 1, 3, 16, 64):
-            S, apw, R = gemm._mmvk_shape(dict(cfg, SPLIT=split), n_rg, katoms)
+            S, apw, R = gemm._mmvk_shape(dict(cfg, SPLIT=split), n_rg, katoms, 132)
             assert apw % 4 == 0 and apw * S >= katoms > apw * (S - 1), (n_rg, katoms, split, S, apw)
             assert 1 <= R * S <= 16 and R <= n_rg, (n_rg, katoms, split, S, R)
-            want = min(split or gemm._MMVK_SPLIT, 16, katoms // 4)
+            want = min(split or gemm._mmvk_split(n_rg, 132), 16, katoms // 4)
             assert S == -(-katoms // (4 * -(-katoms // 4 // want))), (n_rg, katoms, split, S)
-    assert gemm._mmvk_shape(dict(cfg, SPLIT=0), 256, 64) == (8, 8, 1)     # 4096 x 4096: 8 parts of 2 units
-    assert gemm._mmvk_shape(dict(cfg, SPLIT=0), 256, 172) == (8, 24, 1)   # 4096 x 11008: 8 parts (the last short)
-    assert gemm._mmvk_shape(dict(cfg, SPLIT=0), 63, 16) == (4, 4, 2)      # K = 1024: 4 units, 2 row groups a CTA
-    assert gemm._mmvk_shape(dict(cfg, SPLIT=4), 512, 128) == (4, 32, 2)
+    # the measured shapes on 132 SMs (the 7B decode GEMVs and the issue's four)
+    for N, want in ((4096, 16), (8192, 8), (12288, 4), (14336, 4), (22016, 8), (28672, 4), (32000, 4)):
+        assert gemm._mmvk_split(N // 16, 132) == want, (N, want)
+    assert gemm._mmvk_shape(dict(cfg, SPLIT=0), 256, 64, 132) == (16, 4, 1)   # 4096 x 4096
+    assert gemm._mmvk_shape(dict(cfg, SPLIT=0), 256, 172, 132) == (15, 12, 1)  # 4096 x 11008
+    assert gemm._mmvk_shape(dict(cfg, SPLIT=0), 768, 64, 132) == (4, 16, 2)   # 12288 x 4096
+    assert gemm._mmvk_shape(dict(cfg, SPLIT=8), 63, 16, 132) == (4, 4, 2)     # K = 1024: 4 units, 2 row groups
+
 
 
 @pytest.mark.gpu

@@ -96,7 +96,7 @@ TILES = {  # every tile that has compiled instances (kernel_instances); SPLIT is
     "mmvd": _cfg("mmvd", 64, 8, 256, 4, 1, 2),    # M = 1: block scales applied per 8 blocks in fp32 (DIAG)
     "mmvdw": _cfg("mmvd", 128, 8, 256, 8, 1, 2),
     # M = 1, K split inside the CTA (fp4_gemm_mmvk): WR = warps a CTA aims at, STAGES = 256-k units a warp has in
-    # flight while it computes, SPLIT = k-parts (warps) per row group (0: 8)
+    # flight while it computes, SPLIT = k-parts (warps) per row group (0: _mmvk_split)
     "mmvk": _cfg("mmvk", 16, 8, 256, 8, 1, 1),
     "wg64": _cfg("wgmma", 128, 64, 64, 2, 1, 8),   # Hopper: 2 warpgroups x 64 weight rows, BC tokens
     "wg128": _cfg("wgmma", 128, 128, 64, 2, 1, 6),
@@ -142,14 +142,26 @@ def _threads(cfg) -> int:
     return 128 * cfg["WR"] if cfg["KIND"] in _WG else 32 * cfg["WR"] * cfg["WC"]
 
 
-_MMVK_SPLIT = 8  # k-parts a row group by default: H100, nine shapes, 8 within 0-4% of the best of 4 / 8 / auto
+def _mmvk_split(n_rg: int, num_sms: int) -> int:
+    """The default k-parts of an mmvk launch, by how evenly its CTAs fill whole waves (58 registers a thread: 32
+    warps an SM, four 8-warp CTAs): 8 parts (one row group a CTA) unless 4 parts (two row groups a CTA, half the
+    CTAs) fill their last wave at least as well; 16 when 8 would leave more than half of one wave idle.
+    H100, graph replay, M = 1 nvfp4 (notes/session-2026-11-26c.md): 12288 x 4096 12.8 us with 4 vs 13.6 with 8,
+    32000 x 4096 28.2 vs 29.2, 22016 x 4096 23.1 vs 21.5, 8192^2 16.8 vs 16.0, 4096 x 11008 12.3 with 16 vs 12.8."""
+    def fill(ctas, slots):
+        waves = ctas / slots
+        return waves / math.ceil(waves)
+    f8, f4 = fill(n_rg, 4 * num_sms), fill(-(-n_rg // 2), 4 * num_sms)
+    if f8 < 0.5:
+        return 16
+    return 4 if f4 >= f8 else 8
 
 
-def _mmvk_shape(cfg, n_rg: int, katoms: int) -> tuple[int, int, int]:
+def _mmvk_shape(cfg, n_rg: int, katoms: int, num_sms: int = 132) -> tuple[int, int, int]:
     """(k-parts S, atoms a warp apw, row groups a CTA R) of an mmvk launch: S warps share each row group's K (cfg's
-    SPLIT, 0: _MMVK_SPLIT), each a whole number of 4-atom units; R S <= 16 warps a CTA, R about cfg's WR / S."""
+    SPLIT, 0: _mmvk_split), each a whole number of 4-atom units; R S <= 16 warps a CTA, R about cfg's WR / S."""
     units = katoms // 4
-    S = max(1, min(int(cfg["SPLIT"]) or _MMVK_SPLIT, 16, units))
+    S = max(1, min(int(cfg["SPLIT"]) or _mmvk_split(n_rg, num_sms), 16, units))
     apw = 4 * -(-units // S)
     S = -(-katoms // apw)
     R = max(1, min(cfg["WR"] // S, 16 // S, n_rg))
@@ -428,7 +440,7 @@ def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
         raise ValueError(f"a: {M} rows is too many for config {cfg} (at most {65535 * BC})")
     flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
     if cfg["KIND"] == "mmvk":  # one CTA per R row groups, K split among its warps
-        S, apw, R = _mmvk_shape(cfg, rt.cdiv(N, 16), katoms)
+        S, apw, R = _mmvk_shape(cfg, rt.cdiv(N, 16), katoms, limits["num_sms"])
         name = _kernel_name(rt.ctype(adt), blk, mode, cfg)
         kern = rt.get_kernel(_source(name), name, _EXTRA_OPTIONS)
         tail = (np.int32(M), np.int32(N), np.int32(K), np.int32(lda), np.int32(katoms), np.int32(apw),
