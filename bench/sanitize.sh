@@ -2,7 +2,8 @@
 # The GPU tests under compute-sanitizer, with CuPy's memory pools off (VBW_TEST_NO_POOL=1, see conftest.py) so
 # every array is its own allocation and an access past its end is caught:
 #   memcheck   the bad-index tests of tests/test_call_path.py, the GPU model and block-sparse tests, the GPU fuzz,
-#              small warp-specialized attention calls, FP8 attention (its kernel and the V transpose)
+#              small warp-specialized attention calls, FP8 attention (its kernel and the V transpose), the M = 1
+#              decode GEMV (mmvk: odd K, partial row groups, every k-split)
 #   racecheck  a small selection: shared-memory hazards in the attention, paged and sparse kernels
 #   synccheck  the same selection: barriers and warp syncs
 # Run from the repository root on a GPU machine (tens of minutes: memcheck slows kernels 10-100x). Logs go to
@@ -18,8 +19,9 @@ if [ ! -x "$CS" ]; then echo "sanitize.sh: compute-sanitizer not found (set COMP
 # pytest selections, one pytest run each (a -k applies to a whole run), separated by ';'
 # (the attention selection runs the warp-specialized kernel: D = 128 and 96, dense and packed varlen)
 ATTN="tests/test_attention.py -k 'head_dims and (128 or 96)'; tests/test_attention.py -k 'never_leaks and 128'; tests/test_attention_fp8.py -k 'gpu and (B2 or D64 or quantize)'"
-MEMCHECK=${MEMCHECK:-"tests/test_call_path.py -k bad; tests/test_model_gpu.py; tests/test_sparse.py -k 'not 16k'; tests/test_fuzz.py; $ATTN"}
-SMALL=${SMALL:-"tests/test_call_path.py -k one-split; tests/test_sparse.py -k 'gpu_blocks and float16 and not causal'; $ATTN"}
+GEMV="tests/test_gemm.py -k 'diag_decode and mmvk'"
+MEMCHECK=${MEMCHECK:-"tests/test_call_path.py -k bad; tests/test_model_gpu.py; tests/test_sparse.py -k 'not 16k'; tests/test_fuzz.py; $ATTN; $GEMV"}
+SMALL=${SMALL:-"tests/test_call_path.py -k one-split; tests/test_sparse.py -k 'gpu_blocks and float16 and not causal'; $ATTN; $GEMV"}
 TOOLS=${TOOLS:-"memcheck racecheck synccheck"}
 
 # Fill the kernel cache first: NVRTC is not what is being checked, and compiling under the sanitizer is slow.

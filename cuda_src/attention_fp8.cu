@@ -15,8 +15,8 @@
 //   the [64][D] block is read with 16-byte loads into shared memory, then each thread gathers 16 permuted keys
 //   of one row d and writes them as one 16-byte store. (Batch and key block share grid.x: any B.)
 //
-// decode_e4m3<O>: out[i] = E4M3(codes[i]) * descale[which] (descale null: 1), as O: the fallback of GPUs
-//   without the FP8 kernel (attention_fp8.py decodes, then runs flash_attention).
+// decode_e4m3<O>: out[i] = E4M3(codes[i]) * descale[which] (descale null: 1), as O: dequantize_e4m3, and the
+//   fallback of GPUs without the FP8 kernel (attention_fp8.py decodes, then runs flash_attention).
 //
 // History: v1 (2026-11-26) first version; the copy is ~4% of an S = 4096 FP8 call (measured in
 // notes/session-2026-11-26b.md).
@@ -31,6 +31,7 @@ typedef unsigned char u8;
 __device__ __forceinline__ float as_float(float x) { return x; }
 __device__ __forceinline__ float as_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float as_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 

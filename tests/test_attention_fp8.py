@@ -97,7 +97,59 @@ def test_emulation_bound_is_a_real_bound():
     assert 1e-4 < base < 0.05 and base < inputs, (base, inputs)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])
+def test_dequantize_e4m3_reference(dtype):
+    """dequantize_e4m3 on NumPy codes: E4M3(codes) * descale in float32, then dtype; every code incl. NaN."""
+    codes = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    for ds in (None, np.array([0.375], np.float32), np.float32(3.0), 2):
+        got = vc.dequantize_e4m3(codes, ds, dtype)
+        want = (ref.e4m3_decode(codes) * np.float32(1 if ds is None else ds)).astype(dtype)
+        assert got.dtype == np.dtype(dtype) and got.shape == codes.shape
+        np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+    assert np.isnan(vc.dequantize_e4m3(np.array([0x7F, 0xFF], np.uint8))).all()
+    x = np.random.default_rng(1).standard_normal(100).astype(np.float32)
+    back = vc.dequantize_e4m3(*vc.quantize_e4m3(x))
+    assert np.all(np.abs(back - x) <= np.abs(x) * 2.0 ** -4 + 2.0 ** -10 * np.abs(x).max() / 448)
+
+
+def test_dequantize_e4m3_errors():
+    codes = np.zeros(4, np.uint8)
+    with pytest.raises(TypeError, match="codes: expected uint8"):
+        vc.dequantize_e4m3(codes.astype(np.int8))
+    with pytest.raises(TypeError, match="dtype"):
+        vc.dequantize_e4m3(codes, None, np.int32)
+    with pytest.raises(ValueError, match=r"descale: expected one value"):
+        vc.dequantize_e4m3(codes, np.ones(3, np.float32))
+    with pytest.raises(TypeError, match="descale"):
+        vc.dequantize_e4m3(codes, "x")
+    with pytest.raises(TypeError, match="codes"):
+        vc.dequantize_e4m3([1, 2])
+
+
 # ------------------------------------------------------------------------------------------------ GPU
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_gpu_dequantize_e4m3_bit_exact(dtype):
+    """The GPU decode equals the NumPy path (values and signs, NaN where NaN): every code, with and without a
+    descale, an odd size, into pool memory that held NaN (so an element left unwritten shows)."""
+    cp = pytest.importorskip("cupy")
+    dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    codes = np.random.default_rng(2).integers(0, 256, 3 * 257 * 5, dtype=np.uint8)
+    codes[:256] = np.arange(256)
+    for ds in (None, np.array([0.0371], np.float32)):
+        c, d = cp.asarray(codes), None if ds is None else cp.asarray(ds)
+        poison = cp.full(codes.size, np.nan, dtype=dt)   # the pool hands this block to the output next
+        del poison
+        got = vc.dequantize_e4m3(c, d, dt)
+        want = vc.dequantize_e4m3(codes, ds, dt)
+        assert isinstance(got, cp.ndarray) and got.dtype == dt
+        g, w = got.get().astype(np.float32), want.astype(np.float32)
+        np.testing.assert_array_equal(g, w)   # NaN where NaN
+        np.testing.assert_array_equal(np.signbit(g[~np.isnan(w)]), np.signbit(w[~np.isnan(w)]))
+    with pytest.raises(ValueError, match="descale"):
+        vc.dequantize_e4m3(cp.asarray(codes), cp.ones(2, cp.float32))
+
+
 def _gpu_case(B, Sq, Sk, Hq, Hkv, D, causal, out_dtype=np.float16, seed=0, descale="quantize", **opts):
     """One GPU call against the reference on the decoded inputs, within 2x the float32 emulation's error.
     descale: "quantize" (quantize_e4m3's), None (codes of the values themselves, N(0, 1)), "negq" (q's

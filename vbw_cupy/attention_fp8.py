@@ -1,5 +1,6 @@
 """FP8 attention (docs/attention.md, "FP8 attention"): `flash_attention_fp8` takes q, k, v as E4M3 (fn) codes with a
-float32 descale each, and `quantize_e4m3` makes such codes from a float16 / bfloat16 / float32 tensor.
+float32 descale each, `quantize_e4m3` makes such codes from a float16 / bfloat16 / float32 tensor and
+`dequantize_e4m3` turns them back into values.
 
 NumPy inputs run `vbw_cupy.reference` (float64 on the decoded values); CuPy inputs on an sm_90 GPU run the
 warp-specialized attention kernel with E4M3 tensor-core products (cuda_src/attention_fwd.cu, attn_fwd_wg<E4M3<O>,
@@ -38,7 +39,7 @@ _UINT8 = np.dtype(np.uint8)
 def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
     out = [(SOURCE, f"{_NS}vt_permute")]
     out += [(SOURCE, f"{_NS}{k}<{rt.ctype(t)}>") for t in _checks.FLOAT_DTYPES for k in ("absmax", "quantize_e4m3_tensor")]
-    out += [(SOURCE, f"{_NS}decode_e4m3<{rt.ctype(t)}>") for t in OUT_DTYPES]
+    out += [(SOURCE, f"{_NS}decode_e4m3<{rt.ctype(t)}>") for t in _checks.FLOAT_DTYPES]
     if arch in (None, 90):
         out += [(_attn.SOURCE, _attn.instance_name(_UINT8, FP8_HEAD_DIM, _CONFIG, True, True, False, t))
                 for t in OUT_DTYPES]
@@ -82,6 +83,56 @@ def quantize_e4m3(x):
         rt.launch(rt.get_kernel(SOURCE, f"{_NS}quantize_e4m3_tensor<{t}>"), _blocks(n), (_THREADS,),
                   (x, np.int64(n), amax, codes, descale))
     return codes, descale
+
+
+def dequantize_e4m3(codes, descale=None, dtype=np.float32):
+    """The values of E4M3 (fn) codes: E4M3(codes) * descale, computed in float32 and rounded to dtype (float16,
+    bfloat16 or float32), so `dequantize_e4m3(*quantize_e4m3(x))` is x to E4M3's precision. codes: uint8 of any
+    shape; descale: None (1) or one float32 value, as quantize_e4m3 returns it ([1]). Codes 0x7F / 0xFF are NaN;
+    values past the dtype's range become +-Inf.
+    NumPy in, NumPy out; GPU codes (CuPy, or anything with __dlpack__) in, CuPy out, bit-identical, no
+    synchronization (a GPU descale stays on the GPU).
+
+    >>> codes, ds = quantize_e4m3(x)
+    >>> y = dequantize_e4m3(codes, ds, x.dtype)         # x to within E4M3's rounding
+    """
+    _checks.check_array_like("codes", codes)
+    if not isinstance(codes, np.ndarray):
+        codes = rt.as_gpu_array(codes, "codes")
+    if np.dtype(codes.dtype) != _UINT8:
+        raise TypeError(f"codes: expected uint8 E4M3 codes, got {codes.dtype}")
+    dt = _checks.check_float_dtype("dtype", dtype)
+    host = isinstance(codes, np.ndarray)
+    if descale is not None:
+        if host:
+            if not isinstance(descale, (np.ndarray, np.generic, float, int)) or isinstance(descale, bool):
+                raise TypeError(f"descale: expected one float32 value (quantize_e4m3's [1]) or None, got "
+                                f"{type(descale).__name__}")
+            d = np.asarray(descale)
+            if d.dtype.kind not in "fiu" or d.size != 1 or d.ndim > 1:
+                raise ValueError(f"descale: expected one value (shape () or (1,)), got shape {d.shape} {d.dtype}")
+            descale = d.astype(np.float32).reshape(1)
+        else:
+            descale = rt.as_gpu_array(descale, "descale")
+            if descale.dtype != np.float32 or descale.shape not in ((), (1,)):
+                raise ValueError(f"descale: expected a float32 GPU array of one value (quantize_e4m3's [1]), got "
+                                 f"shape {tuple(descale.shape)} {descale.dtype}")
+            rt.check_same_device(codes=codes, descale=descale)
+    if host:
+        with np.errstate(over="ignore", invalid="ignore"):   # past the dtype's range: Inf, as on the GPU
+            v = ref.e4m3_decode(codes)
+            if descale is not None:
+                v = v * descale[0]
+            return v.astype(dt)
+    cp = rt.require_cupy()
+    with codes.device:
+        codes = rt.ensure_contiguous(codes)
+        out = cp.empty(codes.shape, dtype=dt)
+        n = int(codes.size)
+        if n:
+            rt.launch(rt.get_kernel(SOURCE, f"{_NS}decode_e4m3<{rt.ctype(dt)}>"), _blocks(n), (_THREADS,),
+                      (codes, np.int64(n), rt.NULL if descale is None else descale, np.int32(0), out))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ attention
