@@ -74,6 +74,14 @@ template <typename D, typename O>
 __global__ void __launch_bounds__(NORM_THREADS) add_rmsnorm(float* __restrict__ x, const D* __restrict__ delta,
                                                             const float* __restrict__ w, O* __restrict__ out,
                                                             int dim, float eps) {
+  // w is a weight (no kernel of the stream writes it): read before waiting on the kernel before (pdl.cuh), so
+  // its loads are not one more memory round trip after the reduction
+  float wv[NORM_VALS];
+#pragma unroll
+  for (int j = 0; j < NORM_VALS; ++j) {
+    const int i = threadIdx.x + j * NORM_THREADS;
+    wv[j] = i < dim ? w[i] : 0.f;
+  }
   vbw::pdl_start();
   const long long base = (long long)blockIdx.x * dim;
   float vals[NORM_VALS];
@@ -104,7 +112,7 @@ __global__ void __launch_bounds__(NORM_THREADS) add_rmsnorm(float* __restrict__ 
 #pragma unroll
   for (int j = 0; j < NORM_VALS; ++j) {
     const int i = threadIdx.x + j * NORM_THREADS;
-    if (i < dim) out[base + i] = from_float<O>(vals[j] * scale * w[i]);
+    if (i < dim) out[base + i] = from_float<O>(vals[j] * scale * wv[j]);
   }
   for (int i = threadIdx.x + NORM_VALS * NORM_THREADS; i < dim; i += NORM_THREADS)
     out[base + i] = from_float<O>(x[base + i] * scale * w[i]);
