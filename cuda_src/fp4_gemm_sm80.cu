@@ -582,6 +582,10 @@ fp4_gemm_mmv(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restric
 //   is built in registers: lane (g, t) holds column g, which is nonzero only in the k16 step(s) of block g of
 //   the group, so a lane loads just that block's activation pairs (2 words nvfp4, 4 mxfp4) per group and
 //   masks them into the steps' B registers; the group's scale codes are one load per lane (its blocks 2t, 2t+1).
+//   flags & FLAG_SWIGLU8: the weight's rows alternate 8 gate rows and 8 up rows (N % 16 == 0, no bias or
+//   activation) and out [N / 2] gets silu(gate) * up, each rounded to the output type first, computed as the
+//   model's silu_mul computes it (vbw_cupy/models/gpu.py: the decode step's fused gate / up projection).
+constexpr int FLAG_SWIGLU8 = 1 << 12;
 template <typename T, int BLK, int PU>
 __global__ void __launch_bounds__(512)
 fp4_gemm_mmvk(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restrict__ out,
@@ -712,8 +716,22 @@ fp4_gemm_mmvk(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
   if (s == 0 && lane < 16 && rg_ok) {
     float v = 0.f;
     for (int i = 0; i < S; ++i) v += red[(warp + i) * 16 + lane];
-    const int n = rg * 16 + lane;
-    if (n < N) store_out(out, bias, flags, n, 0, N, v * out_scale);
+    v *= out_scale;
+    if (flags & FLAG_SWIGLU8) {  // rows 16 rg + l (gate) and + 8 (up) -> out[8 rg + l] = silu(gate) * up
+      const int ok = (flags >> 8) & 3;  // both rounded to the output type first, as a stored GEMM output is
+      v = ok == 0 ? __half2float(__float2half_rn(v)) : ok == 1 ? __bfloat162float(__float2bfloat16_rn(v)) : v;
+      const float up = __shfl_down_sync(0xffffu, v, 8);
+      if (lane < 8) {  // stored as silu_mul stores it (no bias add: that would turn a -0 into +0)
+        const float y = v / (1.f + expf(-v)) * up;
+        const int n = rg * 8 + lane;
+        if (ok == 0) static_cast<__half*>(out)[n] = __float2half_rn(y);
+        else if (ok == 1) static_cast<__nv_bfloat16*>(out)[n] = __float2bfloat16_rn(y);
+        else static_cast<float*>(out)[n] = y;
+      }
+    } else {
+      const int n = rg * 16 + lane;
+      if (n < N) store_out(out, bias, flags, n, 0, N, v);
+    }
   }
 }
 

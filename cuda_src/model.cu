@@ -190,13 +190,15 @@ __global__ void rope_store(const T* __restrict__ qkv, const int* __restrict__ po
   }
 }
 
-// gu [T, 2 * H] (gate then up, one fused GEMM) -> out [T, H] = silu(gate) * up, in float32.
+// gu [T, 2 * H] (one fused GEMM: gate then up, or with inter 8 gate columns then the same 8 up columns in turn)
+// -> out [T, H] = silu(gate) * up, in float32. (fp4_gemm_mmvk's FLAG_SWIGLU8 computes the same, fused.)
 template <typename T>
-__global__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, int H, long long n) {
+__global__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, int H, long long n, int inter) {
   vbw::pdl_start();
   for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
     const long long t = e / H, c = e - t * H;
-    const float g = to_float(gu[t * 2 * H + c]), u = to_float(gu[t * 2 * H + H + c]);
+    const long long gi = t * 2 * H + (inter ? (c >> 3) * 16 + (c & 7) : c), ui = gi + (inter ? 8 : H);
+    const float g = to_float(gu[gi]), u = to_float(gu[ui]);
     out[e] = from_float<T>(g / (1.f + expf(-g)) * u);
   }
 }

@@ -788,3 +788,32 @@ def test_m1_default_is_the_in_cta_split_kernel():
         for N in (4096, 8192, 14336, 32000):
             cfg = autotune.default_config("fp4_gemm_m1", arch, {"M": 1, "N": N, "K": 4096, "format": "nvfp4"})
             assert cfg["KIND"] == "mmvk" and cfg["STAGES"] == 1, (arch, N, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_swiglu_gemv_equals_gemm_then_silu_mul(fmt):
+    """The decode GEMV's fused gate / up epilogue (gemm.swiglu_gemv, the model's decode step) equals, bit for
+    bit, fp4_matmul followed by the model's silu_mul kernel on the same interleaved weight, into pool memory
+    that held NaN; calls it cannot take give None."""
+    cp = rt.require_cupy()
+    from vbw_cupy.models import gpu as mg
+    rng = np.random.default_rng(7)
+    for dtype, H, K in ((np.float16, 1000, 4104), (BF16, 688, 1000), (np.float16, 11008 // 2, 4096)):
+        w1, w3 = (cp.asarray(rng.standard_normal((H, K), dtype=np.float32)) for _ in range(2))
+        w = quantize(mg._interleave8(w1, w3), fmt)
+        a = cp.asarray(rng.standard_normal((1, K)).astype(dtype))
+        poison = cp.full((1, H), np.nan, dtype=dtype)
+        del poison
+        fused = gemm.swiglu_gemv(a, w)
+        gu = gemm.fp4_matmul(a, w)
+        assert gemm.chosen_config(a, w)["KIND"] == "mmvk"
+        want = cp.empty((1, H), dtype=dtype)
+        rt.launch(rt.get_kernel("model.cu", f"vbw_model::silu_mul<{rt.ctype(dtype)}>"), (-(-H // 256),), (256,),
+                  (gu, want, np.int32(H), np.int64(H), np.int32(1)))
+        assert fused.shape == (1, H) and fused.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(fused.get().view(np.uint16), want.get().view(np.uint16))
+        assert bool(cp.isfinite(fused).all())
+    assert gemm.swiglu_gemv(a.astype(cp.float32), w) is None                    # float32 activations
+    assert gemm.swiglu_gemv(cp.concatenate([a, a]), w) is None                   # two tokens
+    assert gemm.swiglu_gemv(a, quantize(cp.ones((24, K), cp.float32), fmt)) is None   # N % 16 != 0

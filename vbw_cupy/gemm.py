@@ -724,6 +724,42 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
         return out
 
 
+# ------------------------------------------------------------------------------ fused gate / up (decode)
+_FLAG_SWIGLU8 = 1 << 12  # fp4_gemm_mmvk: rows alternating 8 gate / 8 up -> silu(gate) * up (fp4_gemm_sm80.cu)
+
+
+def swiglu_gemv(a, w):
+    """silu(a @ gate.T) * (a @ up.T) for one token in one launch, or None where this call cannot take it.
+
+    a: [1, K] float16 / bfloat16 CuPy array (contiguous, 16-byte aligned); w: an FP4Tensor [2 H, K] whose rows
+    alternate 8 gate rows and the 8 matching up rows (H % 8 == 0). Returns [1, H] of a's dtype: bit for bit
+    fp4_matmul(a, w) followed by the model's silu_mul on that layout (gate and up rounded to a's dtype, then
+    silu(g) * u in float32), as the decode GEMV's epilogue (fp4_gemm_mmvk, FLAG_SWIGLU8). The model's decode
+    step uses it (vbw_cupy/models/gpu.py); None (the caller runs the two steps) for other shapes or dtypes and
+    for weights whose scale range needs the fp32-partial mode. No argument checks beyond that: internal."""
+    cp = rt.cupy
+    N, K = (int(n) for n in w.shape)
+    adt = a.dtype.name
+    if (cp is None or type(a) is not cp.ndarray or tuple(a.shape) != (1, K) or N % 16 or
+            adt not in ("float16", "bfloat16") or not a.flags.c_contiguous or a.data.ptr % 16 or K % 8 or
+            not w.is_gpu or _mode(w, adt) != _SIR):
+        return None
+    plans = w._cache.get("gemm_v1_swiglu")
+    if plans is None:
+        plans = w._cache.setdefault("gemm_v1_swiglu", _plans.PlanCache(16))
+    key = (K, adt, cp.cuda.runtime.getDevice(), _plans.stream_key(), _variant())
+    plan = plans.get(key)
+    if plan is None:
+        kern, grid, block, smem, wp, ws, cnt, tail, amap, cfg = _plan(w, 1, K, adt, K, 0, None, np.dtype(adt),
+                                                                      _with_split("mmvk"))
+        tail = tail[:-1] + (np.int32(int(tail[-1]) | _FLAG_SWIGLU8),)
+        plan = (kern, grid, block, smem, wp, ws, cnt, tail, amap, cfg)
+        plans.put(key, plan)
+    out = cp.empty((1, N // 2), dtype=a.dtype)
+    _launch_fast(plan, a, out, None)
+    return out
+
+
 # ------------------------------------------------------------------------ W4A4 MXFP4 on FP8 tensor cores
 _FP8_SOURCE = "fp8_gemm.cu"
 _FP8_NS = "vbw_fp8gemm::"

@@ -6,7 +6,8 @@ either; it adds `decode_sample` (the next tokens sampled on the GPU, only B ints
 
 Per layer: x (float32 residual) -> add_rmsnorm -> one fused QKV GEMM -> rope_store (RoPE on q and k, K and V
 stored into the paged cache at each token's position) -> flash_attention_varlen (prefill) or paged_attention
-(decode) -> O GEMM -> add_rmsnorm -> one fused gate/up GEMM -> silu_mul -> down GEMM. GEMMs are
+(decode) -> O GEMM -> add_rmsnorm -> one fused gate/up GEMM -> silu_mul -> down GEMM (at decode, one token and FP4
+weights, gate/up and silu_mul are one GEMV: gemm.swiglu_gemv). GEMMs are
 `fp4_matmul` for nvfp4 / mxfp4 weights and cuBLAS (`_blas.matmul_nt`, capturable) for dense ones ("fp16",
 stored in the activations' dtype);
 activations entering a GEMM or attention are float16 (or bfloat16, `act_dtype`).
@@ -29,7 +30,7 @@ from .. import _errors
 from .. import _runtime as rt
 from ..attention import flash_attention_varlen
 from ..fp4 import FP4Tensor, dequantize, quantize
-from ..gemm import fp4_matmul
+from ..gemm import fp4_matmul, swiglu_gemv
 from ..paged import paged_attention
 from .llama import LayerWeights, LlamaConfig, LlamaWeights
 from .ops import ArrayOps
@@ -138,6 +139,13 @@ def _check_live(cache) -> None:
         raise ValueError("cache: this cache was recycled (its arrays belong to a newer cache)")
 
 
+def _interleave8(w1, w3):
+    """[w1; w3] with rows in blocks of 8 taken in turn (8 of w1, the same 8 of w3, ...): the gate / up layout
+    whose decode GEMV computes silu(gate) * up in its epilogue (gemm.swiglu_gemv). H % 8 == 0."""
+    H, D = w1.shape
+    return rt.cupy.stack([w1.reshape(H // 8, 8, D), w3.reshape(H // 8, 8, D)], axis=1).reshape(2 * H, D)
+
+
 class _Linear:
     """A linear layer's weight [out, in] on the GPU: dense in the activations' dtype (cuBLAS, through `_blas`
     so that it can be captured) or an FP4Tensor (fp4_matmul)."""
@@ -150,6 +158,11 @@ class _Linear:
         if isinstance(self.w, FP4Tensor):
             return fp4_matmul(x, self.w, out_dtype=out_dtype)
         return _blas.matmul_nt(x, self.w, out_dtype)
+
+    def swiglu(self, x):
+        """silu(gate) * up of a gate / up weight interleaved by 8 rows (`_interleave8`) in one launch, for one
+        token and FP4 weights; None otherwise (then: the GEMM, then silu_mul)."""
+        return swiglu_gemv(x, self.w) if isinstance(self.w, FP4Tensor) and x.shape[0] == 1 else None
 
     def dense(self) -> np.ndarray:
         """The weight as the GEMM sees it, float32 on the host."""
@@ -189,8 +202,13 @@ class LlamaGPU:
         lin = lambda *parts: _Linear(cp.concatenate([f32(p) for p in parts]) if len(parts) > 1 else f32(parts[0]),
                                      weight_format, act_dtype)
         self.embedding = f32(weights.token_embedding)
+        # gate / up: one GEMM, rows interleaved by 8 where the hidden size allows (the decode step then fuses
+        # silu(gate) * up into the GEMV), else [w1; w3]
+        self._inter = self.hidden_dim % 8 == 0
+        w13 = (lambda lw: _Linear(_interleave8(f32(lw.w1), f32(lw.w3)), weight_format, act_dtype)) if self._inter \
+            else (lambda lw: lin(lw.w1, lw.w3))
         self.layers = [dict(rms_att=f32(lw.rms_att), rms_ffn=f32(lw.rms_ffn), wqkv=lin(lw.wq, lw.wk, lw.wv),
-                            wo=lin(lw.wo), w13=lin(lw.w1, lw.w3), w2=lin(lw.w2)) for lw in weights.layers]
+                            wo=lin(lw.wo), w13=w13(lw), w2=lin(lw.w2)) for lw in weights.layers]
         self.rms_final = f32(weights.rms_final)
         self.classifier = lin(weights.classifier)
         self.rope = cp.asarray(rope_table(config))
@@ -205,6 +223,8 @@ class LlamaGPU:
         for L in self.layers:
             qkv, w13 = L["wqkv"].dense(), L["w13"].dense()
             q, kv, ffn = self.n_heads * c.head_dim, self.n_kv_heads * c.head_dim, self.hidden_dim
+            if self._inter:  # back to [w1; w3]
+                w13 = w13.reshape(ffn // 8, 2, 8, -1).transpose(1, 0, 2, 3).reshape(2 * ffn, -1)
             layers.append(LayerWeights(
                 rms_att=L["rms_att"].get(), wq=qkv[:q], wk=qkv[q:q + kv], wv=qkv[q + kv:],
                 wo=L["wo"].dense(), rms_ffn=L["rms_ffn"].get(), w1=w13[:ffn], w2=L["w2"].dense(), w3=w13[ffn:]))
@@ -286,8 +306,13 @@ class LlamaGPU:
         out = cp.empty((gu.shape[0], H), dtype=self.act_dtype)
         n = out.size
         rt.launch(_kernel(f"silu_mul<{self._t}>"), (min(-(-n // _THREADS), 4096),), (_THREADS,),
-                  (gu, out, np.int32(H), np.int64(n)))
+                  (gu, out, np.int32(H), np.int64(n), np.int32(1 if self._inter else 0)))
         return out
+
+    def _ffn_hidden(self, w13, h):
+        """silu(h W1^T) * (h W3^T): fused into the GEMV for one token with FP4 weights, else GEMM + silu_mul."""
+        s = w13.swiglu(h) if self._inter else None
+        return s if s is not None else self._swiglu(w13(h))
 
     def _forward(self, x, pos, slots, cache, attend, packed_kv, rows=None):
         """The blocks and the classifier over x [T, dim] float32 (consumed): float32 logits [T, vocab], or of
@@ -299,7 +324,7 @@ class LlamaGPU:
             q, k, v = self._rope_store(L["wqkv"](h), pos, slots, cache, i, packed_kv)
             o = attend(i, q, k, v).reshape(T, self.n_heads * c.head_dim)
             h = self._norm(x, self._reduce(L["wo"](o)), L["rms_ffn"])
-            d = self._reduce(L["w2"](self._swiglu(L["w13"](h))))
+            d = self._reduce(L["w2"](self._ffn_hidden(L["w13"], h)))
             h = self._norm(x, d, self.layers[i + 1]["rms_att"] if i + 1 < len(self.layers) else self.rms_final)
         return self.classifier(h if rows is None else h[rows], out_dtype=np.float32)
 
