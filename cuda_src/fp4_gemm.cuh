@@ -37,11 +37,12 @@
 //      "diagonal" (row r holds token 0 in the blocks b = r mod 8), so MMA column r collects block r's partial
 //      and the block scales are applied in fp32 once per 8 blocks: 16 instead of 24 ALU/FMA ops per 8 weights.
 //   fp4_gemm_mmvk  <T, BLK, PU>: the M = 1 default (DIAG as above). K is split among the warps of one CTA
-//      (8 k-parts of a row group by default), each warp streaming its atoms and its own slice of the activation
-//      row straight into registers (the B fragment is built by masking: lane g's column is block g); the
-//      k-parts meet once in shared memory. No activation ring, barrier per k-tile or split-K workspace.
-//      PU = 1: the next 4-atom unit is requested after the current one is computed (58 registers, 32 warps an
-//      SM); PU = 2 (82 registers) measured 10-20% slower.
+//      (4, 8 or 16 k-parts of a row group, by how the CTAs fill whole waves: gemm._mmvk_split), each warp
+//      streaming its atoms and its own slice of the activation row straight into registers (the B fragment is
+//      built by masking: lane g's column is block g); the k-parts meet once in shared memory. No activation
+//      ring, barrier per k-tile or split-K workspace. PU = 1: the next 4-atom unit is requested after the
+//      current one is computed (54-61 registers, 32 warps an SM); PU = 2 (82 registers) measured 10-20% slower.
+//      FLAG_SWIGLU8: silu(gate) * up of gate / up rows interleaved by 8, in the epilogue (the model's decode).
 //   fp4_gemm_wgrs  <T, BLK, BC, WGS, STAGES, KSUB>: Hopper (sm_90a) wgmma m64nBCk16, A = the decoded weights
 //      straight from registers, B = activations from 128B-swizzled smem; WGS warpgroups x 64 rows, KSUB 64-k
 //      sub-tiles per stage. Drains wgmma every k-tile (ptxas serializes wgmma if an A register is written while

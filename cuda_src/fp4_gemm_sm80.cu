@@ -614,7 +614,7 @@ fp4_gemm_mmvk(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
   const u8* wsl = wl - lane * 16 + 512 + (BLK == 16 ? (t >> 1) * ATOM + g * 8 : t * ATOM + g * 4);
   // this lane's activation words: block g of each group (nvfp4 k = 16 g + 2t, + 8; mxfp4 32 g + 2t + {0, 8, 16,
   // 24}); ku: the unit's first k
-  int ku = a0 * 64;
+  long long ku = (long long)a0 * 64;  // 64-bit: K may come within a unit of 2^31
   const u32* xl = reinterpret_cast<const u32*>(A) + ((ku + (BLK == 16 ? 16 : 32) * g + 2 * t) >> 1);
 
   uint4 wq[PU][4];
@@ -633,17 +633,19 @@ fp4_gemm_mmvk(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
       wsl += 4 * ATOM;
     }
   };
-  // word i of the unit: nvfp4 group i / 2, + 8 (i & 1); mxfp4 + 8 i (in halves; / 2 in words)
+  // word i of the unit: nvfp4 group i / 2, + 8 (i & 1); mxfp4 + 8 i (in halves; / 2 in words). ld.global.ca,
+  // not .nc: under programmatic dependent launch the kernel that writes A may still be running when this one
+  // starts (it is only read after pdl_wait), and .nc is for data read-only over the kernel's whole life.
   auto xoff = [](int i) { return BLK == 16 ? (i >> 1) * 64 + (i & 1) * 4 : i * 4; };
   auto load_x = [&](int u, int b) {
     if (u < nu) {
       if (ku + 256 <= K) {  // the whole unit inside K
 #pragma unroll
-        for (int i = 0; i < 4; ++i) xv[b][i] = __ldg(xl + xoff(i));
+        for (int i = 0; i < 4; ++i) xv[b][i] = __ldca(xl + xoff(i));
       } else {
-        const int kl = ku + (BLK == 16 ? 16 : 32) * g + 2 * t;
+        const long long kl = ku + (BLK == 16 ? 16 : 32) * g + 2 * t;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) xv[b][i] = kl + 2 * xoff(i) < K ? __ldg(xl + xoff(i)) : 0u;
+        for (int i = 0; i < 4; ++i) xv[b][i] = kl + 2 * xoff(i) < K ? __ldca(xl + xoff(i)) : 0u;
       }
       xl += 128;
       ku += 256;
@@ -716,7 +718,7 @@ fp4_gemm_mmvk(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
   if (s == 0 && lane < 16 && rg_ok) {
     float v = 0.f;
     for (int i = 0; i < S; ++i) v += red[(warp + i) * 16 + lane];
-    v *= out_scale;
+    v = v * out_scale + 0.f;  // (+ 0: a -0 becomes +0, as store_out's bias add makes it in the unfused GEMM)
     if (flags & FLAG_SWIGLU8) {  // rows 16 rg + l (gate) and + 8 (up) -> out[8 rg + l] = silu(gate) * up
       const int ok = (flags >> 8) & 3;  // both rounded to the output type first, as a stored GEMM output is
       v = ok == 0 ? __half2float(__float2half_rn(v)) : ok == 1 ? __bfloat162float(__float2bfloat16_rn(v)) : v;

@@ -57,6 +57,21 @@ def test_logits_every_step_within_bound(name, fmt):
                 assert got[i, b].argmax() == ref[i, b].argmax()
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("hidden", [768, 100])
+def test_one_sequence_fp4_decode_within_bound(fmt, hidden):
+    """Batch 1 with FP4 weights: the decode GEMVs for one token, and with hidden_dim % 8 == 0 the gate / up GEMV
+    with SiLU in its epilogue (hidden 768), else gate / up stacked and silu_mul (hidden 100), against the
+    reference on the dequantized weights, step by step."""
+    from vbw_cupy.models import LlamaGPU
+    from vbw_cupy.models.gpu import reference_logits
+    cfg = LlamaConfig(dim=256, hidden_dim=hidden, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000, seq_len=64)
+    model = LlamaGPU(cfg, random_weights(cfg, seed=3), fmt)
+    assert model._inter == (hidden % 8 == 0)
+    got, ref, err = reference_logits(model, _prompts(np.random.default_rng(2), (29,), cfg.vocab_size), 10)
+    assert np.isfinite(got).all() and err.max() <= BOUND, f"relative error per step {err}"
+
+
 def test_graph_replay_equals_eager():
     """Two models with the same weights, one replaying its decode graphs step after step (one cache, so the
     graphs of each context bucket are captured once and replayed), the other eager."""

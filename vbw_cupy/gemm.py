@@ -35,8 +35,8 @@ Autotuning: six tunables by token count, ``fp4_gemm_m1``, ``fp4_gemm_m8``, ``fp4
 ``fp4_gemm_m64``, ``fp4_gemm_m128`` (M up to 1, 8, 16, 64, 128) and ``fp4_gemm_big``; the bucket is
 (pow2(M), pow2(N), pow2(K), format). A config is ``KIND`` ("mma": mma.sync, any sm_80+; "mmv": mma.sync with the
 weights streamed into registers, for M <= 16; "mmvd": the same for M = 1 with the block scales applied per 8
-blocks in fp32; "wgmma": Hopper, decoded weights staged in shared memory; "wgrs": Hopper, decoded weights as
-register operands), the tile (``BR`` weight rows, ``BC`` tokens, ``BK``),
+blocks in fp32; "mmvk": M = 1 with K split among the warps of one CTA, the default for one token; "wgmma":
+Hopper, decoded weights staged in shared memory; "wgrs": Hopper, decoded weights as register operands), the tile (``BR`` weight rows, ``BC`` tokens, ``BK``),
 the warps (``WR`` x ``WC``; warpgroups for wgmma), ``STAGES`` and ``SPLIT`` (split-K factor, 0 = automatic).
 Only configs listed by ``kernel_instances`` exist. The float32 path and the fp32-partial mode use fixed
 configs.
@@ -95,8 +95,9 @@ TILES = {  # every tile that has compiled instances (kernel_instances); SPLIT is
     "mmv16": _cfg("mmv", 128, 16, 256, 8, 1, 2),
     "mmvd": _cfg("mmvd", 64, 8, 256, 4, 1, 2),    # M = 1: block scales applied per 8 blocks in fp32 (DIAG)
     "mmvdw": _cfg("mmvd", 128, 8, 256, 8, 1, 2),
-    # M = 1, K split inside the CTA (fp4_gemm_mmvk): WR = warps a CTA aims at, STAGES = 256-k units a warp has in
-    # flight while it computes, SPLIT = k-parts (warps) per row group (0: _mmvk_split)
+    # M = 1, K split inside the CTA (fp4_gemm_mmvk): WR = warps a CTA aims at, STAGES = 256-k units a warp loads
+    # at a time (1: the next one is requested after the current one is computed), SPLIT = k-parts (warps) per
+    # row group (0: _mmvk_split)
     "mmvk": _cfg("mmvk", 16, 8, 256, 8, 1, 1),
     "wg64": _cfg("wgmma", 128, 64, 64, 2, 1, 8),   # Hopper: 2 warpgroups x 64 weight rows, BC tokens
     "wg128": _cfg("wgmma", 128, 128, 64, 2, 1, 6),
@@ -733,7 +734,8 @@ def swiglu_gemv(a, w):
 
     a: [1, K] float16 / bfloat16 CuPy array (contiguous, 16-byte aligned); w: an FP4Tensor [2 H, K] whose rows
     alternate 8 gate rows and the 8 matching up rows (H % 8 == 0). Returns [1, H] of a's dtype: bit for bit
-    fp4_matmul(a, w) followed by the model's silu_mul on that layout (gate and up rounded to a's dtype, then
+    fp4_matmul(a, w) with mmvk's default config (the M = 1 default unless tuning chose another) followed by
+    the model's silu_mul on that layout (gate and up rounded to a's dtype, then
     silu(g) * u in float32), as the decode GEMV's epilogue (fp4_gemm_mmvk, FLAG_SWIGLU8). The model's decode
     step uses it (vbw_cupy/models/gpu.py); None (the caller runs the two steps) for other shapes or dtypes and
     for weights whose scale range needs the fp32-partial mode. No argument checks beyond that: internal."""
