@@ -723,13 +723,8 @@ fp4_gemm_mmvk(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
       const int ok = (flags >> 8) & 3;  // both rounded to the output type first, as a stored GEMM output is
       v = ok == 0 ? __half2float(__float2half_rn(v)) : ok == 1 ? __bfloat162float(__float2bfloat16_rn(v)) : v;
       const float up = __shfl_down_sync(0xffffu, v, 8);
-      if (lane < 8) {  // stored as silu_mul stores it (no bias add: that would turn a -0 into +0)
-        const float y = v / (1.f + expf(-v)) * up;
-        const int n = rg * 8 + lane;
-        if (ok == 0) static_cast<__half*>(out)[n] = __float2half_rn(y);
-        else if (ok == 1) static_cast<__nv_bfloat16*>(out)[n] = __float2bfloat16_rn(y);
-        else static_cast<float*>(out)[n] = y;
-      }
+      // stored as silu_mul stores it (store_value: no bias add, which would turn a -0 into +0)
+      if (lane < 8) vbw_gemm::store_value(out, rg * 8 + lane, v / (1.f + expf(-v)) * up, flags);
     } else {
       const int n = rg * 16 + lane;
       if (n < N) store_out(out, bias, flags, n, 0, N, v);

@@ -29,13 +29,15 @@ __device__ __forceinline__ float activate(float v, int flags) {
     default: return v;
   }
 }
-__device__ __noinline__ void store_out(void* out, const void* bias, int flags, int n, int m, int N, float v) {
-  v = activate(v + bias_at(bias, flags, n), flags);
-  const size_t idx = (size_t)m * (size_t)N + (size_t)n;
+// out[idx] = v converted to the output type in bits 8-9 of flags (no bias, no activation).
+__device__ __forceinline__ void store_value(void* out, size_t idx, float v, int flags) {
   const int ok = (flags >> 8) & 3;
   if (ok == 0) static_cast<__half*>(out)[idx] = __float2half_rn(v);
   else if (ok == 1) static_cast<__nv_bfloat16*>(out)[idx] = __float2bfloat16_rn(v);
   else static_cast<float*>(out)[idx] = v;
+}
+__device__ __noinline__ void store_out(void* out, const void* bias, int flags, int n, int m, int N, float v) {
+  store_value(out, (size_t)m * (size_t)N + (size_t)n, activate(v + bias_at(bias, flags, n), flags), flags);
 }
 
 // Outputs idx .. idx + n - 1 (n <= 8) of the output type in bits 8-9 of flags from v: one 16-byte store (two for
@@ -56,9 +58,7 @@ __device__ __forceinline__ void store8(void* out, size_t idx, const float (&v)[8
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       if (e >= n) break;
-      if (ok == 0) static_cast<__half*>(out)[idx + e] = __float2half_rn(v[e]);
-      else if (ok == 1) static_cast<__nv_bfloat16*>(out)[idx + e] = __float2bfloat16_rn(v[e]);
-      else static_cast<float*>(out)[idx + e] = v[e];
+      store_value(out, idx + e, v[e], flags);
     }
   }
 }

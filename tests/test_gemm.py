@@ -816,3 +816,5 @@ def test_swiglu_gemv_equals_gemm_then_silu_mul(fmt):
     assert gemm.swiglu_gemv(a.astype(cp.float32), w) is None                    # float32 activations
     assert gemm.swiglu_gemv(cp.concatenate([a, a]), w) is None                   # two tokens
     assert gemm.swiglu_gemv(a, quantize(cp.ones((24, K), cp.float32), fmt)) is None   # N % 16 != 0
+    with pytest.raises(ValueError, match="mmvk only"):   # no other kernel has the epilogue
+        gemm._plan(w, 1, K, "float16", K, 0, "swiglu8", np.dtype(np.float16), dict(gemm.TILES["mmvd"], SPLIT=0))

@@ -65,6 +65,9 @@ _SOURCE = "fp4_gemm_sm80.cu"       # prepare, scale range, mma.sync and mmv kern
 _SOURCE_SM90 = "fp4_gemm_sm90.cu"  # wgmma and wgrs kernels (Hopper)
 _NS = "vbw_fp4gemm::"
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
+# the epilogue codes _plan takes: the activations, and (mmvk only, internal) silu(gate) * up of gate / up rows
+# alternating by 8 (fp4_gemm_mmvk's FLAG_SWIGLU8; swiglu_gemv)
+_EPILOGUES = {**ACTIVATIONS, "swiglu8": 1 << 12}
 _IN_DTYPES = _checks.FLOAT_DTYPES
 _OUT_KIND = {"float16": 0, "bfloat16": 1, "float32": 2}
 _BIAS_KIND = {"float16": 1, "bfloat16": 2, "float32": 3}
@@ -439,7 +442,9 @@ def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
     gx, gy = rt.cdiv(rt.cdiv(N, 16) * 16, BR), rt.cdiv(M, BC)
     if gy > 65535:
         raise ValueError(f"a: {M} rows is too many for config {cfg} (at most {65535 * BC})")
-    flags = ACTIVATIONS[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
+    if act == "swiglu8" and cfg["KIND"] != "mmvk":
+        raise ValueError(f"config {cfg}: the swiglu8 epilogue runs on mmvk only")
+    flags = _EPILOGUES[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
     if cfg["KIND"] == "mmvk":  # one CTA per R row groups, K split among its warps
         S, apw, R = _mmvk_shape(cfg, rt.cdiv(N, 16), katoms, limits["num_sms"])
         name = _kernel_name(rt.ctype(adt), blk, mode, cfg)
@@ -726,9 +731,6 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
 
 
 # ------------------------------------------------------------------------------ fused gate / up (decode)
-_FLAG_SWIGLU8 = 1 << 12  # fp4_gemm_mmvk: rows alternating 8 gate / 8 up -> silu(gate) * up (fp4_gemm_sm80.cu)
-
-
 def swiglu_gemv(a, w):
     """silu(a @ gate.T) * (a @ up.T) for one token in one launch, or None where this call cannot take it.
 
@@ -752,10 +754,7 @@ def swiglu_gemv(a, w):
     key = (K, adt, cp.cuda.runtime.getDevice(), _plans.stream_key(), _variant())
     plan = plans.get(key)
     if plan is None:
-        kern, grid, block, smem, wp, ws, cnt, tail, amap, cfg = _plan(w, 1, K, adt, K, 0, None, np.dtype(adt),
-                                                                      _with_split("mmvk"))
-        tail = tail[:-1] + (np.int32(int(tail[-1]) | _FLAG_SWIGLU8),)
-        plan = (kern, grid, block, smem, wp, ws, cnt, tail, amap, cfg)
+        plan = _plan(w, 1, K, adt, K, 0, "swiglu8", np.dtype(adt), _with_split("mmvk"))
         plans.put(key, plan)
     out = cp.empty((1, N // 2), dtype=a.dtype)
     _launch_fast(plan, a, out, None)
