@@ -293,6 +293,11 @@ def test_gpu_unaligned_cache_takes_the_scalar_path():
     o = paged.paged_attention(d[0], kc, d[2], d[3], d[4]).get()
     err, base, bound = paged.reference_errors(*h, o)
     assert err <= bound
+    flat = cp.empty(d[0].size + 1, dtype=d[0].dtype)
+    q = flat[1:].reshape(d[0].shape)                  # q unaligned, caches aligned: Q read element by element
+    q[...] = d[0]
+    o = paged.paged_attention(q, d[1], d[2], d[3], d[4]).get()
+    assert paged.reference_errors(*h, o)[0] <= bound
 
 
 @pytest.mark.gpu
