@@ -448,7 +448,7 @@ def test_gpu_model_host_checks_and_step_state_cache_identity(monkeypatch):
     from vbw_cupy.models import LlamaConfig, gpu
     cfg = LlamaConfig(dim=64, hidden_dim=128, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=50, seq_len=8)
     model = object.__new__(gpu.LlamaGPU)
-    model.config, model._graphs = cfg, {}
+    model.config, model._graphs, model._memo = cfg, {}, None
 
     class State:
         def __init__(self, B, vocab, inv_temp, seed):

@@ -72,6 +72,41 @@ def test_one_sequence_fp4_decode_within_bound(fmt, hidden):
     assert np.isfinite(got).all() and err.max() <= BOUND, f"relative error per step {err}"
 
 
+def test_sampling_loop_replays_after_a_few_comparisons():
+    """decode_sample fed its own output takes LlamaGPU._replay_again (the memo of the step before) instead of the
+    full checks: the same ids as a model that runs the full checks every step; a prefill or free in between
+    sends the next step through the full checks; the capacity error still comes when the cache is full."""
+    models = [_model("gqa-adjacent", "nvfp4", seed=4) for _ in range(2)]
+    rng = np.random.default_rng(4)
+    p0, p1 = _prompts(rng, (13, 7), models[0].config.vocab_size)
+    caches = [m.new_cache(2, 40) for m in models]   # 48 tokens a slot (3 blocks)
+    fast = []
+    orig = models[0]._replay_again
+    models[0]._replay_again = lambda *a: fast.append(orig(*a)) or fast[-1]
+    toks = []
+    for m, c in zip(models, caches):
+        toks.append(m.prefill([p0], c, [0]).argmax(axis=1).get())
+    for i in range(30):
+        models[1]._memo = None
+        a, b = (m.decode_sample(t, c, [0], temperature=0.7, seed=3) for m, c, t in zip(models, caches, toks))
+        np.testing.assert_array_equal(a, b)
+        toks = [a, b]
+        if i == 10:
+            for m, c in zip(models, caches):
+                m.prefill([p1], c, [1])
+        if i == 20:
+            for c in caches:
+                c.free(1)
+    # full checks: the first step, after the prefill and the free, and where a step enters a new context
+    # bucket (its graph is captured there): 14 + i tokens pass 16 at i = 3 and 32 at i = 19
+    assert [f is None for f in fast] == [i in (0, 3, 11, 19, 21) for i in range(30)]
+    assert caches[0].lengths([0])[0] == 13 + 30
+    with pytest.raises(ValueError, match="capacity"):
+        for _ in range(10):
+            toks[0] = models[0].decode_sample(toks[0], caches[0], [0], temperature=0.7, seed=3)
+    assert caches[0].lengths([0])[0] == 48
+
+
 def test_graph_replay_equals_eager():
     """Two models with the same weights, one replaying its decode graphs step after step (one cache, so the
     graphs of each context bucket are captured once and replayed), the other eager."""

@@ -18,6 +18,9 @@ a decode step needs no host values. `seq_lens` lives on the device and is advanc
 bucket): the bucket is the smallest power of two >= the longest sequence, the max_seqlen paged_attention
 plans its split for, so a step costs what its context needs. Each graph owns a private CuPy memory pool for
 the arrays it allocated while being captured, so nothing the graph writes is ever handed to another array.
+A sampling loop's host cost is kept off the GPU's critical path: the step copies its sampled ids into
+page-locked memory itself, and a call that continues the previous step (same cache and slots, its ids fed
+back, the cache untouched since) replays after a few comparisons (`_replay_again`).
 """
 from __future__ import annotations
 
@@ -109,6 +112,7 @@ class GPUKVCache:
         self.seq_lens, self.active = storage.seq_lens, storage.active
         self._active = np.zeros(max_batch, dtype=np.int32)   # host mirror of `active`
         self._lens = np.zeros(max_batch, dtype=np.int64)
+        self._version = 0   # bumped by every change of the mirrors outside a decode step (LlamaGPU._step's memo)
 
     @property
     def max_batch(self) -> int:
@@ -127,6 +131,7 @@ class GPUKVCache:
         """Empty slot `slot` (its blocks stay reserved for the next sequence put there). It stays idle in decode
         steps (no position, nothing stored) until a prefill fills it again."""
         _check_live(self)
+        self._version += 1
         self._lens[slot] = 0
         with self.seq_lens.device:   # a tensor-parallel rank's cache, freed from the caller's thread
             self.seq_lens[slot] = 1
@@ -213,6 +218,7 @@ class LlamaGPU:
         self.classifier = lin(weights.classifier)
         self.rope = cp.asarray(rope_table(config))
         self._graphs: dict = {}
+        self._memo = None   # the last decode step's arguments and state (_replay_again)
         self._spare = (None, lambda: None)   # (storage of the last cache made, weakref to that cache)
 
     # -- host view of what runs (for the tests' reference runs)
@@ -244,6 +250,7 @@ class LlamaGPU:
             else:  # another size: let the dead arrays (and graphs over them) go before allocating new ones
                 self._spare = (None, lambda: None)
                 self._graphs = {k: st for k, st in self._graphs.items() if st.cache() is not spare}
+                self._memo = None
                 spare = None   # (this name too held them)
         cache = GPUKVCache(*args, n_kv_heads=self.n_kv_heads, storage=reuse)
         self._spare = (cache.storage, weakref.ref(cache))
@@ -255,6 +262,7 @@ class LlamaGPU:
         The cache cannot be used afterwards."""
         if cache.storage is None:
             return
+        self._memo = None
         if self._spare[0] is cache.storage:
             self._spare = (cache.storage, lambda: None)
         cache.retire()
@@ -263,6 +271,7 @@ class LlamaGPU:
         """Forget the arrays kept for the next cache and the decode graphs captured over them."""
         self._spare = (None, lambda: None)
         self._graphs = {}
+        self._memo = None
 
     def _reduce(self, partial):
         """The O and down projections' outputs joined over tensor-parallel ranks (one model: as they are)."""
@@ -357,6 +366,7 @@ class LlamaGPU:
 
         logits = self._forward(self._embed(ids), pos, tok_slot, cache, attend, packed_kv=True,
                                rows=None if all_logits else cp.asarray(cu_h[1:] - 1))
+        cache._version += 1
         cache._lens[slots] = lens
         cache.seq_lens[cp.asarray(slots)] = cp.asarray(lens.astype(np.int32))
         cache.active[cp.asarray(slots)] = 1
@@ -380,6 +390,10 @@ class LlamaGPU:
             rt.launch(_kernel("sample_rows"), (B,), (_THREADS,),
                       (st.logits, np.int32(self.config.vocab_size), np.float32(st.inv_temp), np.uint64(st.seed),
                        st.pos, st.tokens))
+            # the ids to page-locked host memory within the step (a graph then needs no copy after it)
+            cp = rt.cupy
+            cp.cuda.runtime.memcpyAsync(st.pinned.ctypes.data, st.tokens.data.ptr, st.tokens.nbytes,
+                                        cp.cuda.runtime.memcpyDeviceToHost, cp.cuda.get_current_stream().ptr)
 
     def _state(self, cache: GPUKVCache, inv_temp, seed) -> "_StepState":
         """The step buffers (and graphs) for this cache's storage and sampling mode; those of other storages are
@@ -411,26 +425,33 @@ class LlamaGPU:
             raise ValueError(f"temperature: expected a value >= 0, got {temperature}")
         inv = 0.0 if temperature == 0.0 else 1.0 / float(temperature)
         st = self._step(tokens, cache, slots, graph, inv, int(seed) & ((1 << 64) - 1))
-        st.held = st.tokens.get()
+        if not graph:  # the step copied the sampled ids into st.pinned; a replay has waited for them already
+            rt.cupy.cuda.get_current_stream().synchronize()
+        st.held = st.pinned.copy()
         return st.held[np.asarray(slots, dtype=np.int64)].astype(np.int64)
 
     def _step(self, tokens, cache, slots, graph, inv_temp, seed):
+        fast = self._replay_again(tokens, cache, slots, graph, inv_temp, seed)
+        if fast is not None:
+            return fast
         cp = rt.cupy
         _check_live(cache)
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         B = cache.max_batch
-        if not slots.size or slots.min() < 0 or slots.max() >= B or np.unique(slots).size != slots.size:
+        if not slots.size or slots.min() < 0 or slots.max() >= B or \
+                (slots.size > 1 and np.unique(slots).size != slots.size):
             raise ValueError(f"slots: expected at least one slot, distinct, in [0, {B}), got {slots.tolist()}")
         if np.size(tokens) != slots.size:
             raise ValueError(f"tokens: expected one token per slot ({slots.size}), got {np.size(tokens)}")
-        if (cache._lens[slots] < 1).any():
+        lens = cache._lens[slots]
+        shortest, longest = int(lens.min()), int(lens.max()) + 1
+        if shortest < 1:
             raise ValueError("slots: every slot needs a prefilled sequence")
-        if (cache._lens[slots] + 1 > cache.capacity).any():
+        if longest > cache.capacity:
             raise ValueError(f"slots: a sequence would pass the cache's capacity of {cache.capacity} tokens")
-        if (cache._lens[slots] + 1 > self.config.seq_len).any():  # the RoPE table's rows: rope_store would flag it
+        if longest > self.config.seq_len:  # the RoPE table's rows: rope_store would flag it
             raise ValueError(f"slots: a sequence would pass the model's seq_len = {self.config.seq_len}")
         st = self._state(cache, inv_temp, seed)
-        longest = int(cache._lens[slots].max()) + 1
         bucket = min(1 << (longest - 1).bit_length(), cache.capacity)
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if st.held is None or not np.array_equal(st.held[slots], tokens):  # a sampling loop feeds back what it got
@@ -454,6 +475,44 @@ class LlamaGPU:
                 cp.cuda.get_current_stream().synchronize()  # the inputs above were written on this stream
                 g.replay()
         cache._lens[slots] += 1
+        key = tuple(slots.tolist())
+        # (weak references: a live memo must not keep a dropped cache, whose storage new_cache hands on, alive)
+        self._memo = (weakref.ref(cache), weakref.ref(cache.storage), cache._version, key,
+                      np.array(key, dtype=np.int64), graph, inv_temp, seed, st, bucket, longest)
+        return st
+
+    def _replay_again(self, tokens, cache, slots, graph, inv_temp, seed):
+        """The steady state of a decode loop in a few comparisons: the call before was a step of this cache
+        and slots (nothing else changed the cache's mirrors since: its version), and the tokens are the ones
+        that step sampled (already on the device). Replays or runs the step and returns its state, or None
+        when the call needs _step's full checks."""
+        m = self._memo
+        if m is None or m[0]() is not cache or cache.storage is not m[1]() or cache._version != m[2] or \
+                m[5] != graph or m[6] != inv_temp or m[7] != seed:
+            return None
+        key = m[3]
+        if isinstance(slots, (list, tuple)):
+            if tuple(slots) != key:
+                return None
+        elif not (isinstance(slots, np.ndarray) and slots.shape == (len(key),) and (slots == m[4]).all()):
+            return None
+        st, bucket, longest = m[8], m[9], m[10] + 1
+        if st.held is None or np.shape(tokens) != (len(key),) or not (st.held[m[4]] == tokens).all():
+            return None
+        if longest > cache.capacity or longest > self.config.seq_len:
+            return None   # the full path says which
+        if longest > bucket:
+            bucket = min(1 << (longest - 1).bit_length(), cache.capacity)
+        if not graph:
+            self._decode_step(st, cache, bucket)
+        else:
+            g = st.graphs.get(bucket)
+            if g is None:
+                return None
+            rt.cupy.cuda.get_current_stream().synchronize()  # work on this stream may still read the outputs
+            g.replay()
+        cache._lens[m[4]] += 1
+        self._memo = m[:9] + (bucket, longest)
         return st
 
 
@@ -464,6 +523,8 @@ class _StepState:
     def __init__(self, B: int, vocab: int, inv_temp, seed):
         cp = rt.require_cupy()
         self.tokens = cp.zeros(B, dtype=cp.int32)
+        import cupyx
+        self.pinned = cupyx.empty_pinned(B, dtype=np.int32)   # `tokens` as the step's sampling left them
         self.held = None   # host copy of `tokens` when known (skips the upload when the caller feeds it back)
         self.pos = cp.zeros(B, dtype=cp.int32)
         self.slots = cp.arange(B, dtype=cp.int32)
