@@ -434,7 +434,6 @@ class LlamaGPU:
         fast = self._replay_again(tokens, cache, slots, graph, inv_temp, seed)
         if fast is not None:
             return fast
-        cp = rt.cupy
         _check_live(cache)
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         B = cache.max_batch
@@ -472,7 +471,6 @@ class LlamaGPU:
                 g = st.graphs[bucket] = _capture(lambda: self._decode_step(st, cache, bucket),
                                                  (cache.seq_lens, st.tokens))
             else:
-                cp.cuda.get_current_stream().synchronize()  # the inputs above were written on this stream
                 g.replay()
         cache._lens[slots] += 1
         key = tuple(slots.tolist())
@@ -503,16 +501,18 @@ class LlamaGPU:
             return None   # the full path says which
         if longest > bucket:
             bucket = min(1 << (longest - 1).bit_length(), cache.capacity)
+        def account():
+            cache._lens[m[4]] += 1
+            self._memo = m[:9] + (bucket, longest)
+
         if not graph:
             self._decode_step(st, cache, bucket)
+            account()
         else:
             g = st.graphs.get(bucket)
             if g is None:
                 return None
-            rt.cupy.cuda.get_current_stream().synchronize()  # work on this stream may still read the outputs
-            g.replay()
-        cache._lens[m[4]] += 1
-        self._memo = m[:9] + (bucket, longest)
+            g.replay(then=account)   # the bookkeeping while the step runs
         return st
 
 
@@ -535,14 +535,19 @@ class _StepState:
 
 
 class _Graph:
-    """A captured step: the graph, its stream and the private memory pool of the arrays it allocated."""
+    """A captured step: the graph and the private memory pool of the arrays it allocated."""
 
-    def __init__(self, graph, stream, pool):
-        self.graph, self.stream, self.pool = graph, stream, pool
+    def __init__(self, graph, pool):
+        self.graph, self.pool = graph, pool
 
-    def replay(self):
-        self.graph.launch(stream=self.stream)
-        self.stream.synchronize()
+    def replay(self, then=None):
+        """Launch on the current stream (after whatever the caller queued there: no sync needed before), run
+        `then()` on the host while the step runs, wait for the step."""
+        stream = rt.cupy.cuda.get_current_stream()
+        self.graph.launch(stream=stream)
+        if then is not None:
+            then()
+        stream.synchronize()
 
 
 def _capture(step, state) -> _Graph:
@@ -568,7 +573,7 @@ def _capture(step, state) -> _Graph:
                 step()
         finally:
             graph = stream.end_capture()
-    g = _Graph(graph, stream, pool)
+    g = _Graph(graph, pool)
     g.replay()
     return g
 
