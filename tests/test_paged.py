@@ -102,14 +102,14 @@ def test_unused_block_table_entries_are_not_checked():
 
 
 def test_split_heuristic():
-    # fills the slots once when the batch is small, never splits a full batch, keeps >= 2*warps tiles
+    # fills the slots once when the batch is small, never splits a full batch, keeps >= one tile a warp
     assert paged.heuristic_splits(8, 264, 32768, 4) == 32          # B=1, 8 KV heads: one wave (97%)
     assert paged.heuristic_splits(8, 396, 32768, 4) == 48
     assert paged.heuristic_splits(512, 528, 4096, 4) == 1          # a full batch fits one wave: no split
     assert paged.heuristic_splits(512, 264, 4096, 4) == 1          # 1.94 waves: good enough
     assert paged.heuristic_splits(512, 396, 4096, 4) == 3          # 1.29 waves: split to even them out
     assert paged.heuristic_splits(64, 396, 4096, 4) == 6
-    assert paged.heuristic_splits(8, 264, 512, 4) == 4             # capped: >= 8 tiles per split
+    assert paged.heuristic_splits(8, 264, 512, 4) == 8             # capped: >= 4 tiles (one a warp) per split
     assert paged.heuristic_splits(8, 264, 1, 4) == 1
 
 

@@ -11,7 +11,7 @@ loop needs no index arithmetic (see its docstring).
 
 Tuning: the kernel's (WARPS, STAGES, SPLITS) config is a `vbw_cupy.autotune` Tunable named
 ``"paged_decode"``. SPLITS = 0 is the built-in heuristic (`heuristic_splits`: the fewest splits within 5%
-of the best wave efficiency on the device's CTA slots, at least 2 * WARPS 16-token tiles per split); other
+of the best wave efficiency on the device's CTA slots, at least WARPS 16-token tiles per split); other
 values cap the splits of every sequence. Each sequence then splits its own KV range on the device, so short
 sequences in a ragged batch use fewer splits. The shape bucket is
 (pow2(B), Hkv, Hq / Hkv, padded head dim, pow2(longest sequence, >= 512), block_size); the longest sequence is
@@ -42,6 +42,11 @@ _EXPLORE_CONFIGS = ((2, 4), (4, 4), (8, 3))          # benchmark sweeps only (no
 _SPLIT_CHOICES = (0, 1, 2, 4, 8, 16, 32, 64)        # 0 = heuristic
 MAX_SPLITS = 256                                     # paged_decode_combine's limit
 _TILE = 16
+# the fewest 16-token tiles a split gives each warp. 1 (was 2): the 7B decode step (B = 1, 32 / 32 heads, 513-763
+# tokens) 2.250-2.255 vs 2.271-2.274 ms in graph replay, three alternations on one H100; alone, in back-to-back
+# graph replays, mixed: B = 1 x 512 32 / 8 9.2 vs 10.1 us, 32 / 32 x 640 11.6 vs 11.2, B = 8 x 512 14.6 vs 14.2,
+# longer or fuller shapes equal (notes/session-2026-11-26d.md)
+_TILES_PER_WARP = 1
 _LOG2E = 1.4426950408889634
 
 
@@ -138,9 +143,9 @@ def heuristic_splits(ctas: int, slots: int, max_len: int, warps: int) -> int:
 
     Equal CTAs run in ceil(n / slots) waves, so n = ctas * s uses the GPU with efficiency
     n / (ceil(n / slots) * slots). Take the smallest s within 5% of the best efficiency (every split costs a
-    partial write and a merge), s <= MAX_SPLITS, and at least 2 * warps 16-token tiles of the longest sequence
-    per split."""
-    by_len = max(1, min(MAX_SPLITS, rt.cdiv(max_len, _TILE) // (2 * warps)))
+    partial write and a merge), s <= MAX_SPLITS, and at least _TILES_PER_WARP * warps 16-token tiles of the
+    longest sequence per split."""
+    by_len = max(1, min(MAX_SPLITS, rt.cdiv(max_len, _TILE) // (_TILES_PER_WARP * warps)))
     ctas, slots = max(1, ctas), max(1, slots)
     eff = [ctas * s / (rt.cdiv(ctas * s, slots) * slots) for s in range(1, by_len + 1)]
     best = max(eff)
@@ -171,7 +176,7 @@ class _Launch:
         self.kernel = rt.get_kernel(_SOURCE, _kernel_name(T, dp, W, S))
         ctas = B * Hkv * HT
         splits = int(cfg.get("SPLITS", 0))
-        by_len = max(1, rt.cdiv(max_len, _TILE) // (2 * W))
+        by_len = max(1, rt.cdiv(max_len, _TILE) // (_TILES_PER_WARP * W))
         if splits <= 0:
             slots = _device.num_sms() * _occupancy(self.kernel, W * 32, smem)
             splits = heuristic_splits(ctas, slots, max_len, W)
@@ -195,7 +200,7 @@ class _Launch:
         if left >= capacity:  # no sequence is that long: unbounded, and the kernel's int32 stays in range
             left = -1
         err = _errors.buffer(q.data.device_id)
-        min_tiles = 2 * W
+        min_tiles = _TILES_PER_WARP * W
         self.grid = (splits, Hkv * HT, B)
         self.block = (W * 32,)
         self.smem = smem
