@@ -40,7 +40,6 @@
 //   v5 (H100) Q in 16-byte loads, the O rescale skipped while no row's max moves, only the group's rows staged
 //      for the warp merge: the 7B decode shape (B=1, 32/32 heads, 640 tokens) 12.5 -> 11.3 us; v2's in-kernel
 //      merge retried for <= 8 splits: 0.3 us faster there, 3 us slower at B=1 GQA 512, not kept.
-//      atomic -> reload chain is exposed when few CTAs run), the model step unchanged within noise: not kept.
 //   v6 one 16-token tile a warp at least per split (paged.py _TILES_PER_WARP, was 2), and the combine kernel
 //      requests every split's lse and o slice with seq_lens when there are <= 16 splits (one memory round trip,
 //      was three): the 7B decode step in graph replay 2.271 -> 2.252 -> 2.233 ms.
