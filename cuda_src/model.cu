@@ -145,6 +145,20 @@ __global__ void rope_store(const T* __restrict__ qkv, const int* __restrict__ po
                            int* err) {
   vbw::pdl_start();
   const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half = D / 2;
+  const int width = (Hq + 2 * Hkv) * D;
+  const int a_idx = style == 0 ? 2 * i : i, b_idx = style == 0 ? 2 * i + 1 : i + half;
+  // this thread's q or k pair (and v pair) requested with pos and slot: one memory round trip less before the
+  // block table and RoPE rows (which wait for the position)
+  const bool is_q = h < Hq;
+  const int j = h - Hq;
+  const T* src = qkv + (long long)t * width + (is_q ? h : Hq + j) * D;
+  const float a = to_float(src[a_idx]), b = to_float(src[b_idx]);
+  T va = from_float<T>(0.f), vb = va;
+  if (!is_q) {
+    const T* vs = qkv + (long long)t * width + (Hq + Hkv + j) * D;
+    va = vs[a_idx];
+    vb = vs[b_idx];
+  }
   const int p = pos[t], s = slot[t];
   const bool pos_ok = (unsigned)p < (unsigned)max_pos && (unsigned)s < (unsigned)max_batch &&
                       (long long)p < (long long)max_blocks * block_size;
@@ -153,27 +167,19 @@ __global__ void rope_store(const T* __restrict__ qkv, const int* __restrict__ po
   const bool ok = pos_ok && (unsigned)blk < (unsigned)num_blocks;
   if (i == 0 && h == 0 && !ok && p != -1)  // -1: an idle row of a decode step (step_positions)
     vbw_err::flag(err, pos_ok ? vbw_err::PAGED_BLOCK_TABLE : vbw_err::MODEL_POSITIONS, t);
-  const int width = (Hq + 2 * Hkv) * D;
-  const int a_idx = style == 0 ? 2 * i : i, b_idx = style == 0 ? 2 * i + 1 : i + half;
   float c = 0.f, sn = 0.f;
   if (ok) {
     c = rope[(long long)p * D + i];
     sn = rope[(long long)p * D + half + i];
   }
-  if (h < Hq) {
-    const T* src = qkv + (long long)t * width + h * D;
+  if (is_q) {
     T* dst = q_out + ((long long)t * Hq + h) * D;
-    const float a = to_float(src[a_idx]), b = to_float(src[b_idx]);
     dst[a_idx] = from_float<T>(ok ? a * c - b * sn : nan_f());
     dst[b_idx] = from_float<T>(ok ? a * sn + b * c : nan_f());
     return;
   }
-  const int j = h - Hq;
-  const T* ks = qkv + (long long)t * width + (Hq + j) * D;
-  const T* vs = qkv + (long long)t * width + (Hq + Hkv + j) * D;
-  const float a = to_float(ks[a_idx]), b = to_float(ks[b_idx]);
   const T ka = from_float<T>(ok ? a * c - b * sn : nan_f()), kb = from_float<T>(ok ? a * sn + b * c : nan_f());
-  const T va = ok ? vs[a_idx] : from_float<T>(nan_f()), vb = ok ? vs[b_idx] : from_float<T>(nan_f());
+  if (!ok) va = vb = from_float<T>(nan_f());
   if (k_out != nullptr) {
     const long long o = ((long long)t * Hkv + j) * D;
     k_out[o + a_idx] = ka;
