@@ -492,6 +492,109 @@ def test_gpu_model_host_checks_and_step_state_cache_identity(monkeypatch):
     assert model._state(c, None, 0) is st_b
 
 
+def test_decode_memo_takes_the_fast_path_only_when_nothing_moved(monkeypatch):
+    """LlamaGPU._replay_again (the decode loop's fast path) replays only a call that continues the last step: same
+    cache, slots and options, the ids that step left. Anything else that moved the cache (a free or prefill, another
+    model's step: the cache's version), other ids, a new context bucket without a graph, or a full step that raised
+    sends the call through the full checks. CPU only: stub states, graphs and cache."""
+    from vbw_cupy.models import LlamaConfig, gpu
+    cfg = LlamaConfig(dim=64, hidden_dim=128, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=50, seq_len=64)
+    runs, fast = [], []
+
+    class Dev:   # a device array: what the host uploaded last
+        def set(self, v):
+            self.values = np.array(v)
+
+    class State:
+        def __init__(self, B, vocab, inv_temp, seed):
+            self.tokens, self.held, self.graphs, self.cache = Dev(), None, {}, (lambda: None)
+
+    class Graph:
+        def __init__(self, bucket):
+            self.bucket = bucket
+
+        def replay(self, then=None):
+            runs.append(("replay", self.bucket))
+            if then is not None:
+                then()
+
+    def capture(step, state):
+        step()
+        return Graph(runs[-1][1])
+
+    monkeypatch.setattr(gpu, "_StepState", State)
+    monkeypatch.setattr(gpu, "_capture", capture)
+
+    def model():
+        m = object.__new__(gpu.LlamaGPU)
+        m.config, m._graphs, m._memo = cfg, {}, None
+        m._decode_step = lambda st, cache, bucket: runs.append(("step", bucket))
+        orig = m._replay_again
+
+        def spy(*a):
+            r = orig(*a)
+            fast.append(r is not None)
+            return r
+        m._replay_again = spy
+        return m
+
+    class Storage:
+        pass
+
+    class Cache:
+        def __init__(self):
+            self._lens, self.capacity, self.max_batch = np.array([5, 5], dtype=np.int64), 64, 2
+            self.storage, self._version = Storage(), 0
+            self._active, self.active, self.seq_lens = np.zeros(2, dtype=np.int32), Dev(), Dev()
+
+    def step(m, c, tok):
+        st = m._step(np.array([tok]), c, [0], True, 0.0, 1)
+        st.held = np.array([tok + 1, 0], dtype=np.int32)   # what sampling would leave
+        return tok + 1
+
+    m, c = model(), Cache()
+    t = step(m, c, 7)                      # full: 6 tokens, captures bucket 8
+    t = step(m, c, t)
+    t = step(m, c, t)
+    assert fast == [False, True, True] and runs == [("step", 8), ("replay", 8), ("replay", 8)] and c._lens[0] == 8
+    t = step(m, c, t)                      # 9 tokens: no graph for bucket 16 yet -> full, captures it
+    assert fast[-1] is False and runs[-1] == ("step", 16)
+    t = step(m, c, t)
+    assert fast[-1] is True and runs[-1] == ("replay", 16)
+    t = step(m, c, t + 5)                  # other ids than the step left
+    assert fast[-1] is False and runs[-1] == ("replay", 16) and c._lens[0] == 11
+    t = step(m, c, t)
+    assert fast[-1] is True and c._lens[0] == 12
+    c._version += 1                        # what a free or prefill of any slot does
+    t = step(m, c, t)
+    assert fast[-1] is False
+    t = step(m, c, t)
+    assert fast[-1] is True
+    step(model(), c, 40)                   # another model steps the same cache
+    t = step(m, c, t)
+    assert fast[-1] is False and c._lens[0] == 16
+
+    # a full step that fails after changing the device state: slots [0, 1], then [0] alone (the same id for
+    # slot 0: nothing uploaded, but the active mask changes) whose replay raises, then [0, 1] again with the ids
+    # the last good step left: the active mask must be set back, so no fast path
+    m, c = model(), Cache()
+    st = m._step(np.array([3, 4]), c, [0, 1], True, 0.0, 1)
+    st.held = np.array([9, 0], dtype=np.int32)
+    m._step(np.array([9, 0]), c, [0, 1], True, 0.0, 1)
+    assert fast[-1] is True and c.active.values.tolist() == [1, 1]
+
+    def boom(self, then=None):
+        raise RuntimeError("replay failed")
+    replay = Graph.replay
+    Graph.replay = boom
+    with pytest.raises(RuntimeError):
+        m._step(np.array([9]), c, [0], True, 0.0, 1)
+    Graph.replay = replay
+    assert c.active.values.tolist() == [1, 0]
+    m._step(np.array([9, 0]), c, [0, 1], True, 0.0, 1)
+    assert fast[-1] is False and c.active.values.tolist() == [1, 1]
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_save_llama2c_round_trip(tmp_path, shared):
     """models.save_llama2c writes what load_llama2c reads back (and what this file's run.c writer writes)."""

@@ -112,7 +112,7 @@ class GPUKVCache:
         self.seq_lens, self.active = storage.seq_lens, storage.active
         self._active = np.zeros(max_batch, dtype=np.int32)   # host mirror of `active`
         self._lens = np.zeros(max_batch, dtype=np.int64)
-        self._version = 0   # bumped by every change of the mirrors outside a decode step (LlamaGPU._step's memo)
+        self._version = 0   # bumped by every change of the mirrors and every step (LlamaGPU._step's memo)
 
     @property
     def max_batch(self) -> int:
@@ -364,9 +364,9 @@ class LlamaGPU:
         def attend(layer, q, k, v):
             return flash_attention_varlen(q, k, v, cu, cu, max_seqlen_q=max_len, max_seqlen_k=max_len, causal=True)
 
+        cache._version += 1   # before the forward: it writes the slots' K/V even if it raises later
         logits = self._forward(self._embed(ids), pos, tok_slot, cache, attend, packed_kv=True,
                                rows=None if all_logits else cp.asarray(cu_h[1:] - 1))
-        cache._version += 1
         cache._lens[slots] = lens
         cache.seq_lens[cp.asarray(slots)] = cp.asarray(lens.astype(np.int32))
         cache.active[cp.asarray(slots)] = 1
@@ -434,6 +434,7 @@ class LlamaGPU:
         fast = self._replay_again(tokens, cache, slots, graph, inv_temp, seed)
         if fast is not None:
             return fast
+        self._memo = None   # set again only once this step has run
         _check_live(cache)
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         B = cache.max_batch
@@ -473,6 +474,7 @@ class LlamaGPU:
             else:
                 g.replay()
         cache._lens[slots] += 1
+        cache._version += 1   # every step moves it: another model's memo of this cache is stale now
         key = tuple(slots.tolist())
         # (weak references: a live memo must not keep a dropped cache, whose storage new_cache hands on, alive)
         self._memo = (weakref.ref(cache), weakref.ref(cache.storage), cache._version, key,
@@ -503,7 +505,8 @@ class LlamaGPU:
             bucket = min(1 << (longest - 1).bit_length(), cache.capacity)
         def account():
             cache._lens[m[4]] += 1
-            self._memo = m[:9] + (bucket, longest)
+            cache._version += 1
+            self._memo = m[:2] + (cache._version,) + m[3:9] + (bucket, longest)
 
         if not graph:
             self._decode_step(st, cache, bucket)
@@ -535,10 +538,13 @@ class _StepState:
 
 
 class _Graph:
-    """A captured step: the graph and the private memory pool of the arrays it allocated."""
+    """A captured step: the graph, the private memory pool of the arrays it allocated, and the stream it was
+    captured on. The graph replays on the caller's stream; the capture stream is kept alive because the scratch
+    buffers the graph's kernels write are the ones `_plans.scratch` handed to that stream's handle, which a new
+    stream could otherwise reuse and share them with eager calls."""
 
-    def __init__(self, graph, pool):
-        self.graph, self.pool = graph, pool
+    def __init__(self, graph, pool, stream):
+        self.graph, self.pool, self.stream = graph, pool, stream
 
     def replay(self, then=None):
         """Launch on the current stream (after whatever the caller queued there: no sync needed before), run
@@ -573,7 +579,7 @@ def _capture(step, state) -> _Graph:
                 step()
         finally:
             graph = stream.end_capture()
-    g = _Graph(graph, pool)
+    g = _Graph(graph, pool, stream)
     g.replay()
     return g
 
