@@ -137,6 +137,11 @@ def _occupancy(kernel, threads: int, smem: int) -> int:
     return max(1, min(by_smem, by_regs, by_threads, 32))
 
 
+def _splits_by_len(max_len: int, warps: int) -> int:
+    """The most splits that still give each warp _TILES_PER_WARP 16-token tiles of a max_len sequence."""
+    return max(1, min(MAX_SPLITS, rt.cdiv(max_len, _TILE) // (_TILES_PER_WARP * warps)))
+
+
 @functools.lru_cache(maxsize=4096)  # pure in its ints; a new sequence length per decode step otherwise re-scans
 def heuristic_splits(ctas: int, slots: int, max_len: int, warps: int) -> int:
     """Split count for `ctas` (sequence, KV head, head tile) CTAs on `slots` resident CTAs (SMs x CTAs per SM).
@@ -145,7 +150,7 @@ def heuristic_splits(ctas: int, slots: int, max_len: int, warps: int) -> int:
     n / (ceil(n / slots) * slots). Take the smallest s within 5% of the best efficiency (every split costs a
     partial write and a merge), s <= MAX_SPLITS, and at least _TILES_PER_WARP * warps 16-token tiles of the
     longest sequence per split."""
-    by_len = max(1, min(MAX_SPLITS, rt.cdiv(max_len, _TILE) // (_TILES_PER_WARP * warps)))
+    by_len = _splits_by_len(max_len, warps)
     ctas, slots = max(1, ctas), max(1, slots)
     eff = [ctas * s / (rt.cdiv(ctas * s, slots) * slots) for s in range(1, by_len + 1)]
     best = max(eff)
@@ -176,11 +181,10 @@ class _Launch:
         self.kernel = rt.get_kernel(_SOURCE, _kernel_name(T, dp, W, S))
         ctas = B * Hkv * HT
         splits = int(cfg.get("SPLITS", 0))
-        by_len = max(1, rt.cdiv(max_len, _TILE) // (_TILES_PER_WARP * W))
         if splits <= 0:
             slots = _device.num_sms() * _occupancy(self.kernel, W * 32, smem)
             splits = heuristic_splits(ctas, slots, max_len, W)
-        splits = max(1, min(splits, by_len, MAX_SPLITS))
+        splits = max(1, min(splits, _splits_by_len(max_len, W)))
         self.splits = splits
         vec16 = (D % 8 == 0 and k_cache.data.ptr % 16 == 0 and v_cache.data.ptr % 16 == 0)
         if softcap > 0:
