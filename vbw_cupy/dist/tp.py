@@ -107,7 +107,6 @@ class TPLlamaGPU(LlamaGPU):
         # the decode graphs hold NCCL work of this rank's communicator: destroyed first, while the communicator
         # (which this model keeps alive until now) still exists
         self._graphs = {}
-        self._memo = None
 
 
 class _GroupCache:
@@ -177,7 +176,6 @@ class TPGroup:
             return
         for model in self.models:   # graphs first, from this thread (a broken group runs no jobs)
             model._graphs = {}
-            model._memo = None
         if run.broken is None:
             run(lambda comm: comm.close())
         run.close()

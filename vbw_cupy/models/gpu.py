@@ -139,6 +139,16 @@ class GPUKVCache:
         self._active[slot] = 0
 
 
+def _bucket(longest: int, capacity: int) -> int:
+    """The context bucket of a decode step whose longest sequence holds `longest` tokens (its graph's key)."""
+    return min(1 << (longest - 1).bit_length(), capacity)
+
+
+def _state_key(cache, inv_temp, seed) -> tuple:
+    """LlamaGPU._graphs' key of the decode state of a cache's storage and sampling mode."""
+    return id(cache.storage), inv_temp, seed
+
+
 def _check_live(cache) -> None:
     if cache.storage is None:
         raise ValueError("cache: this cache was recycled (its arrays belong to a newer cache)")
@@ -250,7 +260,6 @@ class LlamaGPU:
             else:  # another size: let the dead arrays (and graphs over them) go before allocating new ones
                 self._spare = (None, lambda: None)
                 self._graphs = {k: st for k, st in self._graphs.items() if st.cache() is not spare}
-                self._memo = None
                 spare = None   # (this name too held them)
         cache = GPUKVCache(*args, n_kv_heads=self.n_kv_heads, storage=reuse)
         self._spare = (cache.storage, weakref.ref(cache))
@@ -262,7 +271,6 @@ class LlamaGPU:
         The cache cannot be used afterwards."""
         if cache.storage is None:
             return
-        self._memo = None
         if self._spare[0] is cache.storage:
             self._spare = (cache.storage, lambda: None)
         cache.retire()
@@ -271,7 +279,6 @@ class LlamaGPU:
         """Forget the arrays kept for the next cache and the decode graphs captured over them."""
         self._spare = (None, lambda: None)
         self._graphs = {}
-        self._memo = None
 
     def _reduce(self, partial):
         """The O and down projections' outputs joined over tensor-parallel ranks (one model: as they are)."""
@@ -400,7 +407,7 @@ class LlamaGPU:
         dropped. A state holds a weak reference to its storage: new arrays that reuse a dead storage's id()
         never replay graphs captured over the dead one's (freed) arrays, while a cache that took over a storage
         (new_cache) replays its graphs."""
-        key = (id(cache.storage), inv_temp, seed)
+        key = _state_key(cache, inv_temp, seed)
         st = self._graphs.get(key)
         if st is None or st.cache() is not cache.storage:
             for k in [k for k, s in self._graphs.items() if s.cache() is not cache.storage]:
@@ -452,7 +459,7 @@ class LlamaGPU:
         if longest > self.config.seq_len:  # the RoPE table's rows: rope_store would flag it
             raise ValueError(f"slots: a sequence would pass the model's seq_len = {self.config.seq_len}")
         st = self._state(cache, inv_temp, seed)
-        bucket = min(1 << (longest - 1).bit_length(), cache.capacity)
+        bucket = _bucket(longest, cache.capacity)
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if st.held is None or not np.array_equal(st.held[slots], tokens):  # a sampling loop feeds back what it got
             host_tokens = np.zeros(B, dtype=np.int32)
@@ -475,10 +482,7 @@ class LlamaGPU:
                 g.replay()
         cache._lens[slots] += 1
         cache._version += 1   # every step moves it: another model's memo of this cache is stale now
-        key = tuple(slots.tolist())
-        # (weak references: a live memo must not keep a dropped cache, whose storage new_cache hands on, alive)
-        self._memo = (weakref.ref(cache), weakref.ref(cache.storage), cache._version, key,
-                      np.array(key, dtype=np.int64), graph, inv_temp, seed, st, bucket, longest)
+        self._memo = _Memo(cache, slots, graph, inv_temp, seed, longest)
         return st
 
     def _replay_again(self, tokens, cache, slots, graph, inv_temp, seed):
@@ -487,26 +491,29 @@ class LlamaGPU:
         that step sampled (already on the device). Replays or runs the step and returns its state, or None
         when the call needs _step's full checks."""
         m = self._memo
-        if m is None or m[0]() is not cache or cache.storage is not m[1]() or cache._version != m[2] or \
-                m[5] != graph or m[6] != inv_temp or m[7] != seed:
+        if m is None or m.cache() is not cache or cache.storage is not m.storage() or \
+                cache._version != m.version or (graph, inv_temp, seed) != m.options:
             return None
-        key = m[3]
         if isinstance(slots, (list, tuple)):
-            if tuple(slots) != key:
+            if tuple(slots) != m.key:
                 return None
-        elif not (isinstance(slots, np.ndarray) and slots.shape == (len(key),) and (slots == m[4]).all()):
+        elif not (isinstance(slots, np.ndarray) and slots.shape == m.slots.shape and (slots == m.slots).all()):
             return None
-        st, bucket, longest = m[8], m[9], m[10] + 1
-        if st.held is None or np.shape(tokens) != (len(key),) or not (st.held[m[4]] == tokens).all():
+        # the state through _graphs, as _state keys it: dropping the graphs (release_cache, new_cache, a
+        # tensor-parallel group's close) drops what the memo could replay
+        st = self._graphs.get(_state_key(cache, inv_temp, seed))
+        if st is None or st.held is None or np.shape(tokens) != m.slots.shape or \
+                not (st.held[m.slots] == tokens).all():
             return None
+        longest = m.longest + 1
         if longest > cache.capacity or longest > self.config.seq_len:
             return None   # the full path says which
-        if longest > bucket:
-            bucket = min(1 << (longest - 1).bit_length(), cache.capacity)
+        bucket = _bucket(longest, cache.capacity)
+
         def account():
-            cache._lens[m[4]] += 1
+            cache._lens[m.slots] += 1
             cache._version += 1
-            self._memo = m[:2] + (cache._version,) + m[3:9] + (bucket, longest)
+            m.version, m.longest = cache._version, longest
 
         if not graph:
             self._decode_step(st, cache, bucket)
@@ -517,6 +524,20 @@ class LlamaGPU:
                 return None
             g.replay(then=account)   # the bookkeeping while the step runs
         return st
+
+
+class _Memo:
+    """What LlamaGPU._replay_again compares a call with: the last step's cache (weak references: a memo must not
+    keep a dropped cache, whose storage new_cache hands on, alive), the cache's version after it, its slots,
+    options and longest sequence."""
+    __slots__ = ("cache", "storage", "version", "key", "slots", "options", "longest")
+
+    def __init__(self, cache, slots, graph, inv_temp, seed, longest):
+        self.cache, self.storage, self.version = weakref.ref(cache), weakref.ref(cache.storage), cache._version
+        self.slots = slots.copy()
+        self.key = tuple(self.slots.tolist())
+        self.options = (graph, inv_temp, seed)
+        self.longest = longest
 
 
 class _StepState:
