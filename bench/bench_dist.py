@@ -87,7 +87,7 @@ def _graph_step_ms(model, reps: int = GRAPH_REPS) -> list:
 
     def one(m):
         st = next(iter(m._graphs.values()))
-        g = st.graphs[max(st.graphs)]
+        g = st.graphs[max(k for k in st.graphs if k[1] == 1)]   # (bucket, steps): the one-step graphs
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record(g.stream)
         for _ in range(reps):

@@ -4,8 +4,9 @@ against the memory roofline (bytes a decode step must read / the copy bandwidth 
 
 Shapes (random weights): stories110M (dim 768, 12 layers, 12 heads, hidden 2048, vocab 32000) and a Llama-2-7B
 shape (dim 4096, 32 layers, 32 heads, hidden 11008, vocab 32000); prompt 512 tokens, 256 new tokens, batch 1
-and 16. A decode step of either side is replayed from a CUDA graph and its B next tokens (greedy, sampled on the
-GPU) are copied to the host every step, as a generation loop must; tokens/s = B * steps / wall time.
+and 16. Either side decodes as `generate` does: CHUNK steps replayed from one CUDA graph a call, each step's B next
+tokens (greedy, sampled on the GPU) fed back on the device and copied to the host; tokens/s = B * steps / wall
+time. "1 step/call" is our decode_sample loop (one graph replay and one copy to the host a step).
 
     python bench/bench_model.py [--quick] [--json PATH]      # the table
     pytest bench/bench_model.py --benchmark-only             # pytest-benchmark (stories110M, batch 1)
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vbw_cupy import _timing  # noqa: E402
 from vbw_cupy.fp4 import FP4Tensor  # noqa: E402
 from vbw_cupy.models import LlamaConfig, LlamaGPU  # noqa: E402
+from vbw_cupy.models.generate import CHUNK  # noqa: E402
 from vbw_cupy.models.llama import random_weights  # noqa: E402
 
 SHAPES = {
@@ -55,6 +57,11 @@ def step_bytes(model: LlamaGPU, B: int, ctx: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ ours
+def _decode_steps(steps: int) -> int:
+    """Decode steps timed after a prefill that samples the first token: whole chunks (at least one)."""
+    return max(CHUNK, (steps - 1) // CHUNK * CHUNK)
+
+
 def ours(cfg, fmt, B, weights, steps=NEW, prompt=PROMPT):
     import cupy as cp
     model = LlamaGPU(cfg, weights, fmt)
@@ -62,21 +69,26 @@ def ours(cfg, fmt, B, weights, steps=NEW, prompt=PROMPT):
     prompts = [rng.integers(3, cfg.vocab_size, prompt).tolist() for _ in range(B)]
     slots = list(range(B))
     res = {"side": f"vbw_cupy {fmt}", "B": B}
-    cache = model.new_cache(B, prompt + steps)
+    n = _decode_steps(steps)
+    cache = model.new_cache(B, prompt + n)
     for rep in range(2):   # the first run builds plans, compiles and captures the graphs; the second replays them
-        for s in slots:
-            cache.free(s)
-        cp.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        logits = model.prefill(prompts, cache, slots)
-        tok = logits.argmax(axis=1).get()
-        t1 = time.perf_counter()
-        for _ in range(steps - 1):
-            tok = model.decode_sample(tok, cache, slots)
-        t2 = time.perf_counter()
-        res.update(prefill_ms=(t1 - t0) * 1e3, decode_tok_s=B * (steps - 1) / (t2 - t1))
-        if rep == 0:
-            res["first_run_s"] = t2 - t0
+        for chunk in (CHUNK, 1):   # as generate runs it, then one step a call
+            for s in slots:
+                cache.free(s)
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            logits = model.prefill(prompts, cache, slots)
+            tok = logits.argmax(axis=1).get()
+            t1 = time.perf_counter()
+            for _ in range(n // chunk):
+                tok = model.decode_steps(tok, cache, slots, chunk)[-1]
+            t2 = time.perf_counter()
+            if chunk == CHUNK:
+                res.update(prefill_ms=(t1 - t0) * 1e3, decode_tok_s=B * n / (t2 - t1))
+                if rep == 0:
+                    res["first_run_s"] = t2 - t0
+            else:
+                res["decode_tok_s_1step"] = B * n / (t2 - t1)
     res["bytes_per_step"] = step_bytes(model, B, prompt + steps / 2)
     return model, res
 
@@ -139,7 +151,7 @@ class TorchLlama:
 
 def peer(cfg, B, weights, steps=NEW, prompt=PROMPT):
     import torch
-    m = TorchLlama(cfg, weights, B, prompt + steps)
+    m = TorchLlama(cfg, weights, B, prompt + _decode_steps(steps) + 2)
     g = torch.Generator(device="cpu").manual_seed(1)
     toks = torch.randint(3, cfg.vocab_size, (B, prompt), generator=g).cuda()
     pos = torch.arange(prompt, device="cuda")[None].expand(B, -1).contiguous()
@@ -153,9 +165,11 @@ def peer(cfg, B, weights, steps=NEW, prompt=PROMPT):
         res["prefill_ms"] = (time.perf_counter() - t0) * 1e3
         tok_in = nxt[:, None].clone()
         pos_in = torch.full((B, 1), prompt, device="cuda", dtype=torch.long)
+        ids = torch.zeros((CHUNK, B), device="cuda", dtype=torch.long)   # each step's ids, copied after a chunk
 
-        def step():
+        def step(i=0):
             out = m.forward(tok_in, pos_in)[:, -1].argmax(-1)
+            ids[i].copy_(out)
             tok_in.copy_(out[:, None])
             pos_in.add_(1)
 
@@ -165,18 +179,18 @@ def peer(cfg, B, weights, steps=NEW, prompt=PROMPT):
             for _ in range(2):
                 step()
         torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph()   # CHUNK steps a replay, as ours
         with torch.cuda.graph(graph):
-            step()
-        pos_in.fill_(prompt)
+            for i in range(CHUNK):
+                step(i)
         for mode in ("eager", "graph"):
             pos_in.fill_(prompt)
             torch.cuda.synchronize()
-            n = steps - 1 if mode == "graph" else min(steps - 1, 32)
+            n = _decode_steps(steps) if mode == "graph" else min(steps - 1, 32)
             t0 = time.perf_counter()
-            for _ in range(n):
+            for _ in range(n // CHUNK if mode == "graph" else n):
                 graph.replay() if mode == "graph" else step()
-                tok_in.cpu()
+                ids.cpu()
             res[f"decode_tok_s_{mode}"] = B * n / (time.perf_counter() - t0)
     res["decode_tok_s"] = res["decode_tok_s_graph"]
     del m
@@ -241,7 +255,7 @@ def format_table(rows, copy_gbs):
     out = [f"copy bandwidth {copy_gbs:.0f} GB/s; prompt {PROMPT}, {NEW} new tokens; decode in a CUDA graph; "
            "first run = the first prefill + decode of a shape (compiles, tunes, captures; the disk caches may be warm)",
            f"{'shape':12} {'side':16} {'B':>3} {'decode tok/s':>12} {'roofline':>9} {'frac':>5} "
-           f"{'vs torch':>8} {'prefill ms':>10} {'torch eager':>11} {'first run s':>11}"]
+           f"{'vs torch':>8} {'1 step/call':>11} {'prefill ms':>10} {'torch eager':>11} {'first run s':>11}"]
     for r in rows:
         if "decode_tok_s" not in r:
             continue
@@ -250,7 +264,8 @@ def format_table(rows, copy_gbs):
         frac = r["decode_tok_s"] / r["roofline_tok_s"] if "roofline_tok_s" in r else math.nan
         out.append(f"{r['shape']:12} {r['side']:16} {r['B']:>3} {r['decode_tok_s']:12.1f} "
                    f"{r.get('roofline_tok_s', math.nan):9.0f} {frac:5.2f} "
-                   f"{r['decode_tok_s'] / t['decode_tok_s'] if t else math.nan:8.2f} {r['prefill_ms']:10.1f} "
+                   f"{r['decode_tok_s'] / t['decode_tok_s'] if t else math.nan:8.2f} "
+                   f"{r.get('decode_tok_s_1step', math.nan):11.1f} {r['prefill_ms']:10.1f} "
                    f"{r.get('decode_tok_s_eager', math.nan):11.1f} {r.get('first_run_s', math.nan):11.2f}")
     for r in rows:
         if "prefill2048_ms" in r:

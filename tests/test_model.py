@@ -467,11 +467,11 @@ def test_gpu_model_host_checks_and_step_state_cache_identity(monkeypatch):
 
     c = Cache(2, [3, 8])
     with pytest.raises(ValueError, match="at least one slot"):
-        model._step([], c, [], False, None, 0)
+        model._step([], c, [], False, None, 0, 1)
     with pytest.raises(ValueError, match="one token per slot"):
-        model._step([1, 2], c, [0], False, None, 0)
+        model._step([1, 2], c, [0], False, None, 0, 1)
     with pytest.raises(ValueError, match="seq_len"):   # slot 1 holds 8 = seq_len tokens: no RoPE row left
-        model._step([1], c, [1], False, None, 0)
+        model._step([1], c, [1], False, None, 0, 1)
     with pytest.raises(ValueError, match="distinct slots"):
         model.prefill([[1, 2], [3]], Cache(2, [0, 0]), [0, 0])
     with pytest.raises(ValueError, match="distinct slots"):
@@ -528,7 +528,7 @@ def test_decode_memo_takes_the_fast_path_only_when_nothing_moved(monkeypatch):
     def model():
         m = object.__new__(gpu.LlamaGPU)
         m.config, m._graphs, m._memo = cfg, {}, None
-        m._decode_step = lambda st, cache, bucket: runs.append(("step", bucket))
+        m._decode_step = lambda st, cache, bucket, n: runs.append(("step", bucket))
         orig = m._replay_again
 
         def spy(*a):
@@ -548,7 +548,7 @@ def test_decode_memo_takes_the_fast_path_only_when_nothing_moved(monkeypatch):
             self._active, self.active, self.seq_lens = np.zeros(2, dtype=np.int32), Dev(), Dev()
 
     def step(m, c, tok):
-        st = m._step(np.array([tok]), c, [0], True, 0.0, 1)
+        st = m._step(np.array([tok]), c, [0], True, 0.0, 1, 1)
         st.held = np.array([tok + 1, 0], dtype=np.int32)   # what sampling would leave
         return tok + 1
 
@@ -578,9 +578,9 @@ def test_decode_memo_takes_the_fast_path_only_when_nothing_moved(monkeypatch):
     # slot 0: nothing uploaded, but the active mask changes) whose replay raises, then [0, 1] again with the ids
     # the last good step left: the active mask must be set back, so no fast path
     m, c = model(), Cache()
-    st = m._step(np.array([3, 4]), c, [0, 1], True, 0.0, 1)
+    st = m._step(np.array([3, 4]), c, [0, 1], True, 0.0, 1, 1)
     st.held = np.array([9, 0], dtype=np.int32)
-    m._step(np.array([9, 0]), c, [0, 1], True, 0.0, 1)
+    m._step(np.array([9, 0]), c, [0, 1], True, 0.0, 1, 1)
     assert fast[-1] is True and c.active.values.tolist() == [1, 1]
 
     def boom(self, then=None):
@@ -588,11 +588,28 @@ def test_decode_memo_takes_the_fast_path_only_when_nothing_moved(monkeypatch):
     replay = Graph.replay
     Graph.replay = boom
     with pytest.raises(RuntimeError):
-        m._step(np.array([9]), c, [0], True, 0.0, 1)
+        m._step(np.array([9]), c, [0], True, 0.0, 1, 1)
     Graph.replay = replay
     assert c.active.values.tolist() == [1, 0]
-    m._step(np.array([9, 0]), c, [0, 1], True, 0.0, 1)
+    m._step(np.array([9, 0]), c, [0, 1], True, 0.0, 1, 1)
     assert fast[-1] is False and c.active.values.tolist() == [1, 1]
+
+    # several steps a call (decode_steps): a graph per (bucket, steps), the lengths move by the steps
+    m, c = model(), Cache()
+    st = m._step(np.array([3]), c, [0], True, 0.0, 1, 4)       # 5 + 4 tokens: bucket 16, captured
+    assert fast[-1] is False and runs[-1] == ("step", 16) and c._lens[0] == 9
+    st.held = np.array([8, 0], dtype=np.int32)
+    m._step(np.array([8]), c, [0], True, 0.0, 1, 4)
+    assert fast[-1] is True and runs[-1] == ("replay", 16) and c._lens[0] == 13
+    st.held = np.array([6, 0], dtype=np.int32)
+    m._step(np.array([6]), c, [0], True, 0.0, 1, 2)            # no graph of 2 steps yet: full, captured
+    assert fast[-1] is False and runs[-1] == ("step", 16) and c._lens[0] == 15
+    m._step(np.array([6]), c, [0], True, 0.0, 1, 2)            # 17 tokens: bucket 32, a new graph
+    assert fast[-1] is False and runs[-1] == ("step", 32) and c._lens[0] == 17
+    c._lens[0] = 50
+    with pytest.raises(ValueError, match=r"a sequence \(50 tokens\) 16 steps on would pass the cache's capacity"):
+        m._step(np.array([6]), c, [0], True, 0.0, 1, 16)
+    assert c._lens[0] == 50
 
 
 @pytest.mark.parametrize("shared", [True, False])

@@ -124,7 +124,7 @@ def test_graph_replay_equals_eager():
         b = models[1].decode(toks[slots], caches[1], slots, graph=False).get()
         np.testing.assert_array_equal(a, b)
     st = next(iter(models[0]._graphs.values()))
-    assert sorted(st.graphs) == [32, 64]   # one graph per context bucket, replayed between
+    assert sorted(st.graphs) == [(32, 1), (64, 1)]   # one graph per context bucket (one step), replayed
     np.testing.assert_array_equal(caches[0].seq_lens.get(), caches[1].seq_lens.get())
     np.testing.assert_array_equal(caches[0].seq_lens.get(), [9 + 40, 30 + 25, 3 + 40])
     _errors.check_errors()  # idle slots flag nothing
@@ -156,6 +156,52 @@ def test_gpu_sampling_greedy_matches_host_and_seeded_draws_repeat():
     draw = lambda seed: [s.ids for s in generate_ids(model, prompts, max_new_tokens=20, stop_ids=(),
                                                      sampler=Sampler(1e3, seed=seed)).sequences]
     assert draw(7) == draw(7) and draw(7) != draw(8)
+
+
+def test_decode_steps_equal_single_steps():
+    """decode_steps(n) samples what n decode_sample calls sample (two sequences, temperature draws, chunks of 1 to
+    16 steps crossing context buckets 16 -> 32 -> 64), replayed from its graphs and eager; a call whose steps would
+    pass the cache's capacity raises before any step runs."""
+    models = [_model("gqa-adjacent", "nvfp4", seed=6) for _ in range(3)]
+    rng = np.random.default_rng(6)
+    prompts = _prompts(rng, (13, 6), models[0].config.vocab_size)
+    caches = [m.new_cache(2, 60) for m in models]   # 64 tokens a slot
+    first = [m.prefill(prompts, c, [0, 1]).argmax(axis=1).get() for m, c in zip(models, caches)]
+    t, ref = first[0], []
+    for _ in range(40):
+        t = models[0].decode_sample(t, caches[0], [0, 1], temperature=0.7, seed=9)
+        ref.append(t)
+    for m, c, t, chunks, graph in ((models[1], caches[1], first[1], (1, 4, 8, 2, 16, 8, 1), True),
+                                   (models[2], caches[2], first[2], (8, 16, 16), False)):
+        rows = []
+        for n in chunks:
+            got = m.decode_steps(t, c, [0, 1], n, temperature=0.7, seed=9, graph=graph)
+            assert got.shape == (n, 2) and got.dtype == np.int64
+            rows += list(got)
+            t = got[-1]
+        np.testing.assert_array_equal(np.array(rows), np.array(ref))
+        assert c.lengths([0, 1]).tolist() == [13 + 40, 6 + 40]
+    with pytest.raises(ValueError, match="capacity"):
+        models[1].decode_steps(t, caches[1], [0, 1], 12, temperature=0.7, seed=9)
+    assert caches[1].lengths([0, 1]).tolist() == [53, 46]
+    with pytest.raises(ValueError, match="steps"):
+        models[1].decode_steps(t, caches[1], [0, 1], 17)
+
+
+def test_generate_in_chunks_stops_where_single_steps_stop():
+    """generate_ids on the GPU runs up to CHUNK steps a call; a sequence whose stop id comes inside a chunk ends
+    there (what it sampled after is dropped) as in the host-sampled loop of one step a call."""
+    model = _model("gqa-adjacent", "fp16", seed=7)
+    rng = np.random.default_rng(7)
+    prompts = _prompts(rng, (5, 12, 8), model.config.vocab_size)
+    free = generate_ids(model, prompts, max_new_tokens=30, stop_ids=())
+    stop = {free.sequences[0].ids[5], free.sequences[2].ids[11]}
+    gpu = generate_ids(model, prompts, max_new_tokens=30, stop_ids=stop)
+    host = generate_ids(model, prompts, max_new_tokens=30, stop_ids=stop, sampler=Sampler(0.0, top_k=1))
+    assert [s.ids for s in gpu.sequences] == [s.ids for s in host.sequences]
+    assert [s.finish_reason for s in gpu.sequences] == [s.finish_reason for s in host.sequences]
+    assert gpu.sequences[0].finish_reason == "stop" and len(gpu.sequences[0].ids) <= 5
+    assert gpu.decode_tokens == host.decode_tokens
 
 
 def test_gumbel_sampling_follows_the_distribution():

@@ -208,15 +208,15 @@ class TPGroup:
             self._run(lambda comm: self.models[comm.rank].recycle(cache.ranks[comm.rank]))
 
     def __getattr__(self, name):
-        # decode_sample where the ranks have it (LlamaGPU): generate_ids then samples on the GPU. Every rank
-        # samples the same ids from the same logits; rank 0's come back, and a rank whose ids differed would
-        # be handed rank 0's with the next step's tokens.
+        # decode_sample and decode_steps where the ranks have them (LlamaGPU): generate_ids then samples on the
+        # GPU. Every rank samples the same ids from the same logits; rank 0's come back, and a rank whose ids
+        # differed would be handed rank 0's with the next call's tokens.
         models = self.__dict__.get("models")
-        if name == "decode_sample" and models and hasattr(models[0], name):
-            def decode_sample(tokens, cache, slots, **kwargs):
-                return self._run(lambda comm: self.models[comm.rank].decode_sample(
-                    tokens, cache.ranks[comm.rank], slots, **kwargs))[0]
-            return decode_sample
+        if name in ("decode_sample", "decode_steps") and models and hasattr(models[0], name):
+            def sample(tokens, cache, slots, *args, **kwargs):
+                return self._run(lambda comm: getattr(self.models[comm.rank], name)(
+                    tokens, cache.ranks[comm.rank], slots, *args, **kwargs))[0]
+            return sample
         raise AttributeError(name)
 
 

@@ -9,6 +9,10 @@ import time
 from .llama import Llama
 from .sampling import Sampler
 
+#: decode steps a GPU model runs per call in generate_ids (`LlamaGPU.decode_steps`, one CUDA graph): the host
+#: turn between calls is paid once per chunk; a sequence that stops inside one wastes at most CHUNK - 1 steps.
+CHUNK = 8
+
 
 @dataclasses.dataclass
 class Sequence:
@@ -54,8 +58,9 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
     is never fed back, as in llama2.c). `sampler` defaults to greedy; `stop_ids` to the config's BOS and EOS.
     `on_token(b, token)` is called for every kept token as it is sampled. A GPU model samples greedy and plain
     temperature draws on the device (`LlamaGPU.decode_sample`, seeded by the sampler's seed); other samplers
-    run on the host from copied logits. Returns a `Generation` whose
-    sequences have no text (see `generate`).
+    run on the host from copied logits; a model with `decode_steps` runs up to CHUNK steps per call (the ids a
+    sequence sampled after its stop id are dropped). Returns a `Generation` whose sequences have no text (see
+    `generate`).
     """
     cfg, ops = model.config, model.ops
     if max_new_tokens < 0:
@@ -91,16 +96,23 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
         active = [b for b, row in zip(active, logits) if keep(b, sampler(row))]
         result.prefill_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
-        on_gpu = sampler.on_gpu and hasattr(model, "decode_sample")  # only the token ids come back each step
+        on_gpu = sampler.on_gpu and hasattr(model, "decode_steps")  # only the token ids come back
         gpu_seed = 0 if sampler.seed is None else sampler.seed
         while active:
             last = [seqs[b].ids[-1] for b in active]
-            if on_gpu:
-                picked = model.decode_sample(last, cache, active, temperature=sampler.temperature, seed=gpu_seed)
+            if on_gpu:   # a power of two steps (few graphs), none past any sequence's budget
+                n = min(CHUNK, min(budget[b] - len(seqs[b].ids) for b in active))
+                n = 1 << (n.bit_length() - 1)
+                rows = model.decode_steps(last, cache, active, n, temperature=sampler.temperature, seed=gpu_seed)
             else:
-                picked = [sampler(row) for row in ops.to_host(model.decode(last, cache, active))]
-            result.decode_tokens += len(active)
-            active = [b for b, t in zip(active, picked) if keep(b, int(t))]
+                rows = [[sampler(row) for row in ops.to_host(model.decode(last, cache, active))]]
+            step_slots = active
+            for row in rows:
+                if not active:
+                    break
+                live = set(active)
+                result.decode_tokens += len(active)
+                active = [b for b, t in zip(step_slots, row) if b in live and keep(b, int(t))]
         result.decode_seconds = time.perf_counter() - t0
     finally:  # a GPU model: the next call's cache takes these arrays (and decode graphs), even after an error
         if hasattr(model, "recycle"):

@@ -47,6 +47,8 @@ _ACT = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 # The decode graph launches the kernels that allow it as programmatic dependents (cuda_src/pdl.cuh): each one's
 # launch and weight loads overlap the kernel before it. False: plain launches (A/B runs; read at capture).
 _PDL = True
+#: the most decode steps one call (and one CUDA graph) may run: `LlamaGPU.decode_steps`
+MAX_STEPS = 16
 
 
 def kernel_instances() -> list[tuple[str, str]]:
@@ -381,26 +383,29 @@ class LlamaGPU:
         return logits
 
     # -- decode
-    def _decode_step(self, st: "_StepState", cache: GPUKVCache, bucket: int):
-        """One decode step over slots 0..B-1 on the state's buffers (no host values: capturable)."""
+    def _decode_step(self, st: "_StepState", cache: GPUKVCache, bucket: int, n: int = 1):
+        """n decode steps over slots 0..B-1 on the state's buffers (no host values: capturable). Each step after
+        the first feeds back the ids the one before sampled, on the device; step i's ids go to st.pinned[i]."""
         B = st.tokens.shape[0]
-        rt.launch(_kernel("step_positions"), (-(-B // 128),), (128,), (cache.seq_lens, cache.active, st.pos,
-                                                                         np.int32(B)))
         table, lens = cache.block_table[:B], cache.seq_lens[:B]
+        assert n == 1 or st.inv_temp is not None, "several steps need sampling on the device"
 
         def attend(layer, q, k, v):
             return paged_attention(q, cache.k[layer], cache.v[layer], table, lens, max_seqlen=bucket)
 
-        logits = self._forward(self._embed(st.tokens), st.pos, st.slots, cache, attend, packed_kv=False)
-        st.logits[...] = logits
-        if st.inv_temp is not None:
-            rt.launch(_kernel("sample_rows"), (B,), (_THREADS,),
-                      (st.logits, np.int32(self.config.vocab_size), np.float32(st.inv_temp), np.uint64(st.seed),
-                       st.pos, st.tokens))
-            # the ids to page-locked host memory within the step (a graph then needs no copy after it)
-            cp = rt.cupy
-            cp.cuda.runtime.memcpyAsync(st.pinned.ctypes.data, st.tokens.data.ptr, st.tokens.nbytes,
-                                        cp.cuda.runtime.memcpyDeviceToHost, cp.cuda.get_current_stream().ptr)
+        for i in range(n):
+            rt.launch(_kernel("step_positions"), (-(-B // 128),), (128,), (cache.seq_lens, cache.active, st.pos,
+                                                                             np.int32(B)))
+            logits = self._forward(self._embed(st.tokens), st.pos, st.slots, cache, attend, packed_kv=False)
+            st.logits[...] = logits
+            if st.inv_temp is not None:
+                rt.launch(_kernel("sample_rows"), (B,), (_THREADS,),
+                          (st.logits, np.int32(self.config.vocab_size), np.float32(st.inv_temp),
+                           np.uint64(st.seed), st.pos, st.tokens))
+                # the ids to page-locked host memory within the step (a graph then needs no copy after it)
+                cp = rt.cupy
+                cp.cuda.runtime.memcpyAsync(st.pinned[i].ctypes.data, st.tokens.data.ptr, st.tokens.nbytes,
+                                            cp.cuda.runtime.memcpyDeviceToHost, cp.cuda.get_current_stream().ptr)
 
     def _state(self, cache: GPUKVCache, inv_temp, seed) -> "_StepState":
         """The step buffers (and graphs) for this cache's storage and sampling mode; those of other storages are
@@ -420,7 +425,7 @@ class LlamaGPU:
         """Feed `tokens[i]` to cache slot `slots[i]` (one token each, after its cached ones); slots of the cache
         not listed stay idle. Returns float32 logits [len(slots), vocab] (CuPy). With graph=True the step is
         replayed from a CUDA graph (captured on first use for this batch size and context bucket)."""
-        st = self._step(tokens, cache, slots, graph, None, 0)
+        st = self._step(tokens, cache, slots, graph, None, 0, 1)
         return st.logits[rt.cupy.asarray(np.asarray(slots, dtype=np.int64))]
 
     def decode_sample(self, tokens, cache: GPUKVCache, slots, *, temperature: float = 0.0, seed: int = 0,
@@ -428,17 +433,31 @@ class LlamaGPU:
         """`decode` then the next token of each listed slot sampled on the GPU: greedy at temperature 0, else
         a draw from softmax(logits / temperature) (Gumbel-max, keyed by seed, slot and position). Returns
         host int64 ids [len(slots)] (the only copy to the host)."""
+        return self.decode_steps(tokens, cache, slots, 1, temperature=temperature, seed=seed, graph=graph)[0]
+
+    def decode_steps(self, tokens, cache: GPUKVCache, slots, steps: int, *, temperature: float = 0.0,
+                     seed: int = 0, graph: bool = True) -> np.ndarray:
+        """`steps` decode_sample steps in one call (1 <= steps <= MAX_STEPS): step 0 feeds `tokens`, each later
+        step the ids the step before sampled, without the host in between (one CUDA graph runs them all).
+        Returns host int64 ids [steps, len(slots)], row i the ids step i sampled; the same ids as `steps`
+        calls of decode_sample. Every slot advances `steps` tokens: a caller that stops a sequence at a stop id
+        drops what that slot sampled after it (and frees the slot)."""
         if not temperature >= 0.0:
             raise ValueError(f"temperature: expected a value >= 0, got {temperature}")
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= MAX_STEPS:
+            raise ValueError(f"steps: expected an int in [1, {MAX_STEPS}], got {steps!r}")
+        n = int(steps)
         inv = 0.0 if temperature == 0.0 else 1.0 / float(temperature)
-        st = self._step(tokens, cache, slots, graph, inv, int(seed) & ((1 << 64) - 1))
-        if not graph:  # the step copied the sampled ids into st.pinned; a replay has waited for them already
+        st = self._step(tokens, cache, slots, graph, inv, int(seed) & ((1 << 64) - 1), n)
+        if not graph:  # the steps copied their ids into st.pinned; a replay has waited for them already
             rt.cupy.cuda.get_current_stream().synchronize()
-        st.held = st.pinned.copy()
-        return st.held[np.asarray(slots, dtype=np.int64)].astype(np.int64)
+        ids = st.pinned[:n].copy()
+        st.held = ids[n - 1]
+        return ids[:, np.asarray(slots, dtype=np.int64)].astype(np.int64)
 
-    def _step(self, tokens, cache, slots, graph, inv_temp, seed):
-        fast = self._replay_again(tokens, cache, slots, graph, inv_temp, seed)
+    def _step(self, tokens, cache, slots, graph, inv_temp, seed, n):
+        """n steps (n > 1 only when sampling) after the checks, or through _replay_again's fast path."""
+        fast = self._replay_again(tokens, cache, slots, graph, inv_temp, seed, n)
         if fast is not None:
             return fast
         self._memo = None   # set again only once this step has run
@@ -451,13 +470,14 @@ class LlamaGPU:
         if np.size(tokens) != slots.size:
             raise ValueError(f"tokens: expected one token per slot ({slots.size}), got {np.size(tokens)}")
         lens = cache._lens[slots]
-        shortest, longest = int(lens.min()), int(lens.max()) + 1
+        shortest, longest = int(lens.min()), int(lens.max()) + n
         if shortest < 1:
             raise ValueError("slots: every slot needs a prefilled sequence")
+        what = "a sequence" if n == 1 else f"a sequence ({int(lens.max())} tokens) {n} steps on"
         if longest > cache.capacity:
-            raise ValueError(f"slots: a sequence would pass the cache's capacity of {cache.capacity} tokens")
+            raise ValueError(f"slots: {what} would pass the cache's capacity of {cache.capacity} tokens")
         if longest > self.config.seq_len:  # the RoPE table's rows: rope_store would flag it
-            raise ValueError(f"slots: a sequence would pass the model's seq_len = {self.config.seq_len}")
+            raise ValueError(f"slots: {what} would pass the model's seq_len = {self.config.seq_len}")
         st = self._state(cache, inv_temp, seed)
         bucket = _bucket(longest, cache.capacity)
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -472,20 +492,20 @@ class LlamaGPU:
             cache.active.set(active)
             cache._active = active
         if not graph:
-            self._decode_step(st, cache, bucket)
+            self._decode_step(st, cache, bucket, n)
         else:
-            g = st.graphs.get(bucket)
+            g = st.graphs.get((bucket, n))
             if g is None:
-                g = st.graphs[bucket] = _capture(lambda: self._decode_step(st, cache, bucket),
-                                                 (cache.seq_lens, st.tokens))
+                g = st.graphs[bucket, n] = _capture(lambda: self._decode_step(st, cache, bucket, n),
+                                                    (cache.seq_lens, st.tokens))
             else:
                 g.replay()
-        cache._lens[slots] += 1
+        cache._lens[slots] += n
         cache._version += 1   # every step moves it: another model's memo of this cache is stale now
         self._memo = _Memo(cache, slots, graph, inv_temp, seed, longest)
         return st
 
-    def _replay_again(self, tokens, cache, slots, graph, inv_temp, seed):
+    def _replay_again(self, tokens, cache, slots, graph, inv_temp, seed, n):
         """The steady state of a decode loop in a few comparisons: the call before was a step of this cache
         and slots (nothing else changed the cache's mirrors since: its version), and the tokens are the ones
         that step sampled (already on the device). Replays or runs the step and returns its state, or None
@@ -505,21 +525,21 @@ class LlamaGPU:
         if st is None or st.held is None or np.shape(tokens) != m.slots.shape or \
                 not (st.held[m.slots] == tokens).all():
             return None
-        longest = m.longest + 1
+        longest = m.longest + n
         if longest > cache.capacity or longest > self.config.seq_len:
             return None   # the full path says which
         bucket = _bucket(longest, cache.capacity)
 
         def account():
-            cache._lens[m.slots] += 1
+            cache._lens[m.slots] += n
             cache._version += 1
             m.version, m.longest = cache._version, longest
 
         if not graph:
-            self._decode_step(st, cache, bucket)
+            self._decode_step(st, cache, bucket, n)
             account()
         else:
-            g = st.graphs.get(bucket)
+            g = st.graphs.get((bucket, n))
             if g is None:
                 return None
             g.replay(then=account)   # the bookkeeping while the step runs
@@ -542,13 +562,13 @@ class _Memo:
 
 class _StepState:
     """The fixed buffers a decode graph reads and writes: next-token ids in and out, positions, slot ids,
-    logits; and the graphs captured over them (one per context bucket)."""
+    logits; and the graphs captured over them (one per context bucket and number of steps)."""
 
     def __init__(self, B: int, vocab: int, inv_temp, seed):
         cp = rt.require_cupy()
         self.tokens = cp.zeros(B, dtype=cp.int32)
         import cupyx
-        self.pinned = cupyx.empty_pinned(B, dtype=np.int32)   # `tokens` as the step's sampling left them
+        self.pinned = cupyx.empty_pinned((MAX_STEPS, B), dtype=np.int32)   # row i: `tokens` after step i's sampling
         self.held = None   # host copy of `tokens` when known (skips the upload when the caller feeds it back)
         self.pos = cp.zeros(B, dtype=cp.int32)
         self.slots = cp.arange(B, dtype=cp.int32)
