@@ -256,6 +256,13 @@ GPU_CASES = [
     (64, [512], 32, 8, 128, 16, BF16, {}),                            # full batch, no split
     (1, [32768], 32, 8, 128, 16, F16, {}),                            # long: split across CTAs
     (2, [32768, 20000], 32, 32, 128, 128, BF16, {}),
+    # G = 1 (MHA, 15 of the 16 mma rows padding): every head dim, scalar loads, softcap / window / scale
+    (1, [640], 32, 32, 128, 16, F16, {}),                             # the 7B decode shape
+    (2, [700, 45], 16, 16, 64, 16, F16, dict(softcap=25.0, window=(200, 0))),
+    (2, [1500, 9], 8, 8, 256, 32, BF16, {}),
+    (2, [333, 1200], 8, 8, 37, 16, F16, {}),                          # D % 8 != 0: scalar loads
+    (3, [640, 1, 2049], 32, 32, 100, 16, F16, dict(softmax_scale=0.2)),
+    (2, [5000, 17], 4, 4, 200, 8, BF16, dict(window=(1000, 0), softcap=10.0)),
 ]
 
 
@@ -322,7 +329,8 @@ def test_gpu_mixed_inputs_and_bad_values():
 @pytest.mark.gpu
 @pytest.mark.parametrize("check", [True, False])
 @pytest.mark.parametrize("case", [(3, [1, 17, 300], 32, 8, 128, 16, F16), (1, [20000], 32, 8, 128, 16, BF16),
-                                  (2, [100, 555], 8, 2, 37, 16, F16)], ids=["short", "split", "D37"])
+                                  (2, [100, 555], 8, 2, 37, 16, F16), (2, [300, 1200], 16, 16, 128, 16, F16)],
+                         ids=["short", "split", "D37", "mha"])
 def test_gpu_same_signature_twice_then_views_and_bad_input(case, check):
     """Repeated calls of one signature replay a cached launch plan: each must match the reference with the
     output fully written, and same-shape inputs that are strided, misaligned, on another device or hold bad
@@ -384,9 +392,9 @@ _SWEEP = textwrap.dedent("""
     import cupy as cp
     worst = 0.0
     for dtype in (np.float16, ml_dtypes.bfloat16):
-        for D in (64, 128, 256):
+        for D, Hkv in ((64, 4), (128, 4), (256, 4), (64, 16), (128, 16), (256, 16)):   # G = 4 and 1
             rng = np.random.default_rng(D)
-            h = paged.make_case(rng, 3, np.asarray([2000, 37, 700]), 16, 4, D, 16, dtype)
+            h = paged.make_case(rng, 3, np.asarray([2000, 37, 700]), 16, Hkv, D, 16, dtype)
             d = [cp.asarray(a) for a in h]
             r, base, bound = paged.reference_bound(*h)
             for (w, s) in paged._CONFIGS:
@@ -398,9 +406,9 @@ _SWEEP = textwrap.dedent("""
                         continue            # does not fit this device at this head dim
                     L.run()
                     o = out.get()
-                    assert np.isfinite(o.astype(np.float32)).all(), (D, w, s, n)
+                    assert np.isfinite(o.astype(np.float32)).all(), (D, Hkv, w, s, n)
                     err = ref.rel_error(o, r)
-                    assert err <= bound, (D, w, s, n, err, bound)
+                    assert err <= bound, (D, Hkv, w, s, n, err, bound)
                     worst = max(worst, err / bound)
     print("SWEEP_OK", worst)
 """)
