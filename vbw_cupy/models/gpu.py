@@ -2,7 +2,8 @@
 (cuda_src/model.cu), and a decode step captured in one CUDA graph.
 
 `LlamaGPU` has the interface of `Llama` (`new_cache`, `prefill`, `decode`), so `generate_ids` and the CLI run
-either; it adds `decode_sample` (the next tokens sampled on the GPU, only B ints copied back per step).
+either; it adds `decode_sample` (the next tokens sampled on the GPU, only B ints copied back per step) and
+`decode_steps` (several such steps in one call and one graph, the ids fed back on the device).
 
 Per layer: x (float32 residual) -> add_rmsnorm -> one fused QKV GEMM -> rope_store (RoPE on q and k, K and V
 stored into the paged cache at each token's position) -> flash_attention_varlen (prefill) or paged_attention
