@@ -8,6 +8,10 @@ and 16. Either side decodes as `generate` does: CHUNK steps replayed from one CU
 tokens (greedy, sampled on the GPU) fed back on the device and copied to the host; tokens/s = B * steps / wall
 time. "1 step/call" is our decode_sample loop (one graph replay and one copy to the host a step).
 
+A model's start is timed too (stories110M, nvfp4, batch 1, in fresh processes): the first prefill and the first
+8 decode steps with an empty kernel cache (cold: every kernel compiled by NVRTC) and again with the disk cache
+that run left (warm), phase by phase, so what dominates a first call shows.
+
     python bench/bench_model.py [--quick] [--json PATH]      # the table
     pytest bench/bench_model.py --benchmark-only             # pytest-benchmark (stories110M, batch 1)
 """
@@ -251,6 +255,62 @@ def run(quick=False):
     return rows, copy_gbs
 
 
+# --------------------------------------------------------------------------------------------- first call
+START_PHASES = ("import", "weights", "first prefill", "first 8 steps", "next 8 steps")
+
+
+def _first_call(name: str, fmt: str, t0: float) -> dict:
+    """Seconds of each phase of a fresh process's first generation, from t0 (the process's first statement; run
+    in a subprocess by start_times)."""
+    t = [t0]
+    import cupy as cp
+    from vbw_cupy.models import LlamaGPU as Model
+    cp.cuda.Device().synchronize()
+    t.append(time.perf_counter())
+    cfg = SHAPES[name]
+    model = Model(cfg, _weights(cfg), fmt)
+    cp.cuda.Device().synchronize()
+    t.append(time.perf_counter())
+    cache = model.new_cache(1, PROMPT + 2 * CHUNK + 1)
+    tok = model.prefill([list(range(3, 3 + PROMPT))], cache, [0]).argmax(axis=1).get()
+    t.append(time.perf_counter())
+    for _ in range(2):
+        tok = model.decode_steps(tok, cache, [0], CHUNK)[-1]
+        t.append(time.perf_counter())
+    return {k: b - a for k, a, b in zip(START_PHASES, t, t[1:])}
+
+
+def start_times(name: str = "stories110M", fmt: str = "nvfp4") -> dict:
+    """{"cold": phases, "warm": phases}: _first_call in a fresh process on empty kernel caches (ours and CuPy's),
+    then again on the caches it left (VBW_CUPY_CACHE_DIR, CUPY_CACHE_DIR; tuning as configured)."""
+    import subprocess
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import time; t0 = time.perf_counter(); import json, sys; sys.path.insert(0, {here!r}); "
+            f"import bench_model; print('PHASES', json.dumps(bench_model._first_call({name!r}, {fmt!r}, t0)))")
+    out = {}
+    with tempfile.TemporaryDirectory() as cache_dir:
+        env = dict(os.environ, VBW_CUPY_CACHE_DIR=cache_dir, CUPY_CACHE_DIR=os.path.join(cache_dir, "cupy"),
+                   PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+        for run_ in ("cold", "warm"):
+            r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
+            line = next((ln for ln in r.stdout.splitlines() if ln.startswith("PHASES ")), None)
+            if r.returncode != 0 or line is None:
+                raise RuntimeError(f"first-call run ({run_}) failed:\n{r.stdout[-2000:]}{r.stderr[-4000:]}")
+            out[run_] = json.loads(line[len("PHASES "):])
+    return out
+
+
+def format_start(times: dict, name: str = "stories110M", fmt: str = "nvfp4") -> str:
+    lines = [f"first call of a fresh process, {name} {fmt}, batch 1, prompt {PROMPT} (seconds; cold = empty "
+             "kernel cache, warm = the cache the cold run left)",
+             f"{'':5} " + " ".join(f"{p:>14}" for p in START_PHASES) + f" {'to 1st token':>13}"]
+    for run_, ph in times.items():
+        first = sum(ph[p] for p in START_PHASES[:3])
+        lines.append(f"{run_:5} " + " ".join(f"{ph[p]:14.2f}" for p in START_PHASES) + f" {first:13.2f}")
+    return "\n".join(lines)
+
+
 def format_table(rows, copy_gbs):
     out = [f"copy bandwidth {copy_gbs:.0f} GB/s; prompt {PROMPT}, {NEW} new tokens; decode in a CUDA graph; "
            "first run = the first prefill + decode of a shape (compiles, tunes, captures; the disk caches may be warm)",
@@ -297,11 +357,14 @@ def main(argv=None):
     if a.no_pdl:
         from vbw_cupy.models import gpu
         gpu._PDL = False
+    start = None if a.quick else start_times()
     rows, copy_gbs = run(a.quick)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+            json.dump({"copy_gbs": copy_gbs, "rows": rows, "start": start}, f, indent=1)
     print(format_table(rows, copy_gbs))
+    if start is not None:
+        print(format_start(start))
 
 
 if __name__ == "__main__":
