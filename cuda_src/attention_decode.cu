@@ -429,54 +429,60 @@ paged_decode_combine(const float* __restrict__ o_part, const float* __restrict__
   const int grp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float4* op = reinterpret_cast<const float4*>(o_part + row * max_splits * Dp);
   const int nc4 = Dp >> 2;
-  // Few splits (short contexts) and D <= 128: every split's lse and o slice is requested together with seq_lens
-  // (one memory round trip instead of three; the ones past the sequence's split count are read but not used).
-  const bool early = max_splits <= 16 && nc4 <= 32;
-  float ls = 0.f;
-  float4 v[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (early) {
-    if (threadIdx.x < max_splits) ls = lse_part[row * max_splits + threadIdx.x];
+  if (max_splits <= 16 && nc4 <= 32) {
+    // Few splits (short contexts) and D <= 128: every split's lse and o slice is requested together with
+    // seq_lens (one memory round trip instead of three; the ones past the sequence's split count are read but
+    // not used), then merged as below.
+    const int L = seq_lens[b];
+    const float ls = threadIdx.x < max_splits ? lse_part[row * max_splits + threadIdx.x] : 0.f;
+    float4 v[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int s = grp + 4 * j;
-      if (s < max_splits && lane < nc4) v[j] = op[(size_t)s * nc4 + lane];
+      v[j] = s < max_splits && lane < nc4 ? op[(size_t)s * nc4 + lane] : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    if (L < 1 || L > capacity) return;   // paged_decode wrote NaN rows and flagged it
+    const Plan p = make_plan(L, window_left, max_splits, min_tiles, granule);
+    if (p.splits <= 1) return;
+    if (threadIdx.x < 16) sl[threadIdx.x] = ls;
+    __syncthreads();
+    float M = -__int_as_float(0x7f800000), den = 0.f;   // a NaN lse (a bad block id) makes the row NaN
+    for (int s = 0; s < p.splits; ++s) M = fmaxf(M, sl[s]);
+    for (int s = 0; s < p.splits; ++s) den += exp2f(sl[s] - M);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int s = grp + 4 * j;
+      if (s < p.splits) {
+        const float w = exp2f(sl[s] - M);
+        acc.x += w * v[j].x; acc.y += w * v[j].y; acc.z += w * v[j].z; acc.w += w * v[j].w;
+      }
+    }
+    if (lane < nc4) *reinterpret_cast<float4*>(&red[grp][4 * lane]) = acc;
+    __syncthreads();
+    const float inv = 1.f / den;
+    for (int c = threadIdx.x; c < D; c += blockDim.x)
+      out[row * D + c] = from_float<T>((red[0][c] + red[1][c] + red[2][c] + red[3][c]) * inv);
+    return;
   }
   const int L = seq_lens[b];
   if (L < 1 || L > capacity) return;   // paged_decode wrote NaN rows and flagged it
   const Plan p = make_plan(L, window_left, max_splits, min_tiles, granule);
   if (p.splits <= 1) return;
   const int ns = min(p.splits, MAXS);
-  if (early) {
-    if (threadIdx.x < 16) sl[threadIdx.x] = ls;
-  } else {
-    for (int s = threadIdx.x; s < ns; s += blockDim.x) sl[s] = lse_part[row * max_splits + s];
-  }
+  for (int s = threadIdx.x; s < ns; s += blockDim.x) sl[s] = lse_part[row * max_splits + s];
   __syncthreads();
   // a split that met a bad block id stored lse NaN: den becomes NaN and so does the whole row
   float M = -__int_as_float(0x7f800000), den = 0.f;
   for (int s = 0; s < ns; ++s) M = fmaxf(M, sl[s]);
   for (int s = 0; s < ns; ++s) den += exp2f(sl[s] - M);
-  for (int c4 = lane; c4 < nc4; c4 += 32) {   // split s of warp grp: s = grp, grp + 4, ... (both ways)
+  for (int c4 = lane; c4 < nc4; c4 += 32) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (early) {   // c4 == lane: the slices loaded above
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int s = grp + 4 * j;
-        if (s < ns) {
-          const float w = exp2f(sl[s] - M);
-          acc.x += w * v[j].x; acc.y += w * v[j].y; acc.z += w * v[j].z; acc.w += w * v[j].w;
-        }
-      }
-    } else {
 #pragma unroll 4
-      for (int s = grp; s < ns; s += 4) {
-        const float w = exp2f(sl[s] - M);
-        const float4 x = op[(size_t)s * nc4 + c4];
-        acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
-      }
+    for (int s = grp; s < ns; s += 4) {
+      const float w = exp2f(sl[s] - M);
+      const float4 v = op[(size_t)s * nc4 + c4];
+      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
     }
     *reinterpret_cast<float4*>(&red[grp][4 * c4]) = acc;
   }
