@@ -432,7 +432,8 @@ paged_decode_combine(const float* __restrict__ o_part, const float* __restrict__
   if (max_splits <= 16 && nc4 <= 32) {
     // Few splits (short contexts) and D <= 128: every split's lse and o slice is requested together with
     // seq_lens (one memory round trip instead of three; the ones past the sequence's split count are read but
-    // not used), then merged as below.
+    // not used), then merged as below. (One body for both paths, the early loads under a flag, measured
+    // 0.2 us slower at 640 tokens and 1.2 us at 32k on the H100: the two stay separate.)
     const int L = seq_lens[b];
     const float ls = threadIdx.x < max_splits ? lse_part[row * max_splits + threadIdx.x] : 0.f;
     float4 v[4];
