@@ -732,4 +732,117 @@ fp4_gemm_mmvk(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restri
   }
 }
 
+// ---------------------------------------------------------------------------------------- mmvt (M = 2..16)
+// fp4_gemm_mmvt <T, BLK, NT>: the decode GEMM for 2..NT tokens (NT = 8 or 16: one or two MMA n-tiles), shaped as
+//   fp4_gemm_mmvk (CTA = R row groups x S k-parts, a warp streaming its atoms straight into registers, the
+//   k-parts added once in shared memory in k order) in SIR mode: each decoded weight word is scaled in half2
+//   (decode_sir) and is the A fragment of one MMA per 8 tokens. The B fragments come from global memory too:
+//   lane (g, t) loads token g's (and g + 8's) pairs k = 2t, 2t + 1 and 2t + 8, 2t + 9 of each k16 step (L1-cached:
+//   the CTA's row groups share their k-slices); tokens past M read row M - 1 and are never stored. Two atoms'
+//   activations are requested at a time, and each atom's weights of the next unit as soon as the atom is done.
+template <typename T, int BLK, int NT>
+__global__ void __launch_bounds__(512)
+fp4_gemm_mmvt(const T* __restrict__ A, const u8* __restrict__ Wp, void* __restrict__ out,
+              const void* __restrict__ bias, void* __restrict__ ws, int* __restrict__ counters,
+              int M, int N, int K, int lda, int katoms, int apw, float out_scale, int flags) {
+  using OT = typename OpT<T>::type;
+  static_assert(!same<T, float>::value, "16-bit activations only");
+  static_assert(NT == 8 || NT == 16, "NT");
+  constexpr int ATOM = atom_bytes(BLK);
+  constexpr int FC = NT / 8;               // MMA n-tiles (8 tokens each)
+  __shared__ float red[16 * 32 * 4 * FC];  // [warp][lane][4 FC]: every warp's partial tile
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int S = (katoms + apw - 1) / apw;
+  const int R = (blockDim.x >> 5) / S;
+  const int r = warp / S, s = warp - r * S;
+  const int n_rg = (N + 15) >> 4;
+  const int rg = blockIdx.x * R + r;
+  const bool rg_ok = rg < n_rg;
+  const int a0 = s * apw;
+  const int na = max(0, min(apw, katoms - a0));   // atoms of this warp (a multiple of 4)
+
+  const u8* wl = Wp + ((size_t)(rg_ok ? rg : 0) * katoms + a0) * ATOM + lane * 16;
+  const u8* wsl = Wp + ((size_t)(rg_ok ? rg : 0) * katoms + a0) * ATOM + 512 + (BLK == 16 ? g * 8 : g * 4);
+  // this lane's activation rows (token g of each n-tile, clamped to the last real token) at k = 2t
+  const T* xr[FC];
+#pragma unroll
+  for (int c = 0; c < FC; ++c) xr[c] = A + (size_t)min(c * 8 + g, M - 1) * lda + 2 * t;
+
+  uint4 wq[4];
+  uint2 sc[4];
+  auto load_w = [&](int a, int slot) {   // atom a of the warp into slot
+    if (a < na) {
+      wq[slot] = ldg_stream16(wl + (size_t)a * ATOM);
+      sc[slot] = BLK == 16 ? ldg_stream8(wsl + (size_t)a * ATOM) : make_uint2(ldg_stream4(wsl + (size_t)a * ATOM), 0u);
+    }
+  };
+  u32 xv[2][4][2][FC];   // two atoms: [atom][k16 step][b0 / b1][n-tile]
+  auto load_x = [&](int a, int slot) {
+    if (a < na) {
+      const long long k0 = (long long)(a0 + a) * 64;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const long long k = k0 + 16 * j + 8 * h;   // + 2t (in xr)
+#pragma unroll
+          for (int c = 0; c < FC; ++c)
+            xv[slot][j][h][c] = k + 2 * t < K ? __ldca(reinterpret_cast<const u32*>(xr[c] + k)) : 0u;
+        }
+    }
+  };
+
+  float acc[FC][4];
+#pragma unroll
+  for (int c = 0; c < FC; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.f;
+  auto compute = [&](int slot, int xs) {
+    const uint4 q4 = wq[slot];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const u32 q = j == 0 ? q4.x : j == 1 ? q4.y : j == 2 ? q4.z : q4.w;
+      u32 af[4];
+      decode_sir<OT, BLK>(q, sc[slot].x, BLK == 16 ? sc[slot].y : sc[slot].x >> 16, j, af);
+#pragma unroll
+      for (int c = 0; c < FC; ++c) mma<OT>(acc[c], af, xv[xs][j][0][c], xv[xs][j][1][c]);
+    }
+  };
+
+  // the weights are constants: the first unit is requested before waiting on the previous kernel (pdl.cuh)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) load_w(i, i);
+  vbw::pdl_wait();
+  vbw::pdl_launch_dependents();
+  for (int u = 0; u < na; u += 4) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      load_x(u + 2 * h, 0);
+      load_x(u + 2 * h + 1, 1);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        compute(2 * h + i, i);
+        load_w(u + 4 + 2 * h + i, 2 * h + i);   // the next unit's atom in the slot just freed
+      }
+    }
+  }
+
+  float* mine = red + (size_t)warp * 32 * 4 * FC + lane * 4 * FC;
+#pragma unroll
+  for (int c = 0; c < FC; ++c)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) mine[c * 4 + i] = acc[c][i];
+  __syncthreads();
+  if (s != 0 || !rg_ok) return;
+#pragma unroll
+  for (int c = 0; c < FC; ++c)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float v = 0.f;
+      for (int p = 0; p < S; ++p) v += red[(size_t)(warp + p) * 32 * 4 * FC + lane * 4 * FC + c * 4 + i];
+      const int n = rg * 16 + g + ((i & 2) ? 8 : 0);
+      const int m = c * 8 + 2 * t + (i & 1);
+      if (n < N && m < M) store_out(out, bias, flags, n, m, N, v * out_scale);
+    }
+}
+
 }  // namespace vbw_fp4gemm
