@@ -75,7 +75,6 @@ _ATOM = {16: 576, 32: 544}
 _WG = ("wgmma", "wgrs")      # Hopper-only kinds
 _MMV = ("mmv", "mmvd")       # decode kinds (fp4_gemm_mmv); "mmvd" (DIAG) runs M = 1 only
 _M1_ONLY = ("mmvd", "mmvk")  # kinds for M = 1 only
-_MMVK = ("mmvk", "mmvt")     # K split among the warps of one CTA (_mmvk_shape)
 _SIR, _FPP = 0, 1
 _MAX_DIM = 2**31 - 1
 
@@ -103,9 +102,6 @@ TILES = {  # every tile that has compiled instances (kernel_instances); SPLIT is
     # at a time (1: the next one is requested after the current one is computed), SPLIT = k-parts (warps) per
     # row group (0: _mmvk_split)
     "mmvk": _cfg("mmvk", 16, 8, 256, 8, 1, 1),
-    # M = 2..BC, the same shape as mmvk with real token columns (fp4_gemm_mmvt, SIR mode only): BC = 16 or 8 tokens
-    "mmvt": _cfg("mmvt", 16, 16, 256, 8, 1, 1),
-    "mmvt8": _cfg("mmvt", 16, 8, 256, 8, 1, 1),
     "wg64": _cfg("wgmma", 128, 64, 64, 2, 1, 8),   # Hopper: 2 warpgroups x 64 weight rows, BC tokens
     "wg128": _cfg("wgmma", 128, 128, 64, 2, 1, 6),
     "wg256": _cfg("wgmma", 128, 256, 64, 2, 1, 5),
@@ -131,8 +127,8 @@ def _with_split(name, split=0):
 
 def smem_bytes(cfg, blk: int, itemsize: int = 2) -> int:
     atom = _ATOM[blk]
-    if cfg["KIND"] in _MMVK:
-        return 0  # (static: the k-parts' partial tiles, 1 KB mmvk, 8 / 16 KB mmvt)
+    if cfg["KIND"] == "mmvk":
+        return 0  # (1 KB static: the k-parts' row sums)
     if cfg["KIND"] in _MMV:
         return cfg["STAGES"] * cfg["BC"] * cfg["BK"] * itemsize
     if cfg["KIND"] == "mma":
@@ -145,7 +141,7 @@ def smem_bytes(cfg, blk: int, itemsize: int = 2) -> int:
 
 
 def _threads(cfg) -> int:
-    if cfg["KIND"] in _MMVK:
+    if cfg["KIND"] == "mmvk":
         return 512  # at most; the launch's own count: _mmvk_shape
     return 128 * cfg["WR"] if cfg["KIND"] in _WG else 32 * cfg["WR"] * cfg["WC"]
 
@@ -282,8 +278,6 @@ def _wg_name(T, blk, cfg, tma=False):
 def _mmv_name(T, blk, cfg, cl=1):
     if cfg["KIND"] == "mmvk":
         return f"{_NS}fp4_gemm_mmvk<{T}, {blk}, {cfg['STAGES']}>"
-    if cfg["KIND"] == "mmvt":
-        return f"{_NS}fp4_gemm_mmvt<{T}, {blk}, {cfg['BC']}>"
     return (f"{_NS}fp4_gemm_mmv<{T}, {blk}, {cfg['BC']}, {cfg['BK']}, {cfg['WR']}, {cfg['STAGES']}, "
             f"{'true' if cfg['KIND'] == 'mmvd' else 'false'}, {cl}>")
 
@@ -298,7 +292,7 @@ def _source(name: str) -> str:
 
 
 def _kernel_name(T, blk, mode, cfg, tma=False, cl=1):
-    if cfg["KIND"] in _MMV or cfg["KIND"] in _MMVK:
+    if cfg["KIND"] in _MMV or cfg["KIND"] == "mmvk":
         return _mmv_name(T, blk, cfg, cl)
     return _mma_name(T, blk, mode, cfg) if cfg["KIND"] == "mma" else _wg_name(T, blk, cfg, tma)
 
@@ -438,8 +432,6 @@ def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
         raise ValueError("wgmma configs need an sm_90 (Hopper) device")
     if cfg["KIND"] in _M1_ONLY and M != 1:
         raise ValueError(f"config {cfg}: the {cfg['KIND']} decode kernel runs M = 1 only, got M = {M}")
-    if cfg["KIND"] == "mmvt" and M > cfg["BC"]:
-        raise ValueError(f"config {cfg}: the mmvt decode kernel runs M <= {cfg['BC']}, got M = {M}")
     itemsize = np.dtype(adt).itemsize
     # wgrs takes a tensor map of a (built per launch, `_launch`): the TMA variant where the driver encodes maps
     amap = None
@@ -453,7 +445,7 @@ def _plan(w, M, K, adt, lda, bias_kind, act, out_dtype, cfg):
     if act == "swiglu8" and cfg["KIND"] != "mmvk":
         raise ValueError(f"config {cfg}: the swiglu8 epilogue runs on mmvk only")
     flags = _EPILOGUES[act] | (bias_kind << 4) | (_OUT_KIND[np.dtype(out_dtype).name] << 8)
-    if cfg["KIND"] in _MMVK:  # one CTA per R row groups, K split among its warps
+    if cfg["KIND"] == "mmvk":  # one CTA per R row groups, K split among its warps
         S, apw, R = _mmvk_shape(cfg, rt.cdiv(N, 16), katoms, limits["num_sms"])
         name = _kernel_name(rt.ctype(adt), blk, mode, cfg)
         kern = rt.get_kernel(_source(name), name, _EXTRA_OPTIONS)
