@@ -3,7 +3,7 @@ implementation of the same model and weights (static KV cache, SDPA, its decode 
 against the memory roofline (bytes a decode step must read / the copy bandwidth measured in the same run).
 
 Shapes (random weights): stories110M (dim 768, 12 layers, 12 heads, hidden 2048, vocab 32000) and a Llama-2-7B
-shape (dim 4096, 32 layers, 32 heads, hidden 11008, vocab 32000); prompt 512 tokens, 256 new tokens, batch 1
+shape (dim 4096, 32 layers, 32 heads, hidden 11008, vocab 32000); prompt 512 tokens, then 248 decode steps (31 chunks of 8), batch 1
 and 16. Either side decodes as `generate` does: CHUNK steps replayed from one CUDA graph a call, each step's B next
 tokens (greedy, sampled on the GPU) fed back on the device and copied to the host; tokens/s = B * steps / wall
 time. "1 step/call" is our decode_sample loop (one graph replay and one copy to the host a step).
@@ -93,7 +93,7 @@ def ours(cfg, fmt, B, weights, steps=NEW, prompt=PROMPT):
                     res["first_run_s"] = t2 - t0
             else:
                 res["decode_tok_s_1step"] = B * n / (t2 - t1)
-    res["bytes_per_step"] = step_bytes(model, B, prompt + steps / 2)
+    res["bytes_per_step"] = step_bytes(model, B, prompt + n / 2)
     return model, res
 
 
@@ -256,6 +256,7 @@ def run(quick=False):
 
 
 # --------------------------------------------------------------------------------------------- first call
+# weights: random weights generated on the GPU and quantized (on a cold cache, CuPy compiles the generator too)
 START_PHASES = ("import", "weights", "first prefill", "first 8 steps", "next 8 steps")
 
 
@@ -312,7 +313,8 @@ def format_start(times: dict, name: str = "stories110M", fmt: str = "nvfp4") -> 
 
 
 def format_table(rows, copy_gbs):
-    out = [f"copy bandwidth {copy_gbs:.0f} GB/s; prompt {PROMPT}, {NEW} new tokens; decode in a CUDA graph; "
+    out = [f"copy bandwidth {copy_gbs:.0f} GB/s; prompt {PROMPT}, {_decode_steps(NEW)} decode steps timed; "
+           f"{CHUNK} steps a CUDA graph; "
            "first run = the first prefill + decode of a shape (compiles, tunes, captures; the disk caches may be warm)",
            f"{'shape':12} {'side':16} {'B':>3} {'decode tok/s':>12} {'roofline':>9} {'frac':>5} "
            f"{'vs torch':>8} {'1 step/call':>11} {'prefill ms':>10} {'torch eager':>11} {'first run s':>11}"]

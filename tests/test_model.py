@@ -528,7 +528,7 @@ def test_decode_memo_takes_the_fast_path_only_when_nothing_moved(monkeypatch):
     def model():
         m = object.__new__(gpu.LlamaGPU)
         m.config, m._graphs, m._memo = cfg, {}, None
-        m._decode_step = lambda st, cache, bucket, n: runs.append(("step", bucket))
+        m._decode_step = lambda st, cache, bucket, n: runs.append(("step", bucket) if n == 1 else ("step", bucket, n))
         orig = m._replay_again
 
         def spy(*a):
@@ -597,19 +597,90 @@ def test_decode_memo_takes_the_fast_path_only_when_nothing_moved(monkeypatch):
     # several steps a call (decode_steps): a graph per (bucket, steps), the lengths move by the steps
     m, c = model(), Cache()
     st = m._step(np.array([3]), c, [0], True, 0.0, 1, 4)       # 5 + 4 tokens: bucket 16, captured
-    assert fast[-1] is False and runs[-1] == ("step", 16) and c._lens[0] == 9
+    assert fast[-1] is False and runs[-1] == ("step", 16, 4) and c._lens[0] == 9
     st.held = np.array([8, 0], dtype=np.int32)
     m._step(np.array([8]), c, [0], True, 0.0, 1, 4)
     assert fast[-1] is True and runs[-1] == ("replay", 16) and c._lens[0] == 13
     st.held = np.array([6, 0], dtype=np.int32)
     m._step(np.array([6]), c, [0], True, 0.0, 1, 2)            # no graph of 2 steps yet: full, captured
-    assert fast[-1] is False and runs[-1] == ("step", 16) and c._lens[0] == 15
+    assert fast[-1] is False and runs[-1] == ("step", 16, 2) and c._lens[0] == 15
     m._step(np.array([6]), c, [0], True, 0.0, 1, 2)            # 17 tokens: bucket 32, a new graph
-    assert fast[-1] is False and runs[-1] == ("step", 32) and c._lens[0] == 17
+    assert fast[-1] is False and runs[-1] == ("step", 32, 2) and c._lens[0] == 17
     c._lens[0] = 50
     with pytest.raises(ValueError, match=r"a sequence \(50 tokens\) 16 steps on would pass the cache's capacity"):
         m._step(np.array([6]), c, [0], True, 0.0, 1, 16)
     assert c._lens[0] == 50
+
+
+def test_generate_in_chunks_equals_one_step_a_call():
+    """generate_ids with a model that has decode_steps (up to CHUNK steps a call) gives the ids, finish reasons
+    and token counts of the one-step loop, never passing the cache's capacity or seq_len, whatever the prompts,
+    budgets, seq_len and stop ids. CPU: a fake model whose next id is a function of the token and position."""
+    import random
+    from vbw_cupy.models import LlamaConfig
+    from vbw_cupy.models.llama import numpy_ops
+    V = 50
+
+    def nxt(tok, pos):
+        return (tok * 31 + pos * 7 + 3) % V
+
+    class Cache:
+        def __init__(self, B, cap):
+            self.cap, self.lens = cap, np.zeros(B, dtype=np.int64)
+
+        def free(self, b):
+            self.lens[b] = 0
+
+    class OneStep:
+        def __init__(self, cfg):
+            self.config, self.ops, self.calls = cfg, numpy_ops(), []
+
+        def new_cache(self, B, T):
+            return Cache(B, T)
+
+        def prefill(self, prompts, c, slots):
+            for p, b in zip(prompts, slots):
+                c.lens[b] = len(p)
+            return np.array([np.eye(V)[nxt(p[-1], len(p) - 1)] for p in prompts])
+
+        def _one(self, toks, c, slots):
+            ids = []
+            for t, b in zip(toks, slots):
+                pos = int(c.lens[b])
+                c.lens[b] += 1
+                assert 1 <= pos and c.lens[b] <= min(c.cap, self.config.seq_len), (c.lens[b], c.cap)
+                ids.append(nxt(int(t), pos))
+            return ids
+
+        def decode(self, toks, c, slots):
+            return np.array([np.eye(V)[i] for i in self._one(toks, c, slots)])
+
+    class Chunked(OneStep):
+        def decode_steps(self, toks, c, slots, n, temperature=0.0, seed=0):
+            assert 1 <= n <= 8 and n & (n - 1) == 0
+            self.calls.append(n)
+            rows, t = [], list(toks)
+            for _ in range(n):
+                t = self._one(t, c, slots)
+                rows.append(t)
+            return np.array(rows)
+
+    rng = random.Random(1)
+    chunked_calls = 0
+    for _ in range(400):
+        seq_len = rng.randint(2, 40)
+        prompts = [[rng.randrange(V) for _ in range(rng.randint(1, seq_len))] for _ in range(rng.randint(1, 4))]
+        cfg = LlamaConfig(dim=8, hidden_dim=8, n_layers=1, n_heads=1, n_kv_heads=1, vocab_size=V, seq_len=seq_len)
+        stop = set(rng.sample(range(V), rng.randint(0, 4)))
+        budget = rng.randint(0, 45)
+        m = Chunked(cfg)
+        a = generate_ids(m, prompts, max_new_tokens=budget, stop_ids=stop)
+        b = generate_ids(OneStep(cfg), prompts, max_new_tokens=budget, stop_ids=stop)
+        assert [x.ids for x in a.sequences] == [x.ids for x in b.sequences]
+        assert [x.finish_reason for x in a.sequences] == [x.finish_reason for x in b.sequences]
+        assert a.decode_tokens == b.decode_tokens
+        chunked_calls += sum(n > 1 for n in m.calls)
+    assert chunked_calls > 100   # the chunks were really taken
 
 
 @pytest.mark.parametrize("shared", [True, False])

@@ -160,8 +160,8 @@ def test_gpu_sampling_greedy_matches_host_and_seeded_draws_repeat():
 
 def test_decode_steps_equal_single_steps():
     """decode_steps(n) samples what n decode_sample calls sample (two sequences, temperature draws, chunks of 1 to
-    16 steps crossing context buckets 16 -> 32 -> 64), replayed from its graphs and eager; a call whose steps would
-    pass the cache's capacity raises before any step runs."""
+    16 steps crossing context buckets 16 -> 32 -> 64, where paged attention runs one split either way), replayed
+    from its graphs and eager; a call whose steps would pass the cache's capacity raises before any step runs."""
     models = [_model("gqa-adjacent", "nvfp4", seed=6) for _ in range(3)]
     rng = np.random.default_rng(6)
     prompts = _prompts(rng, (13, 6), models[0].config.vocab_size)
@@ -184,7 +184,7 @@ def test_decode_steps_equal_single_steps():
     with pytest.raises(ValueError, match="capacity"):
         models[1].decode_steps(t, caches[1], [0, 1], 12, temperature=0.7, seed=9)
     assert caches[1].lengths([0, 1]).tolist() == [53, 46]
-    with pytest.raises(ValueError, match="steps"):
+    with pytest.raises(ValueError, match=r"steps: expected an int in \[1, 16\], got 17"):
         models[1].decode_steps(t, caches[1], [0, 1], 17)
 
 

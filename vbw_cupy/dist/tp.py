@@ -209,8 +209,8 @@ class TPGroup:
 
     def __getattr__(self, name):
         # decode_sample and decode_steps where the ranks have them (LlamaGPU): generate_ids then samples on the
-        # GPU. Every rank samples the same ids from the same logits; rank 0's come back, and a rank whose ids
-        # differed would be handed rank 0's with the next call's tokens.
+        # GPU. Every rank samples the same ids from the same logits (the all-reduces give every rank the same
+        # bits); rank 0's come back.
         models = self.__dict__.get("models")
         if name in ("decode_sample", "decode_steps") and models and hasattr(models[0], name):
             def sample(tokens, cache, slots, *args, **kwargs):

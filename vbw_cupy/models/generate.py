@@ -56,7 +56,8 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
 
     Sequence b generates up to min(max_new_tokens, seq_len - len(prompt b) + 1) tokens (the last one sampled
     is never fed back, as in llama2.c). `sampler` defaults to greedy; `stop_ids` to the config's BOS and EOS.
-    `on_token(b, token)` is called for every kept token as it is sampled. A GPU model samples greedy and plain
+    `on_token(b, token)` is called for every kept token as it comes back (on a GPU model, the tokens of a
+    chunk of up to CHUNK steps together). A GPU model samples greedy and plain
     temperature draws on the device (`LlamaGPU.decode_sample`, seeded by the sampler's seed); other samplers
     run on the host from copied logits; a model with `decode_steps` runs up to CHUNK steps per call (the ids a
     sequence sampled after its stop id are dropped). Returns a `Generation` whose sequences have no text (see

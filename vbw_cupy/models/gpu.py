@@ -440,9 +440,11 @@ class LlamaGPU:
                      seed: int = 0, graph: bool = True) -> np.ndarray:
         """`steps` decode_sample steps in one call (1 <= steps <= MAX_STEPS): step 0 feeds `tokens`, each later
         step the ids the step before sampled, without the host in between (one CUDA graph runs them all).
-        Returns host int64 ids [steps, len(slots)], row i the ids step i sampled; the same ids as `steps`
-        calls of decode_sample. Every slot advances `steps` tokens: a caller that stops a sequence at a stop id
-        drops what that slot sampled after it (and frees the slot)."""
+        Returns host int64 ids [steps, len(slots)], row i the ids step i sampled: those of `steps` calls of
+        decode_sample, except that every step runs with the context bucket of the last one (paged attention's
+        split count follows the bucket, so where the steps cross one a near-tie can round the other way).
+        Every slot advances `steps` tokens: a caller that stops a sequence at a stop id drops what that slot
+        sampled after it (and frees the slot)."""
         if not temperature >= 0.0:
             raise ValueError(f"temperature: expected a value >= 0, got {temperature}")
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= MAX_STEPS:
