@@ -306,8 +306,13 @@ def test_tokenizer_bin_truncated(tmp_path, tok_bin):
     cut.write_bytes(tok_bin.read_bytes()[:-3])
     with pytest.raises(ValueError, match="cut.bin: truncated tokenizer"):
         Llama2cTokenizer.from_file(cut)
-    with pytest.raises(ValueError, match="truncated tokenizer"):
+    # a whole file of another size than the model's vocabulary: a tokenizer of another model, both ways
+    with pytest.raises(ValueError, match=f"{TOK_VOCAB} tokens, the model's vocab_size is {TOK_VOCAB + 1}: a "
+                                         "tokenizer of another model"):
         Llama2cTokenizer.from_file(tok_bin, vocab_size=TOK_VOCAB + 1)
+    with pytest.raises(ValueError, match=f"more than the model's vocab_size = {TOK_VOCAB - 9} tokens"):
+        Llama2cTokenizer.from_file(tok_bin, vocab_size=TOK_VOCAB - 9)
+    assert Llama2cTokenizer.from_file(tok_bin, vocab_size=TOK_VOCAB).vocab_size == TOK_VOCAB
 
 
 def write_hf_tokenizer(path):
@@ -435,9 +440,25 @@ def test_cli_errors(tmp_path, capsys, tok_bin):
     assert cli_main(base + ["--prompt", "hi"]) == 2                        # no tokenizer.bin beside the file
     assert f"tokenizer: {tmp_path / 'ckpt' / 'tokenizer.bin'} does not exist" in capsys.readouterr().err
     assert cli_main(base + ["--tokenizer", str(tok_bin), "--prompt", "日本 hi"]) == 2
-    assert "longer than the model's seq_len = 8" in capsys.readouterr().err
+    got = capsys.readouterr()
+    assert "longer than the model's seq_len = 8" in got.err and got.out == ""   # the prompt is not echoed first
     assert cli_main(["generate", str(tmp_path / "none.bin"), "--device", "cpu"]) == 2
     assert "none.bin does not exist" in capsys.readouterr().err
+    assert cli_main(["generate", str(tok_bin), "--device", "cpu"]) == 2   # a tokenizer given as the checkpoint
+    assert f"{tok_bin}: not a llama2.c checkpoint" in capsys.readouterr().err
+
+
+def test_cli_says_why_generation_stopped(tmp_path, capsys, tok_bin, monkeypatch):
+    """A generation that ends at a stop id says so on stderr (a random model often samples EOS at once, which would
+    otherwise print nothing and no reason)."""
+    import vbw_cupy.models as models
+    from vbw_cupy.models.generate import Generation, Sequence
+    w = random_weights(np.random.default_rng(12), 32, 48, 1, 4, 4, TOK_VOCAB, True)
+    ckpt = write_llama2c(tmp_path / "m.bin", w, 16, True)
+    monkeypatch.setattr(models, "generate_ids", lambda model, prompts, **kw: Generation(
+        [Sequence(prompts[0], [], finish_reason="stop")], prefill_tokens=len(prompts[0])))
+    assert cli_main(["generate", str(ckpt), "--tokenizer", str(tok_bin), "--device", "cpu", "--prompt", "hi"]) == 0
+    assert "stopped after 0 new tokens: the model sampled a stop id (BOS / EOS: [1, 2])" in capsys.readouterr().err
 
 
 def test_gpu_model_host_checks_and_step_state_cache_identity(monkeypatch):

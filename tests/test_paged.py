@@ -154,7 +154,10 @@ def test_cache_picks_numpy_without_a_gpu(monkeypatch):
                     ({"xp": object()}, "xp: expected"), ({"device": "cpu", "xp": np}, "give one of the two")):
         with pytest.raises(ValueError, match=msg):
             paged.PagedKVCache(4, 4, 1, 8, max_batch=1, max_blocks_per_seq=4, **kw)
-    with pytest.raises(AssertionError, match="tried CUDA"):   # asking for the GPU goes to CuPy
+    with pytest.raises(RuntimeError, match="device='gpu': no usable CUDA device"):   # said, not a CUDA error
+        paged.PagedKVCache(4, 4, 1, 8, max_batch=1, max_blocks_per_seq=4, device="gpu")
+    monkeypatch.setattr(paged.rt, "gpu_available", lambda: True)
+    with pytest.raises(AssertionError, match="tried CUDA"):   # with a GPU, asking for it goes to CuPy
         paged.PagedKVCache(4, 4, 1, 8, max_batch=1, max_blocks_per_seq=4, device="gpu")
 
 

@@ -313,6 +313,7 @@ def cmd_generate(args) -> int:
 
 def _generate(args) -> int:
     from .models import Sampler, generate_ids, load_model, load_tokenizer
+    from .models.generate import check_prompt
     args.device = args.device or ("gpu" if rt.gpu_available() else "cpu")
     if args.tp != 1:  # tensor-parallel ranks: simulated on cpu, one GPU each over NCCL on gpu (vbw_cupy.dist)
         from .dist import load_tp_model
@@ -324,6 +325,7 @@ def _generate(args) -> int:
     tok = load_tokenizer(args.tokenizer or _default_tokenizer(args.checkpoint), cfg.bos_id, cfg.eos_ids[0],
                          vocab_size=cfg.vocab_size)
     ids = tok.encode(args.prompt, bos=True)
+    check_prompt(ids, cfg.seq_len)   # before the prompt is echoed
     print(args.prompt, end="", flush=True)
     stream = tok.stream(ids[-1])
     out = generate_ids(model, [ids], max_new_tokens=args.max_new_tokens,
@@ -336,7 +338,10 @@ def _generate(args) -> int:
           f"decode: {out.decode_tokens} tokens, {out.decode_tokens_per_s:.1f} tokens/s "
           f"({getattr(model, 'where', args.device)}, {model.weight_format} weights)", file=sys.stderr)
     seq = out.sequences[0]
-    if seq.finish_reason == "length" and len(seq.ids) < args.max_new_tokens:
+    if seq.finish_reason == "stop":
+        print(f"stopped after {len(seq.ids)} new tokens: the model sampled a stop id (BOS / EOS: "
+              f"{sorted(cfg.stop_ids)})", file=sys.stderr)
+    elif seq.finish_reason == "length" and len(seq.ids) < args.max_new_tokens:
         print(f"stopped after {len(seq.ids)} new tokens: the prompt ({len(ids)} tokens) and the generated ones reach "
               f"the model's seq_len = {model.config.seq_len}", file=sys.stderr)
     return 0

@@ -493,6 +493,9 @@ def _array_module(device, xp):
         if device not in _DEVICES:
             raise ValueError(f"device: expected 'cpu' or 'gpu', got {device!r}")
         xp = _DEVICES[device]
+        if device == "gpu" and not rt.gpu_available():
+            raise RuntimeError("device='gpu': no usable CUDA device is visible (CuPy installed with a GPU and driver "
+                               "is needed; device='cpu' runs the NumPy reference)")
     elif xp is None:
         xp = "cupy" if rt.gpu_available() else "numpy"
     if isinstance(xp, str):
@@ -602,7 +605,8 @@ class PagedKVCache:
             raise TypeError(f"seqs: expected None or a list of {B} slot ids (ints), got {seqs!r}")
         s = np.asarray(items, dtype=np.int64).reshape(-1) if items else np.zeros(0, np.int64)
         if s.size != B or (s.size and (s.min() < 0 or s.max() >= self.max_batch)) or np.unique(s).size != s.size:
-            raise ValueError(f"seqs: expected {B} distinct slots in [0, {self.max_batch}), got {list(s)}")
+            raise ValueError(f"seqs: expected {B} distinct slots in [0, {self.max_batch}) ({name} has {B} rows), "
+                             f"got {s.tolist()}")
         return s
 
     def append(self, k_new, v_new, seqs=None) -> None:
@@ -730,6 +734,8 @@ class PagedKVCache:
         _checks.check_array_like("q", q)
         if q.ndim != 3:
             raise ValueError(f"q: expected a 3-d array [B, Hq, D], got shape {tuple(q.shape)}")
+        if np.dtype(q.dtype) != np.dtype(self.k_cache.dtype):
+            raise TypeError(f"q: expected the cache's dtype {np.dtype(self.k_cache.dtype)}, got {np.dtype(q.dtype)}")
         B = int(q.shape[0])
         slots = self._slots(seqs, B, "q")
         if (self._lens[slots] < 1).any():

@@ -55,8 +55,13 @@ def load_llama2c(path) -> tuple[LlamaConfig, LlamaWeights]:
         raise ValueError(f"{path}: truncated llama2.c checkpoint: expected at least {_HEADER} bytes for the header, "
                          f"got {size}")
     dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len = np.frombuffer(head, "<i4").tolist()
-    config = LlamaConfig(dim=dim, hidden_dim=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                         vocab_size=abs(vocab), seq_len=seq_len, shared_classifier=vocab > 0)
+    try:
+        config = LlamaConfig(dim=dim, hidden_dim=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                             vocab_size=abs(vocab), seq_len=seq_len, shared_classifier=vocab > 0)
+    except ValueError as e:   # not a model's header (a tokenizer.bin, another format)
+        raise ValueError(f"{path}: not a llama2.c checkpoint, its header (dim, hidden_dim, n_layers, n_heads, "
+                         f"n_kv_heads, vocab_size, seq_len = {dim}, {hidden}, {n_layers}, {n_heads}, {n_kv_heads}, "
+                         f"{vocab}, {seq_len}) is not a model's: {e}") from None
     L, kv, V = n_layers, config.kv_dim, abs(vocab)
     shapes = [("token_embedding", (V, dim)), ("rms_att", (L, dim)), ("wq", (L, dim, dim)), ("wk", (L, kv, dim)),
               ("wv", (L, kv, dim)), ("wo", (L, dim, dim)), ("rms_ffn", (L, dim)), ("w1", (L, hidden, dim)),
@@ -68,7 +73,7 @@ def load_llama2c(path) -> tuple[LlamaConfig, LlamaWeights]:
     expected = _HEADER + 4 * sum(counts)
     if size != expected:
         raise ValueError(f"{path}: {'truncated' if size < expected else 'oversized'} llama2.c checkpoint: expected "
-                         f"{expected} bytes for its header ({config}), got {size} bytes")
+                         f"{expected} bytes for the shapes its header declares ({config}), got {size} bytes")
     flat = np.memmap(path, dtype="<f4", mode="r", offset=_HEADER, shape=(sum(counts),))
     t, offset = {}, 0
     for (name, shape), n in zip(shapes, counts):

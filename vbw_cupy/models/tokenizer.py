@@ -36,7 +36,8 @@ class Llama2cTokenizer:
     @classmethod
     def from_file(cls, path, vocab_size: int | None = None) -> "Llama2cTokenizer":
         """Read tokenizer.bin: int32 max_token_length, then per token float32 score, int32 length, the bytes.
-        Reads `vocab_size` tokens (all of the file when None); ValueError naming the file when it ends early."""
+        Reads `vocab_size` tokens (all of the file when None); ValueError naming the file when it ends early or
+        holds another number of tokens (a tokenizer of another model)."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer: {path} does not exist")
@@ -44,6 +45,9 @@ class Llama2cTokenizer:
         pieces, scores, pos = [], [], 4
         want = "" if vocab_size is None else f" (expected {vocab_size} tokens, the model's vocab_size)"
         while pos < len(buf) if vocab_size is None else len(pieces) < vocab_size:
+            if pos == len(buf):   # ends on a token boundary: whole, but not the model's vocabulary
+                raise ValueError(f"{path}: {len(pieces)} tokens, the model's vocab_size is {vocab_size}: a "
+                                 "tokenizer of another model?")
             if pos + 8 > len(buf):
                 raise ValueError(f"{path}: truncated tokenizer: token {len(pieces)} needs bytes {pos}..{pos + 8}, "
                                  f"the file has {len(buf)}{want}")
@@ -54,6 +58,9 @@ class Llama2cTokenizer:
             pieces.append(buf[pos + 8:pos + 8 + n])
             scores.append(score)
             pos += 8 + n
+        if pos < len(buf):
+            raise ValueError(f"{path}: more than the model's vocab_size = {vocab_size} tokens ({len(buf) - pos} "
+                             "bytes left after them): a tokenizer of another model?")
         return cls(pieces, scores)
 
     @property
@@ -63,8 +70,8 @@ class Llama2cTokenizer:
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         ids = [self.bos_id] if bos else []
         raw = text.encode("utf-8")
-        if raw:
-            ids.append(self._ids[b" "])
+        if raw:  # the dummy prefix (its byte-fallback id when " " is not a token)
+            ids.append(self._ids.get(b" ", ord(" ") + 3))
         i = 0
         while i < len(raw):  # one code point: a lead byte and up to three continuation bytes
             j = i + 1
