@@ -256,7 +256,8 @@ def test_generation_is_limited_by_seq_len(tmp_path):
 # ---------------------------------------------------------------------------------------------- tokenizer
 
 def write_tokenizer_bin(path, extra):
-    """<unk>, <s>, </s>, the 256 byte pieces, then `extra` pieces: (bytes, score)."""
+    """<unk>, <s>, </s>, the 256 byte pieces, then `extra` pieces: (bytes, score), written here as run.c reads
+    them (independent of Llama2cTokenizer.save, which test_tokenizer_save_round_trip checks against this)."""
     pieces = [(b"<unk>", 0.0), (b"\n<s>\n", 0.0), (b"\n</s>\n", 0.0)]
     pieces += [(b"<0x%02X>" % i, 0.0) for i in range(256)] + extra
     with open(path, "wb") as f:
@@ -264,6 +265,30 @@ def write_tokenizer_bin(path, extra):
         for p, score in pieces:
             f.write(struct.pack("<fi", score, len(p)) + p)
     return path
+
+
+def test_readme_tiny_model_runs(tmp_path, capsys, monkeypatch):
+    """README's "Run a model" snippet, as written there: the tiny model and byte-level tokenizer it writes run
+    through `vbw-cupy generate --device cpu --print-ids` (the prompt's ids first, BOS and the dummy prefix)."""
+    import pathlib
+    import re
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"### Run a model.*?```python\n(.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md", "exec"), {})
+    ids = cli_ids(capsys, ["generate", "tiny.bin", "--prompt", "hi", "--device", "cpu", "--print-ids",
+                           "--max-new-tokens", "5"])
+    assert ids[:4] == [1, ord(" ") + 3, ord("h") + 3, ord("i") + 3] and len(ids) <= 9
+
+
+def test_tokenizer_save_round_trip(tmp_path, tok_bin):
+    """Llama2cTokenizer.byte_level(extra).save writes the bytes of run.c's layout (this file's writer), and
+    from_file reads back the same pieces and scores."""
+    saved = Llama2cTokenizer.byte_level(EXTRA).save(tmp_path / "saved.bin")
+    assert saved.read_bytes() == tok_bin.read_bytes()
+    back = Llama2cTokenizer.from_file(saved)
+    assert back.pieces == Llama2cTokenizer.from_file(tok_bin).pieces and back.vocab_size == TOK_VOCAB
+    assert back.encode("abc hi") == load_tokenizer(tok_bin).encode("abc hi")
 
 
 EXTRA = [(b" ", -1.0), (b"a", -1.0), (b"b", -1.0), (b"c", -1.0), (b"ab", -2.0), (b"bc", -5.0), (b"abc", -3.0),

@@ -34,6 +34,24 @@ class Llama2cTokenizer:
             self._ids.setdefault(p, i)
 
     @classmethod
+    def byte_level(cls, extra=()) -> "Llama2cTokenizer":
+        """<unk>, <s>, </s>, the 256 byte pieces <0x00>..<0xFF> (ids 3..258), then `extra` (piece bytes, score)
+        pairs: the smallest tokenizer any text encodes with (a toy model's, vocab_size 259 + len(extra))."""
+        pieces = [(b"<unk>", 0.0), (b"\n<s>\n", 0.0), (b"\n</s>\n", 0.0)]
+        pieces += [(b"<0x%02X>" % i, 0.0) for i in range(256)] + [(bytes(p), float(s)) for p, s in extra]
+        return cls([p for p, _ in pieces], [s for _, s in pieces])
+
+    def save(self, path) -> Path:
+        """Write llama2.c's tokenizer.bin (what from_file reads): int32 max piece length, then per piece float32
+        score, int32 length, the bytes."""
+        path = Path(path)
+        out = [np.int32(max((len(p) for p in self.pieces), default=0)).tobytes()]
+        for p, s in zip(self.pieces, self.scores):
+            out += [np.float32(s).tobytes(), np.int32(len(p)).tobytes(), bytes(p)]
+        path.write_bytes(b"".join(out))
+        return path
+
+    @classmethod
     def from_file(cls, path, vocab_size: int | None = None) -> "Llama2cTokenizer":
         """Read tokenizer.bin: int32 max_token_length, then per token float32 score, int32 length, the bytes.
         Reads `vocab_size` tokens (all of the file when None); ValueError naming the file when it ends early or
