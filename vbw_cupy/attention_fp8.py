@@ -66,8 +66,7 @@ def quantize_e4m3(x):
     _checks.check_array_like("x", x)
     if not isinstance(x, np.ndarray):
         x = rt.as_gpu_array(x, "x")
-    if np.dtype(x.dtype).name not in _checks.FLOAT_DTYPES:
-        raise TypeError(f"x: expected one of {_checks.FLOAT_DTYPES}, got {x.dtype}")
+    _checks.check_float_dtype("x", x.dtype)
     if isinstance(x, np.ndarray):
         return ref.quantize_e4m3_tensor(x)
     cp = rt.require_cupy()
