@@ -30,6 +30,7 @@ import weakref
 import numpy as np
 
 from .. import _blas
+from .. import _checks
 from .. import _errors
 from .. import _runtime as rt
 from ..attention import flash_attention_varlen
@@ -387,6 +388,7 @@ class LlamaGPU:
     def _decode_step(self, st: "_StepState", cache: GPUKVCache, bucket: int, n: int = 1):
         """n decode steps over slots 0..B-1 on the state's buffers (no host values: capturable). Each step after
         the first feeds back the ids the one before sampled, on the device; step i's ids go to st.pinned[i]."""
+        cp = rt.cupy
         B = st.tokens.shape[0]
         table, lens = cache.block_table[:B], cache.seq_lens[:B]
         assert n == 1 or st.inv_temp is not None, "several steps need sampling on the device"
@@ -404,7 +406,6 @@ class LlamaGPU:
                           (st.logits, np.int32(self.config.vocab_size), np.float32(st.inv_temp),
                            np.uint64(st.seed), st.pos, st.tokens))
                 # the ids to page-locked host memory within the step (a graph then needs no copy after it)
-                cp = rt.cupy
                 cp.cuda.runtime.memcpyAsync(st.pinned[i].ctypes.data, st.tokens.data.ptr, st.tokens.nbytes,
                                             cp.cuda.runtime.memcpyDeviceToHost, cp.cuda.get_current_stream().ptr)
 
@@ -447,7 +448,7 @@ class LlamaGPU:
         sampled after it (and frees the slot)."""
         if not temperature >= 0.0:
             raise ValueError(f"temperature: expected a value >= 0, got {temperature}")
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= MAX_STEPS:
+        if not _checks._is_int(steps) or not 1 <= steps <= MAX_STEPS:
             raise ValueError(f"steps: expected an int in [1, {MAX_STEPS}], got {steps!r}")
         n = int(steps)
         inv = 0.0 if temperature == 0.0 else 1.0 / float(temperature)
@@ -473,10 +474,11 @@ class LlamaGPU:
         if np.size(tokens) != slots.size:
             raise ValueError(f"tokens: expected one token per slot ({slots.size}), got {np.size(tokens)}")
         lens = cache._lens[slots]
-        shortest, longest = int(lens.min()), int(lens.max()) + n
+        shortest, held = int(lens.min()), int(lens.max())
+        longest = held + n
         if shortest < 1:
             raise ValueError("slots: every slot needs a prefilled sequence")
-        what = "a sequence" if n == 1 else f"a sequence ({int(lens.max())} tokens) {n} steps on"
+        what = "a sequence" if n == 1 else f"a sequence ({held} tokens) {n} steps on"
         if longest > cache.capacity:
             raise ValueError(f"slots: {what} would pass the cache's capacity of {cache.capacity} tokens")
         if longest > self.config.seq_len:  # the RoPE table's rows: rope_store would flag it
