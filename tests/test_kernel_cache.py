@@ -226,8 +226,10 @@ print(json.dumps(seen))
 def test_concurrent_writers_and_readers_never_pair_the_wrong_cubin(tmp_path):
     """Several processes write the same entry with different cubins while others read it: a reader gets a
     whole cubin with its own name, or a miss (a .name and a cubin of different writers fail the checksum), and
-    every writer's temporary files are gone at the end."""
+    every writer's temporary files are gone at the end. The entry exists before the processes start (a writer
+    "9" of this process): readers that start before any writer has stored once still have whole pairs to read."""
     import subprocess
+    rt.write_cached_cubin(tmp_path / "k.cubin", tmp_path / "k.name", bytes([65 + 9]) * 900, "kernel_w9")
     procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path), role, str(i), "300"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i, role in enumerate(["writer"] * 3 + ["reader"] * 3)]
