@@ -527,6 +527,10 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   // the slots' "empty" barriers, [1 + 2 STAGES + s] K and [1 + 3 STAGES + s] V, one arrival per consumer warp.
   const u32 bar = sK + 2 * STAGES * KV_BYTES;
   constexpr int NBAR = 1 + (WS ? 4 : 2) * STAGES;
+  // After the mbarriers: 8 bytes a warp that pin_softmax stores to (the values are never read), then the sparse
+  // block list; the mbarriers and those slots fit the 256 bytes the launcher reserves past the tiles.
+  static_assert(8 * NBAR + 8 * (NT / 32) <= 256, "mbarriers + pin_softmax slots");
+  const u32 sink = bar + 8 * NBAR + 8 * (threadIdx.x >> 5);
   auto init_bars = [&]() {
     for (int i = 0; i < NBAR; ++i) mbar_init(bar + 8 * i, i < 1 + 2 * STAGES ? 1 : 4 * WGS);
   };
@@ -552,7 +556,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     const int* ids = sp_indices + pat * sp_idx_stride + (bad ? 0 : s0);
     // the ids go to shared memory after the K/V ring and its mbarriers: tile(i) is then one shared load, off
     // the critical path of the TMA issue and the mask test
-    int* list = reinterpret_cast<int*>(smem_raw + (sK - raw) + 2 * STAGES * KV_BYTES + 8 * NBAR);
+    int* list = reinterpret_cast<int*>(smem_raw + (sK - raw) + 2 * STAGES * KV_BYTES + 8 * NBAR + 8 * (NT / 32));
     if (!bad)
       for (int i = tid; i < s1 - s0; i += NT) {
         const int id = ids[i];
@@ -748,6 +752,15 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
         for (int i = 0; i < NO; ++i) acc_o[i] *= (i & 2) ? corr.y : corr.x;
       }
     };
+    // Before the wait for P(n) V(n) that follows a softmax: a shared-memory store of the row sums (lane 0, to
+    // its warp's slot), which depend on every exponential. ptxas keeps a store and a wgmma wait in order, so the
+    // softmax runs while that GEMM does; without it ptxas hoisted the wait up to the one for S(n + 1), and the
+    // two never overlapped (H100: 5-13% of the ws kernel's time at D = 128 / 192 / 256 from 2k keys;
+    // notes/kernel-history.md, attention_fwd.cu v9).
+    auto pin_softmax = [&]() {
+      asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %3, 0;\n@p st.shared.v2.f32 [%0], {%1, %2};\n}\n"
+                   :: "r"(sink), "f"(row_sum[0]), "f"(row_sum[1]), "r"(lane) : "memory");
+    };
     // O += P(m) V(m), issued and committed.
     auto issue_pv = [&](const u32 (&pa)[KP][4], int i) {
       // O += P V: V is the B operand read MN-major (rows are keys = k, columns d = n); 64-wide d panels
@@ -825,6 +838,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
         wg_wait<1>();
         release(kempty(n + 1));
         const float2 corr = softmax_s(s, n + 1);
+        pin_softmax();
         wg_wait<0>();
         release(vempty(n));
         rescale_o(corr);
@@ -912,6 +926,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
         issue_pv(pa_cur, i);
         wg_wait<1>();
         const float2 corr = softmax_p(s, i + 1, pa_next);
+        pin_softmax();
         wg_wait<0>();
         rescale_o(corr);
       };

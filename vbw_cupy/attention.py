@@ -161,10 +161,10 @@ def head_dim_bucket(D: int) -> int:
 def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     """Dynamic shared memory of one CTA. mma: Q [BLOCK_M] + K, V [STAGES][BLOCK_N] rows of HEAD_DIM + 8
     elements; wg: the same rows of the wgmma width _WG_HEAD_DIM[head_dim], unpadded (swizzled), 1 KB to align
-    the base to 1024 bytes and 128 bytes of TMA mbarriers; Q's rows are 16-bit (they stage the output) even
+    the base to 1024 bytes and 256 bytes of TMA mbarriers and per-warp slots; Q's rows are 16-bit (they stage the output) even
     for FP8 inputs (itemsize 1, attention_fp8.py)."""
     if cfg["KIND"] != "mma":
-        return (2 * cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"] * itemsize) * _WG_HEAD_DIM[head_dim] + 1024 + 128
+        return (2 * cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"] * itemsize) * _WG_HEAD_DIM[head_dim] + 1024 + 256
     return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize
 
 
@@ -240,7 +240,13 @@ def _row_warps(cfg) -> int:
 # (geomean 1.07) and D=192 from 8k (1.04-1.15x); D=64 at 16k read 1.05 / 0.95x there, so D=64 keeps "wg".
 # Persistent warp-specialized CTAs (one an SM, a static tile stride) were correct but no faster (D=128 geomean
 # 1.05x wg against 1.07x for ws; D=192 causal 0.73-0.84x): notes/attempts/attention-ws-persistent.patch.
-_WS_FROM = {128: (1, _ws(128)), 192: (8192, _ws(64)), 256: (4096, _ws(64))}
+# 2026-11-26 (sixth session), after the softmax was pinned ahead of the P V wait (attention_fwd.cu v9: until then
+# ptxas had hoisted the wait and nothing overlapped), one run, same method, TFLOP/s of ws / wg at S = 512 / 1k /
+# 2k / 4k / 8k / 16k, full; causal: D=192 382/365 474/461 526/494 561/534 577/556 615/535; 232/226 365/342
+# 459/419 554/472 591/481 616/511; D=256 410/397 528/491 573/546 650/539 690/600 708/567; 279/265 396/377
+# 505/447 568/494 626/518 681/566: ws everywhere. D=64 (ws 128 x 192 / wg 64 x 64): 229/312 299/366 370/376
+# 391/381 424/396 441/396; 132/210 199/287 290/347 357/340 400/369 421/401: ws from 4k keys.
+_WS_FROM = {64: (4096, _ws(192)), 128: (1, _ws(128)), 192: (1, _ws(64)), 256: (1, _ws(64))}
 
 
 def default_config(head_dim: int, arch: int, vec: bool = True, shape: dict | None = None) -> dict:
