@@ -64,6 +64,11 @@
 //      the float16 ws kernel on the same values: S = 4k 1.18-1.36x (690-734 TFLOP/s), 8k 1.34-1.46x, 16k
 //      1.35-1.49x (up to 772; four runs); 3 stages no better. ncu (S = 4k): MUFU (ex2) pipe 41% of peak, issue slots 44%,
 //      0.58 eligible warps a scheduler: latency-bound between the two warpgroups' turns, not by one pipe.
+//   v9 (H100, 2026-11-26, sixth session) pin_softmax: ptxas had hoisted every wait for P(n) V(n) up to the wait
+//      for S(n+1) (seen in the SASS: WARPGROUP.DEPBAR 0x0 right after 0x1), so no softmax ever overlapped its own
+//      warpgroup's P V. A shared-memory store of the row sums before that wait keeps the order. Graph replay, same
+//      run: ws 1.05-1.06x at D=128 from 16k keys, 1.06-1.08x at D=192, 1.08-1.13x at D=256, FP8 1.00-1.05x; ws
+//      now beats the lock-step tiles at every length for D=192 / 256 and from 4k keys at D=64 (the defaults).
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks
