@@ -69,6 +69,8 @@
 //      warpgroup's P V. A shared-memory store of the row sums before that wait keeps the order. Graph replay, same
 //      run: ws 1.05-1.06x at D=128 from 16k keys, 1.06-1.08x at D=192, 1.08-1.13x at D=256, FP8 1.00-1.05x; ws
 //      now beats the lock-step tiles at every length for D=192 / 256 and from 4k keys at D=64 (the defaults).
+//      WS with three consumer warpgroups (BLOCK_M = 192; setmaxnreg 32 / 160): a D=64 candidate, 1.03-1.11x the
+//      two-warpgroup ws tile from 2k keys (H200); not the default (28 bytes of spills at 160 registers).
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks
@@ -87,9 +89,9 @@
 #include "attention_mask.cuh"
 #include "attention_wgmma_tile.cuh"
 
-// attn_fwd_wg's warp-specialized registers a thread, producer / consumers (-D to A/B): the CTA is launched with
-// 384 x 168 and setmaxnreg only moves them, so 128 P + 256 C must stay within 384 x 168 = 64512 (more makes
-// setmaxnreg.inc wait forever).
+// attn_fwd_wg's warp-specialized registers a thread with two consumer warpgroups, producer / consumers (-D to
+// A/B): the CTA is launched with 384 x 168 and setmaxnreg only moves them, so 128 P + 256 C must stay within
+// 384 x 168 = 64512 (more makes setmaxnreg.inc wait forever). Three consumer warpgroups get 32 / 160 (512 x 128).
 #ifndef VBW_WS_PRODUCER_REGS
 #define VBW_WS_PRODUCER_REGS 24
 #endif
@@ -474,7 +476,13 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 192, "BLOCK_N: a wgmma N");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 192 || HEAD_DIM == 256, "HEAD_DIM: a wgmma N");
   static_assert(STAGES >= 2 && STAGES <= 4 && (!OVERLAP || STAGES == 2), "STAGES");
-  static_assert(!WS || (TMA && !OVERLAP && WGS == 2 && STAGES <= 3), "WS: TMA, two consumer warpgroups");
+  static_assert(!WS || (TMA && !OVERLAP && (WGS == 2 || WGS == 3) && STAGES <= 3), "WS: TMA, 2 or 3 consumer warpgroups");
+  // WS registers a thread, producer / consumers: the launch gives 65536 / (128 (WGS + 1)) rounded down to 8 (168 for
+  // 384 threads, 128 for 512) and setmaxnreg only moves them (asking for more makes setmaxnreg.inc wait forever)
+  constexpr int WS_P_REGS = WGS == 2 ? VBW_WS_PRODUCER_REGS : 32;
+  constexpr int WS_C_REGS = WGS == 2 ? VBW_WS_CONSUMER_REGS : 160;
+  static_assert(!WS || 128 * WS_P_REGS + 128 * WGS * WS_C_REGS <= 128 * (WGS + 1) * (65536 / (128 * (WGS + 1)) / 8 * 8),
+                "WS registers");
   // FP8: dense warp-specialized only; Q and K rows and V^T's 128-key rows are whole 128-byte panels
   static_assert(!FP8 || (WS && !SPARSE && BLOCK_N == 128 && HEAD_DIM % 128 == 0), "FP8: ws, BLOCK_N 128, D 128 / 256");
   constexpr int NS = BLOCK_N / 2;    // S accumulators a thread
@@ -803,7 +811,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
       // turn, issues S(i+1) = Q K^T and O += P(i) V(i), hands the turn over, and runs the softmax of S(i+1)
       // while the other's GEMMs run. The producer gives its registers to the consumers (setmaxnreg).
       if (wg == WGS) {
-        setmaxnreg_dec<VBW_WS_PRODUCER_REGS>();
+        setmaxnreg_dec<WS_P_REGS>();
         if (tid == NT) {
           for (int i = 0; i < cnt; ++i) {
             if (i >= STAGES) mbar_wait(kempty(i), phase(i) ^ 1u);  // the slot's previous tile is released
@@ -814,12 +822,14 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
         }
         return;  // (the epilogue is the consumers'; the CTA lives on until they finish)
       }
-      setmaxnreg_inc<VBW_WS_CONSUMER_REGS>();
-      const int other = wg ^ 1;
-      auto turn_wait = [&]() { named_bar(3 + wg, NT); };
-      auto turn_pass = [&]() { named_arrive(3 + other, NT); };
+      setmaxnreg_inc<WS_C_REGS>();
+      // the turn goes round the consumer warpgroups: 0, 1, (2,) 0, ...; named barrier 8 + w is warpgroup w's
+      // (256 threads: the waiter and the one passing the turn)
+      const int next = wg + 1 == WGS ? 0 : wg + 1;
+      auto turn_wait = [&]() { named_bar(8 + wg, 256); };
+      auto turn_pass = [&]() { named_arrive(8 + next, 256); };
       auto release = [&](u32 b) { if (lane == 0) mbar_arrive(b); };
-      if (wg == 1) turn_pass();  // warpgroup 0 goes first
+      if (wg == WGS - 1) turn_pass();  // warpgroup 0 goes first
       mbar_wait(bar, 0);         // Q
       wait_k(0);
       clear_v_tail(0);
@@ -852,7 +862,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
       wait_v(cnt - 1);
       turn_wait();
       issue_pv(pa, cnt - 1);
-      if (wg == 0) turn_pass();  // (warpgroup 1's last turn has no taker)
+      if (wg != WGS - 1) turn_pass();  // (the last warpgroup's last turn has no taker)
       wg_wait<0>();
     } else if constexpr (!OVERLAP) {
       load_k(0);

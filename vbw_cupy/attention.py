@@ -70,11 +70,12 @@ def _wg(n, wgs=2, overlap=False, stages=2):
             "STAGES": stages}
 
 
-def _ws(n, stages=2):
-    """A warp-specialized attn_fwd_wg config (KIND "ws", TMA loads only): two consumer warpgroups of 64 query
-    rows taking turns at the tensor cores, and a producer warpgroup streaming K and V (FlashAttention-3's
-    schedule). 384 threads; where the driver cannot encode tensor maps the head dim's lock-step default runs."""
-    return {"KIND": "ws", "BLOCK_M": 128, "BLOCK_N": n, "WARPS": 12, "Q_REGS": 0, "STAGES": stages}
+def _ws(n, stages=2, wgs=2):
+    """A warp-specialized attn_fwd_wg config (KIND "ws", TMA loads only): `wgs` (2 or 3) consumer warpgroups of
+    64 query rows taking turns at the tensor cores, and a producer warpgroup streaming K and V (FlashAttention-3's
+    schedule). 128 (wgs + 1) threads; where the driver cannot encode tensor maps the head dim's lock-step default
+    runs."""
+    return {"KIND": "ws", "BLOCK_M": 64 * wgs, "BLOCK_N": n, "WARPS": 4 * wgs + 4, "Q_REGS": 0, "STAGES": stages}
 
 
 # Per compiled head dim: {arch: default config} and the candidates the tuner may time. Warp w owns
@@ -118,7 +119,8 @@ for _d in _DEFAULTS.values():
 _WG_HEAD_DIM = {64: 64, 96: 128, 128: 128, 160: 192, 192: 192, 224: 256, 256: 256}
 _WG_DEFAULTS = {64: _wg(64, 1), 96: _wg(128), 128: _wg(128), 160: _wg(64), 192: _wg(64), 224: _wg(64),
                 256: _wg(64)}
-_WG_CANDIDATES = {64: (_wg(64), _wg(128, 1), _wg(192, 1), _wg(64, 1), _wg(128, 1, stages=3), _ws(192)),
+_WG_CANDIDATES = {64: (_wg(64), _wg(128, 1), _wg(192, 1), _wg(64, 1), _wg(128, 1, stages=3), _ws(192),
+                       _ws(128, wgs=3)),
                   128: (_wg(128), _wg(128, stages=3), _wg(64, 2, True), _wg(64, stages=4), _ws(128)),
                   192: (_wg(64), _wg(64, stages=3), _wg(64, 1, stages=3), _ws(64)),
                   256: (_wg(64), _wg(64, 1, stages=3), _ws(64))}
@@ -246,6 +248,11 @@ def _row_warps(cfg) -> int:
 # 459/419 554/472 591/481 616/511; D=256 410/397 528/491 573/546 650/539 690/600 708/567; 279/265 396/377
 # 505/447 568/494 626/518 681/566: ws everywhere. D=64 (ws 128 x 192 / wg 64 x 64): 229/312 299/366 370/376
 # 391/381 424/396 441/396; 132/210 199/287 290/347 357/340 400/369 421/401: ws from 4k keys.
+# D=64 also has a three-consumer-warpgroup tile (ws 192 x 128, FlashAttention-3's hdim-64 shape) among its
+# candidates: on an H200, graph replay, S = 2k / 4k / 8k / 16k full; causal, TFLOP/s of it / ws 128 x 192 / wg
+# 64 x 64: 386/368/389 404/364/356 432/395/377 441/408/387; 293/274/361 346/335/348 394/377/370 411/405/395.
+# It is not the default: its consumers at 160 registers spill 28 bytes (the tile range, read a few times a
+# tile), and the default instances are kept spill-free (tests/test_attention.py).
 _WS_FROM = {64: (4096, _ws(192)), 128: (1, _ws(128)), 192: (1, _ws(64)), 256: (1, _ws(64))}
 
 
