@@ -69,7 +69,7 @@
 //      warpgroup's P V. A shared-memory store of the row sums before that wait keeps the order. Graph replay, same
 //      run: ws 1.05-1.06x at D=128 from 16k keys, 1.06-1.08x at D=192, 1.08-1.13x at D=256, FP8 1.00-1.05x; ws
 //      now beats the lock-step tiles at every length for D=192 / 256 and from 4k keys at D=64 (the defaults).
-//      WS with three consumer warpgroups (BLOCK_M = 192; setmaxnreg 32 / 160): a D=64 candidate, 1.03-1.11x the
+//      WS with three consumer warpgroups (BLOCK_M = 192; setmaxnreg 32 / 160): a D=64 candidate, 1.01-1.11x the
 //      two-warpgroup ws tile from 2k keys (H200); not the default (28 bytes of spills at 160 registers).
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
