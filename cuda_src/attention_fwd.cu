@@ -91,7 +91,8 @@
 
 // attn_fwd_wg's warp-specialized registers a thread with two consumer warpgroups, producer / consumers (-D to
 // A/B): the CTA is launched with 384 x 168 and setmaxnreg only moves them, so 128 P + 256 C must stay within
-// 384 x 168 = 64512 (more makes setmaxnreg.inc wait forever). Three consumer warpgroups get 32 / 160 (512 x 128).
+// 384 x 168 = 64512 (more makes setmaxnreg.inc wait forever). Three consumer warpgroups always get 32 / 160
+// (512 x 128; the -D switches do not reach them).
 #ifndef VBW_WS_PRODUCER_REGS
 #define VBW_WS_PRODUCER_REGS 24
 #endif
@@ -439,12 +440,13 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 //   mask / online softmax in registers (the accumulator layout is mma.sync's, so the code is attn_fwd's, MT = 1)
 //   O += P V    wgmma RS, m64 n=HEAD_DIM k16: P packed from S in registers, V read MN-major (transposed B)
 // The two warpgroups meet at the per-tile barrier; measured, they run in lock step there, so one's softmax
-// does not overlap the other's wgmma (v4 in notes/kernel-history.md). WS (TMA only, two consumer warpgroups,
-// 384 threads) removes that barrier: a third, producer warpgroup streams K and V into the STAGES ring as the
-// consumers free each slot (an "empty" mbarrier per K and per V slot), and the consumers alternate at the
-// tensor cores (named barriers 3 and 4): one issues S(n+1) and P(n) V(n), hands the turn over, and runs
-// its softmax under the other's GEMMs. setmaxnreg moves registers from the producer (24) to the consumers
-// (240); P is kept in one register set (packed after P(n) V(n) completes).
+// does not overlap the other's wgmma (v4 in notes/kernel-history.md). WS (TMA only, two or three consumer
+// warpgroups, 384 / 512 threads) removes that barrier: one more, producer warpgroup streams K and V into the
+// STAGES ring as the consumers free each slot (an "empty" mbarrier per K and per V slot), and the consumers take
+// turns at the tensor cores (named barriers 8 + wg, the turn going round): one issues S(n+1) and P(n) V(n),
+// hands the turn over, and runs its softmax under the others' GEMMs and its own P(n) V(n) (pin_softmax).
+// setmaxnreg moves registers from the producer to the consumers (24 / 240 with two, 32 / 160 with three); P is
+// kept in one register set (packed after P(n) V(n) completes).
 
 // SPARSE (block_sparse_attention, dense layout): the CTA runs only the key tiles listed for its query block in a
 // BSR pattern (block_q = BLOCK_M, block_k = BLOCK_N): sp_indptr / sp_indices of pattern (b, h / group) start
@@ -540,8 +542,9 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   // the slots' "empty" barriers, [1 + 2 STAGES + s] K and [1 + 3 STAGES + s] V, one arrival per consumer warp.
   const u32 bar = sK + 2 * STAGES * KV_BYTES;
   constexpr int NBAR = 1 + (WS ? 4 : 2) * STAGES;
-  // After the mbarriers: 8 bytes a warp that pin_softmax stores to (the values are never read), then the sparse
-  // block list; the mbarriers and those slots fit the 256 bytes the launcher reserves past the tiles.
+  // After the mbarriers: 8 bytes a consumer warp that pin_softmax stores to (the values are never read; producer
+  // warps never call it, their `sink` would fall on the list), then the sparse block list; the mbarriers and
+  // those slots fit the 256 bytes the launcher reserves past the tiles.
   static_assert(8 * NBAR + 8 * (NT / 32) <= 256, "mbarriers + pin_softmax slots");
   const u32 sink = bar + 8 * NBAR + 8 * (threadIdx.x >> 5);
   auto init_bars = [&]() {
@@ -806,10 +809,10 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     float s[NS];
     if constexpr (WS) {
       // Warp-specialized (FlashAttention-3's schedule): the last warpgroup is the producer, one thread of which
-      // streams K and V through the ring as the consumers free the slots (their "empty" barriers); the two
-      // consumer warpgroups take turns at the tensor cores (named barriers 3 + wg): a warpgroup waits for its
+      // streams K and V through the ring as the consumers free the slots (their "empty" barriers); the
+      // consumer warpgroups take turns at the tensor cores (named barriers 8 + wg): a warpgroup waits for its
       // turn, issues S(i+1) = Q K^T and O += P(i) V(i), hands the turn over, and runs the softmax of S(i+1)
-      // while the other's GEMMs run. The producer gives its registers to the consumers (setmaxnreg).
+      // while the others' GEMMs run. The producer gives its registers to the consumers (setmaxnreg).
       if (wg == WGS) {
         setmaxnreg_dec<WS_P_REGS>();
         if (tid == NT) {

@@ -349,6 +349,23 @@ def _sweep_cases(hd, vec):
 
 
 @gpu
+@pytest.mark.parametrize("Sq,Sk,causal,window", [
+    (512, 256, True, (-1, -1)),    # the first 192-row CTA sees no key: cnt = 0 (turn barriers never used)
+    (300, 100, False, (-1, -1)),   # one key tile a CTA: cnt = 1
+    (1, 128, False, (-1, -1)),     # one query row, one tile
+    (600, 700, True, (200, 0)),    # causal + window: tiles masked at both ends, short CTAs
+    (1000, 1000, False, (-1, -1)),
+])
+def test_three_warpgroup_tile(Sq, Sk, causal, window):
+    """The warp-specialized tile with three consumer warpgroups (a D = 64 candidate: 192 query rows, the turn
+    passed round 0 -> 1 -> 2) at the edges of its turn counting: CTAs with no key tile, with one, masked ones."""
+    if _device.device_arch() != 90:
+        pytest.skip("the wgmma kernels run on sm_90 only")
+    for D, dtype in ((64, "float16"), (56, "bfloat16")):   # 56: columns past D zero-filled in the 64-wide tile
+        run_dense(2, Sq, Sk, 4, 2, D, dtype, causal=causal, window=window, seed=Sq + D, config=A._ws(128, wgs=3))
+
+
+@gpu
 def test_every_config_subprocess():
     """Every candidate the tuner may pick is correct; in a subprocess, so an illegal address cannot poison the
     CUDA context of the rest of the suite."""

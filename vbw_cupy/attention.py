@@ -18,7 +18,8 @@ wgmma kernel (``attn_fwd_wg``) by default, compiled for the next wgmma width of 
 160 on 192, 224 on 256: the padded columns cost less than mma.sync's lower rate), everything else the mma.sync
 one; a wgmma config is never launched off sm_90 or on unaligned inputs (``_runnable``). From a key length that
 depends on the head dim (``_WS_FROM``) the sm_90 default is the warp-specialized "ws" tile (a TMA producer
-warpgroup and two consumer warpgroups taking turns at the tensor cores, FlashAttention-3's schedule).
+warpgroup and two consumer warpgroups taking turns at the tensor cores, FlashAttention-3's schedule; a
+three-warpgroup tile is a D = 64 tuning candidate).
 
 Host cost: a `flash_attention` call whose shapes, dtypes, options, device, stream and tuning state match an
 earlier checked call replays its launch, re-checking only array types, contiguity, devices and alignment.
