@@ -478,13 +478,14 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 192, "BLOCK_N: a wgmma N");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 192 || HEAD_DIM == 256, "HEAD_DIM: a wgmma N");
   static_assert(STAGES >= 2 && STAGES <= 4 && (!OVERLAP || STAGES == 2), "STAGES");
-  static_assert(!WS || (TMA && !OVERLAP && (WGS == 2 || WGS == 3) && STAGES <= 3), "WS: TMA, 2 or 3 consumer warpgroups");
-  // WS registers a thread, producer / consumers: the launch gives 65536 / (128 (WGS + 1)) rounded down to 8 (168 for
-  // 384 threads, 128 for 512) and setmaxnreg only moves them (asking for more makes setmaxnreg.inc wait forever)
+  static_assert(!WS || (TMA && !OVERLAP && (WGS == 2 || WGS == 3) && STAGES <= 3),
+                "WS: TMA, 2 or 3 consumer warpgroups");
+  // WS registers a thread, producer / consumers: the launch gives 65536 / (128 (WGS + 1)) rounded down to 8 (168
+  // for 384 threads, 128 for 512) and setmaxnreg only moves them (asking for more makes setmaxnreg.inc hang)
   constexpr int WS_P_REGS = WGS == 2 ? VBW_WS_PRODUCER_REGS : 32;
   constexpr int WS_C_REGS = WGS == 2 ? VBW_WS_CONSUMER_REGS : 160;
-  static_assert(!WS || 128 * WS_P_REGS + 128 * WGS * WS_C_REGS <= 128 * (WGS + 1) * (65536 / (128 * (WGS + 1)) / 8 * 8),
-                "WS registers");
+  static_assert(!WS || 128 * WS_P_REGS + 128 * WGS * WS_C_REGS <=
+                           128 * (WGS + 1) * (65536 / (128 * (WGS + 1)) / 8 * 8), "WS registers");
   // FP8: dense warp-specialized only; Q and K rows and V^T's 128-key rows are whole 128-byte panels
   static_assert(!FP8 || (WS && !SPARSE && BLOCK_N == 128 && HEAD_DIM % 128 == 0), "FP8: ws, BLOCK_N 128, D 128 / 256");
   constexpr int NS = BLOCK_N / 2;    // S accumulators a thread
@@ -572,7 +573,8 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     const int* ids = sp_indices + pat * sp_idx_stride + (bad ? 0 : s0);
     // the ids go to shared memory after the K/V ring and its mbarriers: tile(i) is then one shared load, off
     // the critical path of the TMA issue and the mask test
-    int* list = reinterpret_cast<int*>(smem_raw + (sK - raw) + 2 * STAGES * KV_BYTES + 8 * NBAR + 8 * (NT / 32));
+    int* list = reinterpret_cast<int*>(smem_raw + (sK - raw) + 2 * STAGES * KV_BYTES + 8 * NBAR +
+                                       8 * (NT / 32));
     if (!bad)
       for (int i = tid; i < s1 - s0; i += NT) {
         const int id = ids[i];
