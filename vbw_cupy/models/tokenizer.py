@@ -88,15 +88,18 @@ class Llama2cTokenizer:
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         ids = [self.bos_id] if bos else []
         raw = text.encode("utf-8")
-        if raw:  # the dummy prefix (its byte-fallback id when " " is not a token)
-            ids.append(self._ids.get(b" ", ord(" ") + 3))
+
+        def piece_ids(cp: bytes) -> list[int]:  # a piece's id, else its bytes' byte-fallback ids (byte + 3)
+            return [self._ids[cp]] if cp in self._ids else [b + 3 for b in cp]
+
+        if raw:  # the dummy prefix
+            ids.extend(piece_ids(b" "))
         i = 0
         while i < len(raw):  # one code point: a lead byte and up to three continuation bytes
             j = i + 1
             while j < len(raw) and raw[j] & 0xC0 == 0x80 and j - i < 4:
                 j += 1
-            cp = raw[i:j]
-            ids.extend([self._ids[cp]] if cp in self._ids else [b + 3 for b in cp])
+            ids.extend(piece_ids(raw[i:j]))
             i = j
         while True:
             best = None
