@@ -10,49 +10,25 @@
 // lanes that combine their amax with __shfl_xor). Work per element: amax on the packed 16-bit lanes
 // (__vmaxu2, one conversion of the block max), signs gathered 8 at a time with prmt, codes from
 // e2m1_code_sub (16-bit MXFP4: x * 2^(-e-126) puts E2M1 on float32's subnormal grid, one rounding of
-// the bits) or e2m1_code_biased (float32 MXFP4 and NVFP4 after the Markstein-corrected division).
-// MXFP4 runs one resident wave with a grid-stride loop that prefetches the next step; NVFP4 one step
-// per thread. Dequantize gives each thread 16 elements. When K is a multiple of the block (FLAT) the
-// tensor is one flat run: 16-byte vector loads/stores and no row arithmetic. Otherwise rows are padded
+// the bits), e2m1_code_biased (float32 MXFP4 and NVFP4 after the Markstein-corrected division), or for
+// 16-bit NVFP4 a count of per-scale thresholds met (7 packed compares a word, from a table each CTA
+// builds with the exact division: nvfp4_thresholds). MXFP4 and 16-bit NVFP4 run one resident wave with a
+// grid-stride loop that prefetches the next step; float32 NVFP4 one step per thread. Dequantize gives
+// each thread 16 elements. When K is a multiple of the block (FLAT) the tensor is one flat run: 16-byte
+// vector loads/stores and no row arithmetic. Otherwise rows are padded
 // and located by a 64-bit division, with scalar bounds-checked loads (the slow, rare path).
 // Quantize moves 2 + 0.5 + 1/BLOCK bytes per fp16 element.
 //
 // Denormals: compiled without -ftz (see _runtime.py), so float32 denormal inputs and the 2^-127
 // MXFP4 scale are exact, as the reference requires.
 //
-// History (all on an H200: no H100 was lent; 8192x8192 inputs; % of the device-to-device copy bandwidth
-// in the same run, read + written bytes):
-//   v1 (H200): 8 elements per thread, 64-bit row division, ldexpf: quantize 23-50%, dequantize 56-70%.
-//   v2 (H200): FLAT path without division, exp2 by bits, 16 elements per dequantize thread:
-//       MXFP4 quantize 42-66%, NVFP4 24-37% (instruction-bound: ~530 Gelem/s whatever the dtype),
-//       dequantize 70-77% for fp16/bf16 but 41% for fp32 (strided 64 B per thread).
-//   v3: E2M1 encode by exponent/mantissa bits (12 instr, was 21), amax and NaN/Inf test as one integer
-//       max, NVFP4 division as reciprocal + one Markstein correction, dequantize stores staged in smem:
-//       all 99 bit-exact tests pass; dequantize 71-84%; quantize still 47% MXFP4 / 29% NVFP4 (fp16),
-//       ~600 Gelem/s for fp16 and fp32 alike: bound by the 8M short-lived threads, not by bytes.
-//   v4: grid-stride quantize loops (8 CTAs of 256 per SM), E4M3 encode/decode from bits. Timing the
-//       kernel alone (the public call adds allocations and, for NVFP4, a host sync): quantize MXFP4
-//       49% fp16 / 78% fp32, NVFP4 45% / 69%; dequantize 77-87%. Still ~640 Gelem/s for any dtype.
-//   v5: 16 elements (two 16 B loads) per quantize thread: an NVFP4 block per thread, no shuffles.
-//       Kernel alone: quantize MXFP4 59% fp16, 56% bf16, 88% fp32; NVFP4 56% / 54% / 86%;
-//       dequantize 82-88%. 16-bit quantize is still bound by per-element work (~750 Gelem/s, ~22
-//       instructions an element in float32); next step: amax and NaN test on packed 16-bit lanes.
-//   v6 (H200): 64 B per thread step; packed-lane amax; prmt signs; branch-free E2M1 codes
-//       (e2m1_code_sub / e2m1_code_biased, exhaustively checked) and E4M3 (e4m3_round_pos); 32-bit
-//       step counters. fp16 MXFP4 ~9 instructions an element (was ~24), NVFP4 ~18 (was ~26). Kernel
-//       alone at 8192x8192, direct launches in one run, v5 -> v6: MXFP4 fp16 84 -> 52 us, bf16 85 -> 54,
-//       fp32 89 -> 82; NVFP4 fp16 84 -> 65, bf16 85 -> 66, fp32 90 -> 84 (copy 3.3-3.75 TB/s that run:
-//       MXFP4 95-99%, NVFP4 77-79% 16-bit, 97% fp32). Without prefetch MXFP4 took 56 us (warps load and
-//       compute in lockstep); with prefetch NVFP4 took 69 us (80 registers, 3 CTAs/SM).
-//   v6, bench/gpu_check.sh (10 back-to-back launches between events, copy timed the same way, 3.7-3.96 TB/s):
-//       quantize MXFP4 101% fp16, 96% bf16, 102% fp32; NVFP4 78% / 78% / 98%; dequantize 86-95%.
-//       With global_scale=None the public NVFP4 call was 0.21 ms (22% of copy): the abs_max pass did a
-//       float max per element and was compute-bound like v1.
-//   v7: abs_max on raw bits with the quantize kernels' amax_bits (integer max on packed lanes).
-//       bench_fp4_codec.py (its events also time the Python launch, ~5-10 us), run with prefetch in
-//       both: quantize MXFP4 87% fp16, 84% bf16, 93% fp32; NVFP4 67% / 64% / 92%; dequantize 75-88%.
-//       The committed NVFP4 (no prefetch, a step per thread) was timed by direct launch only. 99 GPU
-//       tests bit-exact on both builds, which compile to the same SASS as this file.
+// History (8192^2 inputs, fraction of a device copy of the same bytes; full log: notes/kernel-history.md):
+//   v1-v2  8-16 elements a thread: quantize 23-66%, instruction-bound (~530 Gelem/s any dtype).
+//   v3-v5  E2M1 codes from bits, Markstein-corrected NVFP4 division, grid-stride loops: MXFP4 59%, NVFP4 56%.
+//   v6-v7  64 B a thread step, packed-lane amax, branch-free codes, MXFP4 prefetch: MXFP4 87-101%, NVFP4
+//          67-78% (16-bit) / 92-98% (fp32), dequantize 75-95%.
+//   v8     16-bit NVFP4 codes from a per-CTA threshold table, prefetch: NVFP4 16-bit 0.73 -> 0.86-0.89 (H200,
+//          graph replay); tried and dropped: binary-search codes, two prefetch buffers, Markstein block scales.
 #include "errors.cuh"
 #include "fp4.cuh"
 
@@ -220,9 +196,10 @@ __device__ __forceinline__ float exp2i(int n) {
 
 // Grid-stride loop over thread steps: body(g, live, w) gets step g's words.
 // PREFETCH: the next step's loads are issued before the body runs, so a warp keeps 64 bytes in flight
-// while it computes (MXFP4, one resident wave of CTAs: without it the warps of an SM load and compute in
-// lockstep and the time is about the sum of the two). NVFP4 does better without it at 63 registers and
-// one step per thread: CTAs start and end at different times, which overlaps loads and work as well.
+// while it computes (one resident wave of CTAs: without it the warps of an SM load and compute in
+// lockstep and the time is about the sum of the two). Float32 NVFP4 does as well without it at one step
+// per thread: CTAs start and end at different times, which overlaps loads and work as well. Two buffers
+// used in turn instead of the copy were 5-12% slower (H200).
 // UNIFORM: the trip count is the same for all lanes of a warp (for bodies that shuffle).
 template <typename T, bool FLAT, bool UNIFORM, bool PREFETCH, typename Body>
 __device__ __forceinline__ void quantize_steps(const T* __restrict__ x, unsigned steps, unsigned units, long long K,
@@ -297,29 +274,127 @@ __global__ void __launch_bounds__(256, 3) mxfp4_quantize(const T* __restrict__ x
     });
 }
 
+// NVFP4 code thresholds for 16-bit inputs. A block's element codes depend only on its E4M3 scale code c
+// (denom = e4m3(c) * gscale is per-tensor otherwise), and code(|x|) = E2M1 rounding of RN32(|x| / denom) is
+// monotone in |x|. So thr[c] holds, for i = 0..6, the smallest 16-bit pattern |x| whose code is at least
+// i + 1, both lanes of a word; codes are then counts of thresholds met (nvfp4_codes16). Each entry is
+// found from RZ(tie_i * denom) in the input type, one below it, stepping up with the exact quotient
+// (__fdiv_rn, the same function as the float32 path), so the table is the reference by construction:
+// the start is at least one 16-bit ulp (2^-8 relative or more) below the boundary, and the boundary
+// lies within a float32 rounding of tie_i * denom, so the walk is 1-3 steps. Code 127 (NaN) is unused.
+template <typename T>
+__device__ __forceinline__ unsigned bits16_rz(float v) {
+    if constexpr (IsHalf<T>::value) return __half_as_ushort(__float2half_rz(v));
+    else return __bfloat16_as_ushort(__float2bfloat16_rz(v));
+}
+template <typename T>
+__device__ __forceinline__ float from_bits16(unsigned b) {
+    if constexpr (IsHalf<T>::value) return __half2float(__ushort_as_half((unsigned short)b));
+    else return __uint_as_float(b << 16);
+}
+constexpr int NV_CODES = 127;  // E4M3 codes a block scale can take (0x7F is NaN)
+
+template <typename T>
+__device__ void nvfp4_thresholds(uint4 (*thr)[2], float gscale) {
+    constexpr unsigned INF = IsHalf<T>::value ? 0x7C00u : 0x7F80u;
+    for (int idx = threadIdx.x; idx < NV_CODES * 7; idx += blockDim.x) {
+        const int c = idx / 7, i = idx - 7 * c;
+        const float denom = __fmul_rn(e4m3_decode((unsigned)c), gscale);
+        const float tie = i < 4 ? 0.25f + 0.5f * (float)i : (i == 4 ? 2.5f : (i == 5 ? 3.5f : 5.0f));
+        unsigned t = bits16_rz<T>(__fmul_rn(tie, denom));
+        t = t ? min(t, INF) - 1u : 0u;
+        while (t < INF && e2m1_code_biased(__fdiv_rn(from_bits16<T>(t), denom)) - E2M1_CODE_BIAS <= (unsigned)i)
+            ++t;
+        reinterpret_cast<unsigned*>(thr[c])[i] = t | (t << 16);
+    }
+    __syncthreads();
+}
+
+// The E2M1 magnitude codes of the two 16-bit lanes of word a (sign bits cleared), as bytes 0 and 2 of the
+// result: the count of thresholds met. On sm_90 (and for half on any arch) a packed compare yields 1.0 per
+// lane, summed onto 1024.0 (half) or 128.0 (bfloat16), where the type's ulp is 1, so the count is the low
+// byte of each lane. bfloat16 below sm_90 (no bf16x2 compare), and any type with -DVBW_NV_INT_COMPARE (so a
+// Hopper test runs this form): (a | 0x8000) - t per lane has bit 15 set iff a >= t.
+template <typename T>
+__device__ __forceinline__ unsigned nvfp4_codes16(unsigned a, const unsigned (&th)[7]) {
+#if defined(VBW_NV_INT_COMPARE)
+    constexpr bool INT = true;
+#elif __CUDA_ARCH__ < 900
+    constexpr bool INT = !IsHalf<T>::value;
+#else
+    constexpr bool INT = false;
+#endif
+    if constexpr (INT) {
+        unsigned n = 0;
+#pragma unroll
+        for (int i = 0; i < 7; ++i) n += (((a | 0x80008000u) - th[i]) >> 15) & 0x00010001u;
+        return n;
+    }
+    unsigned acc = IsHalf<T>::value ? 0x64006400u : 0x43004300u;
+#pragma unroll
+    for (int i = 0; i < 7; ++i) {
+        unsigned m;
+        if constexpr (IsHalf<T>::value) {
+            asm("set.ge.f16x2.f16x2 %0, %1, %2;" : "=r"(m) : "r"(a), "r"(th[i]));
+            asm("add.rn.f16x2 %0, %0, %1;" : "+r"(acc) : "r"(m));
+        } else {
+            asm("set.ge.bf16x2.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(a), "r"(th[i]));
+            asm("add.rn.bf16x2 %0, %0, %1;" : "+r"(acc) : "r"(m));
+        }
+    }
+    return acc;
+}
+
+// One unit of a 16-bit input (16 elements: raw words w, the same without sign bits a): element 2j's code
+// is byte 0 of word j's counts, 2j+1's byte 2; prmt gathers the even and odd elements of each half into
+// bytes, and odd << 4 puts them on their nibbles.
+template <typename T>
+__device__ __forceinline__ uint2 nvfp4_pack16(const unsigned* w, const unsigned (&a)[8], const unsigned (&th)[7]) {
+    unsigned c[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) c[j] = nvfp4_codes16<T>(a[j], th);
+    unsigned p[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const unsigned lo = prmt(c[4 * h], c[4 * h + 1], 0x6240u), hi = prmt(c[4 * h + 2], c[4 * h + 3], 0x6240u);
+        p[h] = (prmt(lo, hi, 0x5410u) + (prmt(lo, hi, 0x7632u) << 4)) | sign_nibbles<T>(w + 4 * h);
+    }
+    return make_uint2(p[0], p[1]);
+}
+
 // NVFP4 quantize with a given float32 global scale: one 16-element block per unit (two per 16-bit
 // thread step). `flag` is the error word from NVFP4_NONFINITE on: sets it to 1 when the input holds NaN or
 // Inf (the caller then raises and discards the output), and the NVFP4_SATURATED word when a finite block
 // needs a scale above 512 (global_scale too small: its elements saturate past E2M1's rounding error).
-// docs/formats.md rounds x / denom once (IEEE division). With rcp = RN(1/denom), q0 = RN(x * rcp) is within an
-// ulp of x / denom, the residual x - q0 * denom is exact in one FMA, and RN(q0 + residual * rcp) is the
-// correctly rounded quotient (Markstein's theorem), as long as nothing under- or overflows near the
-// E2M1 thresholds: denom outside [2^-100, 2^100] takes the plain division instead.
+// float32: one step per thread; the codes by division. docs/formats.md rounds x / denom once (IEEE
+// division). With rcp = RN(1/denom), q0 = RN(x * rcp) is within an ulp of x / denom, the residual
+// x - q0 * denom is exact in one FMA, and RN(q0 + residual * rcp) is the correctly rounded quotient
+// (Markstein's theorem), as long as nothing under- or overflows near the E2M1 thresholds: denom outside
+// [2^-100, 2^100] takes the plain division instead.
+// 16-bit: one resident wave (the launcher's grid), grid-stride with prefetch like MXFP4; each CTA first
+// builds the threshold table (nvfp4_thresholds), then the codes are 7 packed compares a word.
 template <typename T, bool FLAT>
-__global__ void __launch_bounds__(256, 4) nvfp4_quantize(const T* __restrict__ x, uint2* __restrict__ data,
-                                                         unsigned char* __restrict__ scales, long long R,
-                                                         long long K, long long Kp, float gscale,
-                                                         int* __restrict__ flag) {
+__global__ void __launch_bounds__(256, sizeof(T) == 2 ? 3 : 4)
+    nvfp4_quantize(const T* __restrict__ x, uint2* __restrict__ data, unsigned char* __restrict__ scales, long long R,
+                   long long K, long long Kp, float gscale, int* __restrict__ flag) {
     using S = QStep<T>;
+    constexpr bool TABLE = sizeof(T) == 2;
+    __shared__ uint4 thr[TABLE ? NV_CODES : 1][2];
+    if constexpr (TABLE) nvfp4_thresholds<T>(thr, gscale);
     const unsigned units = (unsigned)(R * (Kp / 16)), steps = (units + S::UNITS - 1) / S::UNITS;
-    quantize_steps<T, FLAT, false, false>(x, steps, units, K, Kp, [&](unsigned g, int live,
+    quantize_steps<T, FLAT, false, TABLE>(x, steps, units, K, Kp, [&](unsigned g, int live,
                                                                      const unsigned (&w)[QWORDS]) {
         uint2 out[S::UNITS];
         unsigned char code[S::UNITS];
 #pragma unroll
         for (int u = 0; u < S::UNITS; ++u) {
             const unsigned* wu = w + u * S::WPU;
-            const unsigned mb = amax_bits<T>(wu, S::WPU);
+            unsigned a[8];  // the table path: the words without sign bits, for the amax and the codes
+            if constexpr (TABLE) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) a[j] = wu[j] & 0x7fff7fffu;
+            }
+            const unsigned mb = amax_bits<T>(TABLE ? a : wu, S::WPU);
             if (mb >= 0x7f800000u) *flag = 1;
             // docs/formats.md order: s = f32(amax / 6) / gscale, clamp to [2^-9, 448], round to E4M3.
             float s = __fdiv_rn(__fdiv_rn(__uint_as_float(mb), 6.0f), gscale);
@@ -327,6 +402,12 @@ __global__ void __launch_bounds__(256, 4) nvfp4_quantize(const T* __restrict__ x
             s = fminf(fmaxf(s, 0.001953125f), 448.0f);
             float sq;
             code[u] = (unsigned char)e4m3_round_pos(s, sq);
+            if constexpr (TABLE) {
+                const uint4 t0 = thr[code[u]][0], t1 = thr[code[u]][1];
+                const unsigned th[7] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z};
+                out[u] = nvfp4_pack16<T>(wu, a, th);
+                continue;
+            }
             const float denom = sq * gscale;
             if (denom >= 0x1p-100f && denom <= 0x1p100f) {
                 const float rcp = __frcp_rn(denom);

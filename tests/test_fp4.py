@@ -191,6 +191,49 @@ def test_gpu_bitexact_edges(fmt, dtype):
         _assert_same(vc.quantize(cp.asarray(x), fmt, 1e3), vc.quantize(x, fmt, 1e3), dtype)
 
 
+def _every_code_blocks(dtype, gs):
+    """Blocks of 16 whose first element sets the block's amax to 6 * v * gs for every E4M3 value v (so every
+    scale code is reached), the other 15 running through every finite 16-bit magnitude in [amax / 64, amax]
+    (every E2M1 boundary of that scale), signs random."""
+    bits = np.arange(1, 0x8000, dtype=np.uint16)
+    vals = bits.view(np.float16 if dtype == np.float16 else BF16).astype(np.float32)
+    vals = vals[np.isfinite(vals)]
+    rng = np.random.default_rng(11)
+    blocks = []
+    for code in range(1, 127):
+        a = float(np.asarray(ref.e4m3_decode(np.uint8(code)))) * 6 * gs
+        a = float(np.float32(a).astype(dtype).astype(np.float32))
+        if a == 0 or not np.isfinite(a):
+            continue
+        v = vals[(vals >= a / 64) & (vals <= a)]
+        v = np.concatenate([v, np.full(-len(v) % 15, a, np.float32)]).reshape(-1, 15)
+        blocks.append(np.concatenate([np.full((len(v), 1), a, np.float32), v], axis=1))
+    x = np.concatenate(blocks)
+    return (x * rng.choice([-1.0, 1.0], x.shape)).astype(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, BF16])
+@pytest.mark.parametrize("int_compare", [False, True], ids=["packed-compare", "integer-compare"])
+def test_gpu_nvfp4_16bit_codes_every_value(dtype, int_compare, monkeypatch):
+    """16-bit NVFP4 codes come from per-scale thresholds (fp4_codec.cu, nvfp4_thresholds): every finite
+    16-bit magnitude near every E2M1 boundary of every block scale, bit for bit against the reference, for an
+    exact, an awkward and a tiny global scale (fp16 subnormal inputs). integer-compare builds the form
+    bfloat16 takes below sm_90."""
+    import cupy as cp
+    from vbw_cupy import _runtime as rt, fp4
+    if int_compare:
+        get = rt.get_kernel
+        monkeypatch.setattr(rt, "get_kernel", lambda f, n, o=(): get(f, n, tuple(o) + ("-DVBW_NV_INT_COMPARE",)))
+    for gs in (1.0, 0.7313, 2.0 ** -12):
+        x = _every_code_blocks(dtype, gs)
+        got = fp4._quantize_gpu(cp.asarray(x), "nvfp4", np.float32(gs))  # no plan kept: the patched kernel
+        want = vc.quantize(x, "nvfp4", gs)
+        np.testing.assert_array_equal(got.scales.get(), want.scales)
+        np.testing.assert_array_equal(got.data.get(), want.data)
+    vc.check_errors()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_nan_inf(dtype):

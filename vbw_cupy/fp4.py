@@ -271,17 +271,19 @@ def _quantize_planned(plan, x):
     return FP4Tensor._trusted(data, scales, gs, fmt, x.shape)
 
 
-_Q_MX_CTAS_PER_SM = 3  # mxfp4_quantize: one resident wave (__launch_bounds__(256, 3)), grid-stride with prefetch
+# mxfp4_quantize and 16-bit nvfp4_quantize: one resident wave (__launch_bounds__(256, 3)), grid-stride with prefetch
+_Q_CTAS_PER_SM = 3
 _Q_MAX_UNITS = 1 << 30  # the kernels number 16-element units in 32 bits: larger tensors go in row chunks
 
 
 def _quantize_grid(fmt: str, units: int, itemsize: int) -> int:
     """CTAs for `units` 16-element units. A thread step reads 64 bytes (2 units of a 16-bit type, 1 of float32).
-    MXFP4: one resident wave, every thread the same number of steps. NVFP4: one step per thread."""
+    MXFP4 and 16-bit NVFP4: one resident wave, every thread the same number of steps. float32 NVFP4: one step
+    per thread."""
     steps = rt.cdiv(units, 64 // itemsize // 16)
-    if fmt == "nvfp4":
+    if fmt == "nvfp4" and itemsize == 4:
         return max(1, rt.cdiv(steps, _THREADS))
-    iters = rt.cdiv(steps, _device.num_sms() * _Q_MX_CTAS_PER_SM * _THREADS)
+    iters = rt.cdiv(steps, _device.num_sms() * _Q_CTAS_PER_SM * _THREADS)
     return max(1, rt.cdiv(steps, iters * _THREADS))
 
 
