@@ -8,7 +8,8 @@
 // Layout: x [R, K] row-major, codes [R, K] bytes, scales [R] float32.
 // Tiling: one CTA of 256 threads per row. VEC (K * sizeof(T) a multiple of 16, base aligned): chunks of R
 //   16-byte loads per thread, all in flight at once; the first chunk stays in registers for the codes pass,
-//   longer rows read their later chunks again (from L2); 16 / sizeof(T) codes stored together. Otherwise
+//   longer rows read their later chunks again (from L2); 16 / sizeof(T) codes stored together, converted four
+//   at a time by the hardware on sm_89+ (e4m3_code elsewhere). Otherwise
 //   scalar loads, the row read twice. Dequantize: 4 codes a thread step (one 32-bit load) when K % 4 == 0.
 // Role: the activation side of fp4_matmul's W4A8 path (cuda_src/fp8_gemm.cu reads the codes by TMA and applies
 //   the row scale as its per-k-tile multiplier).
@@ -18,9 +19,11 @@
 //      4096 x 14336 0.66 / 0.69 / 0.57 of copy, 4096 x 8192 0.64 / 0.66 / 0.46, 4096^2 0.55 / 0.45 / 0.30.
 //      fp8.py takes R = 4 for rows of 16 KB or more, else 2. Tried: a warp per row (8 rows a CTA, shuffle
 //      reduction, R = 8 / 16 loads a lane): 4096^2 0.55 / 0.47, 4096 x 8192 0.50 / 0.47, 4096 x 14336 0.55 /
-//      0.46 of copy in the same run as R = 2 / 4 above (0.55 / 0.67 / 0.71): no better, not kept. Still short of copy speed: one CTA a row waits on
-//      its block reduction between the two passes (rows in a grid-stride loop, the next row's loads issued
-//      before the reduction, would hide it).
+//      0.46 of copy in the same run as R = 2 / 4 above (0.55 / 0.67 / 0.71): no better, not kept.
+//   v3 (sm_89+) the codes by the hardware conversion (cvt.rn.satfinite.e4m3x2.f32, four a word) instead of
+//      e4m3_code per element, bitwise equal; graph replay, one run: 4096 x 14336 0.70-0.71 -> 0.95-0.98 of
+//      copy, 4096 x 8192 0.68-0.72 -> 0.87-0.98, 4096^2 0.58 -> 0.80-0.81, 16384 x 4096 0.65 -> 0.92-0.93.
+//      What is left at short rows: one CTA a row waits on its block reduction between the two passes.
 #include "fp4.cuh"
 
 namespace vbw_fp8codec {
@@ -38,6 +41,17 @@ __device__ __forceinline__ u32 e4m3_code(float v) {
   if (!(a == a)) return 0x7Fu;
   return vbw::e4m3_encode_pos(a) | sign;
 }
+
+#if __CUDA_ARCH__ >= 890
+// 4 floats with |v| <= 448 (no NaN) -> 4 E4M3 codes, a in the lowest byte: the hardware conversion, round to
+// nearest even as e4m3_code (subnormals and -0 included; satfinite never acts on these values).
+__device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
+  unsigned short lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
+  return (u32)lo | ((u32)hi << 16);
+}
+#endif
 
 __device__ __forceinline__ float block_max(float v, float* red) {  // max over the CTA (NaN wins)
 #pragma unroll
@@ -120,10 +134,16 @@ __global__ void __launch_bounds__(256, R <= 2 ? 6 : R <= 4 ? 4 : 2) fp8_rows_qua
         u32 w[N / 4];
 #pragma unroll
         for (int j = 0; j < N / 4; ++j) {
+#if __CUDA_ARCH__ >= 890
+          w[j] = finite ? e4m3x4(to_float(p[i].v[4 * j]) * inv, to_float(p[i].v[4 * j + 1]) * inv,
+                                 to_float(p[i].v[4 * j + 2]) * inv, to_float(p[i].v[4 * j + 3]) * inv)
+                        : 0x7F7F7F7Fu;
+#else
           w[j] = 0;
 #pragma unroll
           for (int b = 0; b < 4; ++b)
             w[j] |= (finite ? e4m3_code(to_float(p[i].v[4 * j + b]) * inv) : 0x7Fu) << (8 * b);
+#endif
         }
         if (N == 8) *reinterpret_cast<uint2*>(qr + k) = make_uint2(w[0], w[N / 4 - 1]);
         else *reinterpret_cast<u32*>(qr + k) = w[0];
