@@ -1,12 +1,12 @@
 // attention_fp8.cu: the inputs of FP8 (e4m3) attention (vbw_cupy/attention_fp8.py): per-tensor quantization to
 // e4m3 (fn) codes, and the transposed, key-permuted copy of V that attn_fwd_wg<E4M3<O>, ...> reads.
 //
-// absmax<T>: *amax (as float bits, zeroed by the caller) = max |x| over x [n], NaN winning (as unsigned bits
-//   NaN > Inf > every finite magnitude): a warp max, then one atomicMax a warp. Grid-stride.
-// quantize_e4m3_tensor<T>: x [n] (T = __half / __nv_bfloat16 / float) and amax = max |x| -> descale = amax / 448 (1 when amax = 0, NaN when amax is not finite) and
-//   codes[i] = e4m3(x[i] / descale), round to nearest even, |.| clamped to 448, NaN -> 0x7F. Grid-stride, one
-//   element a thread an iteration; CTA 0 thread 0 also writes the descale. Bit-exact with
-//   vbw_cupy.reference.quantize_e4m3_tensor (float32 divisions, IEEE rounding).
+// quantize_e4m3_tensor<T>: x [n] (T = __half / __nv_bfloat16 / float, 16-byte aligned) and amax = max |x| (as float
+//   bits: fp4_codec.cu's abs_max) -> descale = amax / 448 (1 when amax = 0, NaN when amax is not finite) and
+//   codes[i] = e4m3(x[i] / descale), round to nearest even, |.| clamped to 448, NaN -> 0x7F. Grid-stride, 16
+//   bytes of x a thread step, the last n % (16 / sizeof(T)) one element a thread; CTA 0 thread 0 also writes
+//   the descale. Bit-exact with vbw_cupy.reference.quantize_e4m3_tensor (float32
+//   divisions, IEEE rounding).
 //
 // vt_permute: v [B, Sk, Hkv, D] bytes (C-contiguous) -> vt [B, Hkv, D, Skp] (Skp = Sk rounded up to 128): row
 //   (b, h, d) holds V[b, :, h, d] with, inside every group of 32 keys, key 32 g + pi(p) at position 32 g + p,
@@ -19,7 +19,8 @@
 //   fallback of GPUs without the FP8 kernel (attention_fp8.py decodes, then runs flash_attention).
 //
 // History: v1 (2026-11-26) first version; the copy is ~4% of an S = 4096 FP8 call (measured in
-// notes/session-2026-11-26b.md).
+// notes/session-2026-11-26b.md). v2 quantize: 16-byte steps, Markstein-corrected division, the hardware E4M3
+// conversion; the amax pass is fp4_codec.cu's abs_max (16-byte loads, packed 16-bit maxima).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "fp4.cuh"
@@ -35,15 +36,6 @@ __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
-template <typename T>
-__global__ void __launch_bounds__(256) absmax(const T* __restrict__ x, long long n, unsigned* __restrict__ amax) {
-  unsigned m = 0;
-  for (long long i = blockIdx.x * 256LL + threadIdx.x; i < n; i += (long long)gridDim.x * 256)
-    m = max(m, __float_as_uint(fabsf(as_float(x[i]))));
-  m = __reduce_max_sync(0xffffffffu, m);
-  if ((threadIdx.x & 31) == 0 && m) atomicMax(amax, m);
-}
-
 template <typename O>
 __global__ void __launch_bounds__(256) decode_e4m3(const u8* __restrict__ codes, long long n,
                                                    const float* __restrict__ descale, int which, O* __restrict__ out) {
@@ -53,19 +45,64 @@ __global__ void __launch_bounds__(256) decode_e4m3(const u8* __restrict__ codes,
   }
 }
 
+// x / ds rounded once (IEEE), given rcp = RN(1 / ds): Markstein's correction, exact for ds in [2^-100, 2^100]
+// (checked once: fast) wherever the quotient can reach an E4M3 code other than +-0 (|x / ds| >= 2^-10), the only
+// place its rounding matters; the IEEE division otherwise. The sign is x's (ds > 0): the correction's additions
+// would turn -0 into +0.
+__device__ __forceinline__ float div_ds(float x, float ds, float rcp, bool fast) {
+  if (!fast) return __fdiv_rn(x, ds);
+  const float q0 = __fmul_rn(x, rcp);
+  return copysignf(__fmaf_rn(__fmaf_rn(-q0, ds, x), rcp, q0), x);
+}
+__device__ __forceinline__ u8 e4m3_of(float v) {  // |.| clamped to 448, NaN -> 0x7F, sign kept
+  const float m = fabsf(v);
+  return !(m == m) ? (u8)0x7F : (u8)(vbw::e4m3_encode_pos(fminf(m, 448.f)) | ((__float_as_uint(v) >> 24) & 0x80u));
+}
+#if __CUDA_ARCH__ >= 890
+__device__ __forceinline__ unsigned e4m3x4(float a, float b, float c, float d) {  // finite a..d, a lowest
+  unsigned short lo, hi;  // satfinite: past +-448 -> +-448, as e4m3_of's clamp
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
+  return (unsigned)lo | ((unsigned)hi << 16);
+}
+#endif
+
+// 16 bytes of x a thread step (x and codes 16-byte aligned), their codes stored together (the hardware conversion
+// on sm_89+), the last n % PER elements one at a time.
 template <typename T>
 __global__ void __launch_bounds__(256) quantize_e4m3_tensor(const T* __restrict__ x, long long n,
                                                             const unsigned* __restrict__ amax, u8* __restrict__ codes,
                                                             float* __restrict__ descale) {
   const float a = __uint_as_float(*amax);
-  const float ds = a == 0.f ? 1.f : (a <= 3.402823466e38f ? __fdiv_rn(a, 448.f) : __int_as_float(0x7fc00000));
+  const bool finite = a <= 3.402823466e38f;  // (false for NaN and Inf: then every code is NaN)
+  const float ds = a == 0.f ? 1.f : (finite ? __fdiv_rn(a, 448.f) : __int_as_float(0x7fc00000));
   if (blockIdx.x == 0 && threadIdx.x == 0) *descale = ds;
-  for (long long i = blockIdx.x * 256LL + threadIdx.x; i < n; i += (long long)gridDim.x * 256) {
-    const float v = __fdiv_rn(as_float(x[i]), ds);
-    const float m = fabsf(v);
-    codes[i] = !(m == m) ? (u8)0x7F
-                         : (u8)(vbw::e4m3_encode_pos(fminf(m, 448.f)) | ((__float_as_uint(v) >> 24) & 0x80u));
+  const float rcp = __frcp_rn(ds);
+  const bool fast = ds >= 0x1p-100f && ds <= 0x1p100f;
+  const long long stride = (long long)gridDim.x * 256, i0 = blockIdx.x * 256LL + threadIdx.x;
+  constexpr int PER = 16 / sizeof(T);
+  const long long nv = n / PER;
+  {
+    for (long long j = i0; j < nv; j += stride) {
+      union { uint4 u; T v[PER]; } p;
+      p.u = __ldg(reinterpret_cast<const uint4*>(x) + j);
+      unsigned w[PER / 4];
+#pragma unroll
+      for (int q = 0; q < PER / 4; ++q) {
+        float f[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f[e] = div_ds(as_float(p.v[4 * q + e]), ds, rcp, fast);
+#if __CUDA_ARCH__ >= 890
+        w[q] = finite ? e4m3x4(f[0], f[1], f[2], f[3]) : 0x7F7F7F7Fu;
+#else
+        w[q] = e4m3_of(f[0]) | (e4m3_of(f[1]) << 8) | (e4m3_of(f[2]) << 16) | ((unsigned)e4m3_of(f[3]) << 24);
+#endif
+      }
+      if constexpr (PER == 8) reinterpret_cast<uint2*>(codes)[j] = make_uint2(w[0], w[PER / 4 - 1]);
+      else reinterpret_cast<unsigned*>(codes)[j] = w[0];
+    }
   }
+  for (long long i = nv * PER + i0; i < n; i += stride) codes[i] = e4m3_of(div_ds(as_float(x[i]), ds, rcp, fast));
 }
 
 __device__ __forceinline__ int key_of(int p) {  // pi(p) of the header, p in [0, 32)

@@ -191,6 +191,28 @@ def test_gpu_quantize_e4m3_bit_exact(dtype, n):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_gpu_quantize_e4m3_bit_exact_awkward(dtype):
+    """Magnitudes over 32 binades (codes on E4M3's subnormal grid, input subnormals), float32 tensor scales outside
+    [2^-100, 2^100] (the kernel's plain division) and float32 subnormals beside normal values (its corrected
+    division), each also as an unaligned view (copied to an aligned one first) and with an odd length."""
+    cp = pytest.importorskip("cupy")
+    dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(4099) * np.exp2(rng.uniform(-24, 8, 4099))
+    cases = [x]
+    if dtype == "float32":
+        cases += [x * 2.0 ** -120, x * 2.0 ** 110, np.concatenate([x, x * 2.0 ** -140])]
+    for c in cases:
+        xd = c.astype(dt)
+        want_codes, want_ds = ref.quantize_e4m3_tensor(xd)
+        for arr in (cp.asarray(xd), cp.asarray(np.concatenate([xd[:1], xd]))[1:]):
+            codes, ds = vc.quantize_e4m3(arr)
+            np.testing.assert_array_equal(codes.get(), want_codes)
+            np.testing.assert_array_equal(ds.get(), want_ds)
+
+
+@gpu
 def test_gpu_quantize_e4m3_special_values():
     cp = pytest.importorskip("cupy")
     for x in (np.zeros(300, np.float16), np.array([1.0, np.nan, -3.0], np.float32),

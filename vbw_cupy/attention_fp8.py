@@ -23,6 +23,7 @@ from . import _device
 from . import _plans
 from . import _runtime as rt
 from . import attention as _attn
+from . import fp4
 from . import reference as ref
 
 SOURCE = "attention_fp8.cu"
@@ -38,7 +39,7 @@ _UINT8 = np.dtype(np.uint8)
 
 def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
     out = [(SOURCE, f"{_NS}vt_permute")]
-    out += [(SOURCE, f"{_NS}{k}<{rt.ctype(t)}>") for t in _checks.FLOAT_DTYPES for k in ("absmax", "quantize_e4m3_tensor")]
+    out += [(SOURCE, f"{_NS}quantize_e4m3_tensor<{rt.ctype(t)}>") for t in _checks.FLOAT_DTYPES]
     out += [(SOURCE, f"{_NS}decode_e4m3<{rt.ctype(t)}>") for t in _checks.FLOAT_DTYPES]
     if arch in (None, 90):
         out += [(_attn.SOURCE, _attn.instance_name(_UINT8, FP8_HEAD_DIM, _CONFIG, True, True, False, t))
@@ -72,14 +73,16 @@ def quantize_e4m3(x):
     cp = rt.require_cupy()
     with x.device:
         x = rt.ensure_contiguous(x)
+        if x.data.ptr % 16:
+            x = x.copy()  # 16-byte vector loads need an aligned base
         codes = cp.empty(x.shape, dtype=cp.uint8)
         descale = cp.empty(1, dtype=cp.float32)
         # max |x| in the stream's own 4 bytes (no pool memory inside a call: capturable), zeroed each call
         amax = _plans.scratch("quantize_e4m3 amax", 4)
         amax.data.memset_async(0, 4, cp.cuda.get_current_stream())
-        n, t = int(x.size), rt.ctype(x.dtype)
-        rt.launch(rt.get_kernel(SOURCE, f"{_NS}absmax<{t}>"), _blocks(n), (_THREADS,), (x, np.int64(n), amax))
-        rt.launch(rt.get_kernel(SOURCE, f"{_NS}quantize_e4m3_tensor<{t}>"), _blocks(n), (_THREADS,),
+        n = int(x.size)
+        fp4.launch_abs_max(x, amax)
+        rt.launch(rt.get_kernel(SOURCE, f"{_NS}quantize_e4m3_tensor<{rt.ctype(x.dtype)}>"), _blocks(n), (_THREADS,),
                   (x, np.int64(n), amax, codes, descale))
     return codes, descale
 

@@ -318,12 +318,19 @@ def _launch_quantize(x, data, scales, fmt, gs=None, flag=None):
     return None
 
 
-def _global_scale_gpu(x) -> np.float32:
-    cp = rt.require_cupy()
-    out = cp.zeros(1, dtype=cp.uint32)
+def launch_abs_max(x, out) -> None:
+    """max |x| over a contiguous, 16-byte aligned GPU array into out (uint32 [1], zeroed by the caller) as float32
+    bits, NaN winning (the bits of NaN exceed Inf's): the amax pass of NVFP4's default global scale and of
+    attention_fp8.quantize_e4m3. No sync."""
     n = x.size
     grid = (max(1, min(rt.cdiv(n * x.itemsize // 16 + 1, _THREADS), _device.num_sms() * 8)),)
     rt.launch(rt.get_kernel(_SOURCE, f"abs_max<{rt.ctype(x.dtype)}>"), grid, (_THREADS,), (x, np.int64(n), out))
+
+
+def _global_scale_gpu(x) -> np.float32:
+    cp = rt.require_cupy()
+    out = cp.zeros(1, dtype=cp.uint32)
+    launch_abs_max(x, out)
     amax = out.get().view(np.float32)[0]
     if not np.isfinite(amax):
         raise ValueError(_NAN_MSG)
