@@ -31,7 +31,7 @@ def _setup(fmt, dtype, kernel_only=True):
     gs = 1.0 if fmt == "nvfp4" else None
     t = vc.quantize(x, f, gs)
     out = cp.empty(SHAPE, dtype=dtype)
-    flag = cp.zeros(8, dtype=cp.int32)  # the NaN word and the saturation word after it
+    flag = cp.zeros(8, dtype=cp.int32)  # the NaN word and, 3 words on, the saturation word
     nbytes = x.nbytes + t.nbytes
     if not kernel_only or fmt == "nvfp4+amax":  # the amax pass is part of the call, time it whole
         return (lambda: vc.quantize(x, f, gs)), (lambda: vc.dequantize(t, dtype)), nbytes

@@ -45,10 +45,11 @@ __global__ void __launch_bounds__(256) decode_e4m3(const u8* __restrict__ codes,
   }
 }
 
-// x / ds rounded once (IEEE), given rcp = RN(1 / ds): Markstein's correction, exact for ds in [2^-100, 2^100]
+// x / ds rounded once (IEEE), given rcp = RN(1 / ds): Markstein's correction, exact for ds in [2^-90, 2^100]
 // (checked once: fast) wherever the quotient can reach an E4M3 code other than +-0 (|x / ds| >= 2^-10), the only
-// place its rounding matters; the IEEE division otherwise. The sign is x's (ds > 0): the correction's additions
-// would turn -0 into +0.
+// place its rounding matters; the IEEE division otherwise. Below ds = 2^-92 the residual x - q0 ds of such a
+// quotient can fall under float32's subnormal grid (a review found float32 inputs with ds ~ 2^-97 landing on an
+// E4M3 tie). The sign is x's (ds > 0): the correction's additions would turn -0 into +0.
 __device__ __forceinline__ float div_ds(float x, float ds, float rcp, bool fast) {
   if (!fast) return __fdiv_rn(x, ds);
   const float q0 = __fmul_rn(x, rcp);
@@ -59,8 +60,9 @@ __device__ __forceinline__ u8 e4m3_of(float v) {  // |.| clamped to 448, NaN -> 
   return !(m == m) ? (u8)0x7F : (u8)(vbw::e4m3_encode_pos(fminf(m, 448.f)) | ((__float_as_uint(v) >> 24) & 0x80u));
 }
 #if __CUDA_ARCH__ >= 890
-__device__ __forceinline__ unsigned e4m3x4(float a, float b, float c, float d) {  // finite a..d, a lowest
-  unsigned short lo, hi;  // satfinite: past +-448 -> +-448, as e4m3_of's clamp
+__device__ __forceinline__ unsigned e4m3x4(float a, float b, float c, float d) {  // a in the lowest byte
+  // satfinite: past +-448 (and +-Inf, when ds underflowed to 0) -> +-448 as e4m3_of's clamp; NaN -> 0x7F
+  unsigned short lo, hi;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
   return (unsigned)lo | ((unsigned)hi << 16);
@@ -78,7 +80,7 @@ __global__ void __launch_bounds__(256) quantize_e4m3_tensor(const T* __restrict_
   const float ds = a == 0.f ? 1.f : (finite ? __fdiv_rn(a, 448.f) : __int_as_float(0x7fc00000));
   if (blockIdx.x == 0 && threadIdx.x == 0) *descale = ds;
   const float rcp = __frcp_rn(ds);
-  const bool fast = ds >= 0x1p-100f && ds <= 0x1p100f;
+  const bool fast = ds >= 0x1p-90f && ds <= 0x1p100f;
   const long long stride = (long long)gridDim.x * 256, i0 = blockIdx.x * 256LL + threadIdx.x;
   constexpr int PER = 16 / sizeof(T);
   const long long nv = n / PER;

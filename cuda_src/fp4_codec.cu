@@ -280,8 +280,8 @@ __global__ void __launch_bounds__(256, 3) mxfp4_quantize(const T* __restrict__ x
 // i + 1, both lanes of a word; codes are then counts of thresholds met (nvfp4_codes16). Each entry is
 // found from RZ(tie_i * denom) in the input type, one below it, stepping up with the exact quotient
 // (__fdiv_rn, the same function as the float32 path), so the table is the reference by construction:
-// the start is at least one 16-bit ulp (2^-8 relative or more) below the boundary, and the boundary
-// lies within a float32 rounding of tie_i * denom, so the walk is 1-3 steps. Code 127 (NaN) is unused.
+// the start is at least one 16-bit ulp (2^-11 relative or more) below the boundary, and the boundary
+// lies within a float32 rounding of tie_i * denom, so the walk is 1-2 steps. Code 127 (NaN) is unused.
 template <typename T>
 __device__ __forceinline__ unsigned bits16_rz(float v) {
     if constexpr (IsHalf<T>::value) return __half_as_ushort(__float2half_rz(v));

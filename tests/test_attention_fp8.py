@@ -194,15 +194,17 @@ def test_gpu_quantize_e4m3_bit_exact(dtype, n):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_gpu_quantize_e4m3_bit_exact_awkward(dtype):
     """Magnitudes over 32 binades (codes on E4M3's subnormal grid, input subnormals), float32 tensor scales outside
-    [2^-100, 2^100] (the kernel's plain division) and float32 subnormals beside normal values (its corrected
-    division), each also as an unaligned view (copied to an aligned one first) and with an odd length."""
+    [2^-90, 2^100] (the kernel's plain division; 2^-95 is where the corrected division's residual would round) and
+    float32 subnormals beside normal values (its corrected division), each also as an unaligned view (copied to an
+    aligned one first) and with an odd length; and float32 values a review found on an E4M3 tie at ds ~ 2^-97."""
     cp = pytest.importorskip("cupy")
     dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng(7)
     x = rng.standard_normal(4099) * np.exp2(rng.uniform(-24, 8, 4099))
     cases = [x]
     if dtype == "float32":
-        cases += [x * 2.0 ** -120, x * 2.0 ** 110, np.concatenate([x, x * 2.0 ** -140])]
+        cases += [x * 2.0 ** -120, x * 2.0 ** -95, x * 2.0 ** 110, np.concatenate([x, x * 2.0 ** -140]),
+                  np.array([0x135FFFFF, 0x0A000000, 0x8A000000], np.uint32).view(np.float32)]
     for c in cases:
         xd = c.astype(dt)
         want_codes, want_ds = ref.quantize_e4m3_tensor(xd)

@@ -218,15 +218,17 @@ def _every_code_blocks(dtype, gs):
 def test_gpu_nvfp4_16bit_codes_every_value(dtype, int_compare, monkeypatch):
     """16-bit NVFP4 codes come from per-scale thresholds (fp4_codec.cu, nvfp4_thresholds): every finite
     16-bit magnitude near every E2M1 boundary of every block scale, bit for bit against the reference, for an
-    exact, an awkward and a tiny global scale (fp16 subnormal inputs). integer-compare builds the form
-    bfloat16 takes below sm_90."""
+    exact, an awkward and a tiny global scale (fp16 subnormal inputs; bfloat16 also 2^-120 and 2^100), and blocks of
+    zeros. integer-compare builds the form bfloat16 takes below sm_90."""
     import cupy as cp
     from vbw_cupy import _runtime as rt, fp4
     if int_compare:
         get = rt.get_kernel
         monkeypatch.setattr(rt, "get_kernel", lambda f, n, o=(): get(f, n, tuple(o) + ("-DVBW_NV_INT_COMPARE",)))
-    for gs in (1.0, 0.7313, 2.0 ** -12):
+    scales = (1.0, 0.7313, 2.0 ** -12) + ((2.0 ** -120, 2.0 ** 100) if dtype == BF16 else ())
+    for gs in scales:  # bfloat16 also: subnormal thresholds, and codes whose thresholds pass its largest finite
         x = _every_code_blocks(dtype, gs)
+        x[:3] = 0  # three blocks of zeros
         got = fp4._quantize_gpu(cp.asarray(x), "nvfp4", np.float32(gs))  # no plan kept: the patched kernel
         want = vc.quantize(x, "nvfp4", gs)
         np.testing.assert_array_equal(got.scales.get(), want.scales)

@@ -34,6 +34,12 @@ def test_instances_hold_what_the_ops_launch_by_default_and_no_hopper_kernel_else
     assert no_gemm_wg and bool(no_gemm_wg & {n for _, n in every}) == (arch == 90)
 
 
+def test_quantize_e4m3_warms_its_amax_pass_too():
+    """quantize_e4m3 launches fp4_codec.cu's abs_max (shared with NVFP4's default scale): warmup compiles it."""
+    insts = set(_warmup.op_instances(["quantize_e4m3"], 90))
+    assert {("fp4_codec.cu", f"abs_max<{t}>") for t in ("__half", "__nv_bfloat16", "float")} <= insts
+
+
 def test_unknown_op_is_refused():
     with pytest.raises(ValueError, match="ops: unknown matmul"):
         _warmup.op_instances(["matmul"], 80)

@@ -40,6 +40,7 @@ _UINT8 = np.dtype(np.uint8)
 def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
     out = [(SOURCE, f"{_NS}vt_permute")]
     out += [(SOURCE, f"{_NS}quantize_e4m3_tensor<{rt.ctype(t)}>") for t in _checks.FLOAT_DTYPES]
+    out += [(fp4._SOURCE, f"abs_max<{rt.ctype(t)}>") for t in _checks.FLOAT_DTYPES]  # quantize_e4m3's amax pass
     out += [(SOURCE, f"{_NS}decode_e4m3<{rt.ctype(t)}>") for t in _checks.FLOAT_DTYPES]
     if arch in (None, 90):
         out += [(_attn.SOURCE, _attn.instance_name(_UINT8, FP8_HEAD_DIM, _CONFIG, True, True, False, t))
