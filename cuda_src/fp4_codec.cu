@@ -303,7 +303,9 @@ __device__ void nvfp4_thresholds(uint4 (*thr)[2], float gscale) {
         const float tie = i < 4 ? 0.25f + 0.5f * (float)i : (i == 4 ? 2.5f : (i == 5 ? 3.5f : 5.0f));
         unsigned t = bits16_rz<T>(__fmul_rn(tie, denom));
         t = t ? min(t, INF) - 1u : 0u;
-        while (t < INF && e2m1_code_biased(__fdiv_rn(from_bits16<T>(t), denom)) - E2M1_CODE_BIAS <= (unsigned)i)
+        // (t = 0 never meets a threshold: a zero's code is 0 even where denom underflowed to 0)
+        while (t < INF && (t == 0 || e2m1_code_biased(__fdiv_rn(from_bits16<T>(t), denom)) - E2M1_CODE_BIAS <=
+                                     (unsigned)i))
             ++t;
         reinterpret_cast<unsigned*>(thr[c])[i] = t | (t << 16);
     }
@@ -416,8 +418,8 @@ __global__ void __launch_bounds__(256, sizeof(T) == 2 ? 3 : 4)
                     return e2m1_code_biased(fabsf(__fmaf_rn(__fmaf_rn(-q0, denom, f), rcp, q0)));
                 });
             } else {
-                out[u] = pack_unit<T, E2M1_CODE_BIAS>(wu, [denom](float f) {
-                    return e2m1_code_biased(fabsf(__fdiv_rn(f, denom)));
+                out[u] = pack_unit<T, E2M1_CODE_BIAS>(wu, [denom](float f) {  // (0 / 0: a zero's code is 0)
+                    return e2m1_code_biased(fabsf(f == 0.f ? f : __fdiv_rn(f, denom)));
                 });
             }
         }

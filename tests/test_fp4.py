@@ -1,4 +1,6 @@
 """FP4 formats: the reference against ml_dtypes and the rules of docs/formats.md; the GPU kernels bit for bit against it."""
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -427,6 +429,39 @@ def test_nvfp4_global_scale_too_small_is_refused():
         t = vc.quantize(x, "nvfp4", global_scale=g)
         assert ref.rel_error(vc.dequantize(t), x) < 0.2
     assert vc.quantize(np.zeros((2, 16), np.float32), "nvfp4", global_scale=1e-30).global_scale == np.float32(1e-30)
+
+
+def test_nvfp4_zero_stays_zero_where_the_denominator_underflows():
+    """A global_scale so small that a block's scale times it underflows to 0 in float32: zeros keep code 0 (with
+    their sign), other elements saturate, and no NaN from 0 / 0 decides a code (NumPy's NaN sign is platform's)."""
+    x = np.array([[0.0, -0.0] + [2.0 ** -133] * 14, [0.0] * 16], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = vc.quantize(x, "nvfp4", 2.0 ** -142)
+    codes = (t.data[..., None] >> np.array([0, 4], np.uint8)) & 15
+    codes = codes.reshape(2, 16)
+    assert codes[0, 0] == 0 and codes[0, 1] == 8 and (codes[0, 2:] == 7).all() and (codes[1] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_nvfp4_zero_stays_zero_where_the_denominator_underflows(dtype):
+    """The GPU kernels (the table of 16-bit inputs, float32's plain division) as the reference: an all-zero
+    tensor (signed zeros too) with global_scale 2^-142, (bfloat16, float32) zeros beside 2^-133, and (float32)
+    zeros beside 2^-149 in a block whose denominator underflows."""
+    import cupy as cp
+    zeros = np.zeros((2, 32))
+    zeros[0, 3] = zeros[1, 30] = -0.0
+    cases = [zeros]
+    if dtype != np.float16:  # (float16 has no 2^-133, and with its values a global scale cannot be that small)
+        mixed = np.full((4, 32), 2.0 ** -133)
+        mixed[0], mixed[1, :16], mixed[2, 5] = 0.0, -0.0, 0.0
+        if dtype == np.float32:  # 2^-149 beside zeros: its block's scale clamps to 2^-9, the denominator to 0
+            mixed[3, 16:] = [2.0 ** -149, 0.0, -0.0, -(2.0 ** -149)] * 4
+        cases.append(mixed)
+    for x in cases:
+        xd = x.astype(dtype)
+        _assert_same(vc.quantize(cp.asarray(xd), "nvfp4", 2.0 ** -142), vc.quantize(xd, "nvfp4", 2.0 ** -142), dtype)
 
 
 def test_nvfp4_large_global_scale_loses_precision_gracefully():

@@ -133,12 +133,13 @@ def quantize_nvfp4(x: np.ndarray, global_scale) -> tuple[np.ndarray, np.ndarray]
     gs = np.float32(global_scale)
     blk, _ = _blocks(x, 16)
     amax = np.max(np.abs(blk), axis=-1)
-    with np.errstate(under="ignore"):
+    with np.errstate(under="ignore", divide="ignore", invalid="ignore"):
         s = (amax / np.float32(6.0)).astype(np.float32) / gs
         s = np.clip(s, np.float32(2.0 ** -9), np.float32(E4M3_MAX)).astype(np.float32)
         codes_s = e4m3_encode(s)
         denom = (e4m3_decode(codes_s) * gs).astype(np.float32)
-        q = (blk / denom[..., None]).astype(np.float32)
+        # a zero stays zero where denom underflows to 0 (global_scale below ~2^-140; others saturate there)
+        q = np.where(blk == 0, blk, blk / denom[..., None]).astype(np.float32)
     codes = e2m1_encode(q)
     return _pack(codes.reshape(codes.shape[:-2] + (-1,))), codes_s
 
