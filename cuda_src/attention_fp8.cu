@@ -45,32 +45,17 @@ __global__ void __launch_bounds__(256) decode_e4m3(const u8* __restrict__ codes,
   }
 }
 
-// x / ds rounded once (IEEE), given rcp = RN(1 / ds): Markstein's correction, exact for ds in [2^-90, 2^100]
+// x / ds rounded once (IEEE), given rcp = RN(1 / ds): fp4.cuh's div_markstein, exact for ds in [2^-90, 2^100]
 // (checked once: fast) wherever the quotient can reach an E4M3 code other than +-0 (|x / ds| >= 2^-10), the only
 // place its rounding matters; the IEEE division otherwise. Below ds = 2^-92 the residual x - q0 ds of such a
 // quotient can fall under float32's subnormal grid (a review found float32 inputs with ds ~ 2^-97 landing on an
 // E4M3 tie). The sign is x's (ds > 0): the correction's additions would turn -0 into +0.
 __device__ __forceinline__ float div_ds(float x, float ds, float rcp, bool fast) {
-  if (!fast) return __fdiv_rn(x, ds);
-  const float q0 = __fmul_rn(x, rcp);
-  return copysignf(__fmaf_rn(__fmaf_rn(-q0, ds, x), rcp, q0), x);
+  return fast ? copysignf(vbw::div_markstein(x, ds, rcp), x) : __fdiv_rn(x, ds);
 }
-__device__ __forceinline__ u8 e4m3_of(float v) {  // |.| clamped to 448, NaN -> 0x7F, sign kept
-  const float m = fabsf(v);
-  return !(m == m) ? (u8)0x7F : (u8)(vbw::e4m3_encode_pos(fminf(m, 448.f)) | ((__float_as_uint(v) >> 24) & 0x80u));
-}
-#if __CUDA_ARCH__ >= 890
-__device__ __forceinline__ unsigned e4m3x4(float a, float b, float c, float d) {  // a in the lowest byte
-  // satfinite: past +-448 (and +-Inf, when ds underflowed to 0) -> +-448 as e4m3_of's clamp; NaN -> 0x7F
-  unsigned short lo, hi;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
-  return (unsigned)lo | ((unsigned)hi << 16);
-}
-#endif
 
-// 16 bytes of x a thread step (x and codes 16-byte aligned), their codes stored together (the hardware conversion
-// on sm_89+), the last n % PER elements one at a time.
+// 16 bytes of x a thread step (x and codes 16-byte aligned), their codes stored together (fp4.cuh's e4m3x4), the
+// last n % PER elements one at a time.
 template <typename T>
 __global__ void __launch_bounds__(256) quantize_e4m3_tensor(const T* __restrict__ x, long long n,
                                                             const unsigned* __restrict__ amax, u8* __restrict__ codes,
@@ -94,17 +79,14 @@ __global__ void __launch_bounds__(256) quantize_e4m3_tensor(const T* __restrict_
         float f[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) f[e] = div_ds(as_float(p.v[4 * q + e]), ds, rcp, fast);
-#if __CUDA_ARCH__ >= 890
-        w[q] = finite ? e4m3x4(f[0], f[1], f[2], f[3]) : 0x7F7F7F7Fu;
-#else
-        w[q] = e4m3_of(f[0]) | (e4m3_of(f[1]) << 8) | (e4m3_of(f[2]) << 16) | ((unsigned)e4m3_of(f[3]) << 24);
-#endif
+        w[q] = finite ? vbw::e4m3x4(f[0], f[1], f[2], f[3]) : 0x7F7F7F7Fu;  // (ds NaN: every code NaN)
       }
       if constexpr (PER == 8) reinterpret_cast<uint2*>(codes)[j] = make_uint2(w[0], w[PER / 4 - 1]);
       else reinterpret_cast<unsigned*>(codes)[j] = w[0];
     }
   }
-  for (long long i = nv * PER + i0; i < n; i += stride) codes[i] = e4m3_of(div_ds(as_float(x[i]), ds, rcp, fast));
+  for (long long i = nv * PER + i0; i < n; i += stride)
+    codes[i] = (u8)vbw::e4m3_code(div_ds(as_float(x[i]), ds, rcp, fast));
 }
 
 __device__ __forceinline__ int key_of(int p) {  // pi(p) of the header, p in [0, 32)

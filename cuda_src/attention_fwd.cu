@@ -84,6 +84,7 @@
 #include "mma.cuh"
 #include "wgmma.cuh"
 #include "errors.cuh"
+#include "fp4.cuh"
 #include "attention_tile.cuh"
 #include "attention_softmax.cuh"
 #include "attention_mask.cuh"
@@ -108,15 +109,6 @@ template <typename O> struct E4M3 {};
 template <typename T> struct Elems { using in = T; using out = T; static constexpr bool fp8 = false; };
 template <typename O> struct Elems<E4M3<O>> { using in = unsigned char; using out = O; static constexpr bool fp8 = true; };
 
-// 4 floats -> 4 e4m3 (fn) bytes, a first (lowest address), rounded to nearest even, saturating at +-448.
-__device__ __forceinline__ vbw::u32 e4m3x4(float a, float b, float c, float d) {
-  unsigned short lo = 0, hi = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
-#endif
-  return (vbw::u32)lo | ((vbw::u32)hi << 16);
-}
 }  // namespace vbw_attn
 
 // Where this CTA works, recomputed from the kernel's arguments wherever a kernel needs it (see cta_info).
@@ -747,10 +739,10 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
       for (int t = 0; t < KP; ++t) {
         if constexpr (FP8) {
           const float* x = s + 16 * t;
-          pa[t][0] = vbw_attn::e4m3x4(x[0], x[1], x[4], x[5]);
-          pa[t][1] = vbw_attn::e4m3x4(x[2], x[3], x[6], x[7]);
-          pa[t][2] = vbw_attn::e4m3x4(x[8], x[9], x[12], x[13]);
-          pa[t][3] = vbw_attn::e4m3x4(x[10], x[11], x[14], x[15]);
+          pa[t][0] = vbw::e4m3x4(x[0], x[1], x[4], x[5]);
+          pa[t][1] = vbw::e4m3x4(x[2], x[3], x[6], x[7]);
+          pa[t][2] = vbw::e4m3x4(x[8], x[9], x[12], x[13]);
+          pa[t][3] = vbw::e4m3x4(x[10], x[11], x[14], x[15]);
         } else {
           pa[t][0] = pack2<T>(s[8 * t + 0], s[8 * t + 1]);
           pa[t][1] = pack2<T>(s[8 * t + 2], s[8 * t + 3]);

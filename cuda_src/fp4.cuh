@@ -1,4 +1,4 @@
-// fp4.cuh: scalar E2M1 / E4M3 / E8M0 helpers shared by the FP4 codec and the FP4 GEMM.
+// fp4.cuh: E2M1 / E4M3 / E8M0 helpers shared by the FP4 codec and GEMM, the FP8 codecs and FP8 attention.
 //
 // E2M1 (4 bits): bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa; codes 0..7 are
 // 0, 0.5, 1, 1.5, 2, 3, 4, 6 and 8..15 their negatives. Rounding is RNE with saturation to +-6.
@@ -96,6 +96,34 @@ __device__ __forceinline__ unsigned e4m3_encode_pos(float x) {
     if (x < 0.015625f) return (unsigned)rintf(x * 512.0f);
     unsigned b = __float_as_uint(x);
     return ((b + 0x7FFFFu + ((b >> 20) & 1u)) >> 20) - (120u << 3);
+}
+
+// E4M3 (fn) code of any float: RNE, |v| clamped to 448, NaN -> 0x7F, sign kept (-0 -> 0x80).
+__device__ __forceinline__ unsigned e4m3_code(float v) {
+    const float a = fabsf(v);
+    if (!(a == a)) return 0x7Fu;
+    return e4m3_encode_pos(fminf(a, 448.0f)) | ((__float_as_uint(v) >> 24) & 0x80u);
+}
+
+// Four E4M3 codes, a in the lowest byte: the hardware conversion on sm_89+ (cvt.rn.satfinite: RNE, +-448 past
+// the range, as e4m3_code; a NaN gives a NaN code, whose sign the callers do not rely on), e4m3_code elsewhere.
+__device__ __forceinline__ unsigned e4m3x4(float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
+    return (unsigned)lo | ((unsigned)hi << 16);
+#else
+    return e4m3_code(a) | (e4m3_code(b) << 8) | (e4m3_code(c) << 16) | (e4m3_code(d) << 24);
+#endif
+}
+
+// RN(x / d) from rcp = RN(1 / d): q0 = RN(x * rcp) is within an ulp, the residual x - q0 * d is exact in one FMA
+// and RN(q0 + residual * rcp) is the correctly rounded quotient (Markstein's theorem) where nothing under- or
+// overflows (the callers bound d and the quotients that matter). A zero quotient may lose its sign.
+__device__ __forceinline__ float div_markstein(float x, float d, float rcp) {
+    const float q0 = __fmul_rn(x, rcp);
+    return __fmaf_rn(__fmaf_rn(-q0, d, x), rcp, q0);
 }
 
 // e4m3_encode_pos and e4m3_decode in one rounding, for x already clamped to [2^-9, 448]: returns the code

@@ -15,8 +15,8 @@
 // builds with the exact division: nvfp4_thresholds). MXFP4 and 16-bit NVFP4 run one resident wave with a
 // grid-stride loop that prefetches the next step; float32 NVFP4 one step per thread. Dequantize gives
 // each thread 16 elements. When K is a multiple of the block (FLAT) the tensor is one flat run: 16-byte
-// vector loads/stores and no row arithmetic. Otherwise rows are padded
-// and located by a 64-bit division, with scalar bounds-checked loads (the slow, rare path).
+// vector loads/stores and no row arithmetic. Otherwise rows are padded and located by a 64-bit division,
+// with scalar bounds-checked loads (the slow, rare path).
 // Quantize moves 2 + 0.5 + 1/BLOCK bytes per fp16 element.
 //
 // Denormals: compiled without -ftz (see _runtime.py), so float32 denormal inputs and the 2^-127
@@ -369,10 +369,8 @@ __device__ __forceinline__ uint2 nvfp4_pack16(const unsigned* w, const unsigned 
 // Inf (the caller then raises and discards the output), and the NVFP4_SATURATED word when a finite block
 // needs a scale above 512 (global_scale too small: its elements saturate past E2M1's rounding error).
 // float32: one step per thread; the codes by division. docs/formats.md rounds x / denom once (IEEE
-// division). With rcp = RN(1/denom), q0 = RN(x * rcp) is within an ulp of x / denom, the residual
-// x - q0 * denom is exact in one FMA, and RN(q0 + residual * rcp) is the correctly rounded quotient
-// (Markstein's theorem), as long as nothing under- or overflows near the E2M1 thresholds: denom outside
-// [2^-100, 2^100] takes the plain division instead.
+// division): fp4.cuh's div_markstein, exact as long as nothing under- or overflows near the E2M1 thresholds;
+// denom outside [2^-100, 2^100] takes the plain division instead.
 // 16-bit: one resident wave (the launcher's grid), grid-stride with prefetch like MXFP4; each CTA first
 // builds the threshold table (nvfp4_thresholds), then the codes are 7 packed compares a word.
 template <typename T, bool FLAT>
@@ -408,19 +406,18 @@ __global__ void __launch_bounds__(256, sizeof(T) == 2 ? 3 : 4)
                 const uint4 t0 = thr[code[u]][0], t1 = thr[code[u]][1];
                 const unsigned th[7] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z};
                 out[u] = nvfp4_pack16<T>(wu, a, th);
-                continue;
-            }
-            const float denom = sq * gscale;
-            if (denom >= 0x1p-100f && denom <= 0x1p100f) {
-                const float rcp = __frcp_rn(denom);
-                out[u] = pack_unit<T, E2M1_CODE_BIAS>(wu, [rcp, denom](float f) {
-                    const float q0 = __fmul_rn(f, rcp);
-                    return e2m1_code_biased(fabsf(__fmaf_rn(__fmaf_rn(-q0, denom, f), rcp, q0)));
-                });
             } else {
-                out[u] = pack_unit<T, E2M1_CODE_BIAS>(wu, [denom](float f) {  // (0 / 0: a zero's code is 0)
-                    return e2m1_code_biased(fabsf(f == 0.f ? f : __fdiv_rn(f, denom)));
-                });
+                const float denom = sq * gscale;
+                if (denom >= 0x1p-100f && denom <= 0x1p100f) {
+                    const float rcp = __frcp_rn(denom);
+                    out[u] = pack_unit<T, E2M1_CODE_BIAS>(wu, [rcp, denom](float f) {
+                        return e2m1_code_biased(fabsf(div_markstein(f, denom, rcp)));
+                    });
+                } else {
+                    out[u] = pack_unit<T, E2M1_CODE_BIAS>(wu, [denom](float f) {  // (0 / 0: a zero's code is 0)
+                        return e2m1_code_biased(fabsf(f == 0.f ? f : __fdiv_rn(f, denom)));
+                    });
+                }
             }
         }
         store_step<T>(data, g, live, out);

@@ -9,7 +9,7 @@
 // Tiling: one CTA of 256 threads per row. VEC (K * sizeof(T) a multiple of 16, base aligned): chunks of R
 //   16-byte loads per thread, all in flight at once; the first chunk stays in registers for the codes pass,
 //   longer rows read their later chunks again (from L2); 16 / sizeof(T) codes stored together, converted four
-//   at a time by the hardware on sm_89+ (e4m3_code elsewhere). Otherwise
+//   at a time (fp4.cuh's e4m3x4: the hardware on sm_89+). Otherwise
 //   scalar loads, the row read twice. Dequantize: 4 codes a thread step (one 32-bit load) when K % 4 == 0.
 // Role: the activation side of fp4_matmul's W4A8 path (cuda_src/fp8_gemm.cu reads the codes by TMA and applies
 //   the row scale as its per-k-tile multiplier).
@@ -33,25 +33,6 @@ typedef unsigned char u8;
 typedef unsigned int u32;
 
 template <typename T> struct Pack { static constexpr int N = 16 / sizeof(T); T v[N]; };
-
-// E4M3 (fn) code of a float32 v with |v| <= 448 (or NaN -> 0x7F): RNE, sign kept (-0 -> 0x80).
-__device__ __forceinline__ u32 e4m3_code(float v) {
-  const float a = fabsf(v);
-  const u32 sign = (__float_as_uint(v) >> 24) & 0x80u;
-  if (!(a == a)) return 0x7Fu;
-  return vbw::e4m3_encode_pos(a) | sign;
-}
-
-#if __CUDA_ARCH__ >= 890
-// 4 floats with |v| <= 448 (no NaN) -> 4 E4M3 codes, a in the lowest byte: the hardware conversion, round to
-// nearest even as e4m3_code (subnormals and -0 included; satfinite never acts on these values).
-__device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
-  unsigned short lo, hi;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
-  return (u32)lo | ((u32)hi << 16);
-}
-#endif
 
 __device__ __forceinline__ float block_max(float v, float* red) {  // max over the CTA (NaN wins)
 #pragma unroll
@@ -133,24 +114,17 @@ __global__ void __launch_bounds__(256, R <= 2 ? 6 : R <= 4 ? 4 : 2) fp8_rows_qua
         if (k >= K) break;
         u32 w[N / 4];
 #pragma unroll
-        for (int j = 0; j < N / 4; ++j) {
-#if __CUDA_ARCH__ >= 890
-          w[j] = finite ? e4m3x4(to_float(p[i].v[4 * j]) * inv, to_float(p[i].v[4 * j + 1]) * inv,
-                                 to_float(p[i].v[4 * j + 2]) * inv, to_float(p[i].v[4 * j + 3]) * inv)
+        for (int j = 0; j < N / 4; ++j)
+          w[j] = finite ? vbw::e4m3x4(to_float(p[i].v[4 * j]) * inv, to_float(p[i].v[4 * j + 1]) * inv,
+                                      to_float(p[i].v[4 * j + 2]) * inv, to_float(p[i].v[4 * j + 3]) * inv)
                         : 0x7F7F7F7Fu;
-#else
-          w[j] = 0;
-#pragma unroll
-          for (int b = 0; b < 4; ++b)
-            w[j] |= (finite ? e4m3_code(to_float(p[i].v[4 * j + b]) * inv) : 0x7Fu) << (8 * b);
-#endif
-        }
         if (N == 8) *reinterpret_cast<uint2*>(qr + k) = make_uint2(w[0], w[N / 4 - 1]);
         else *reinterpret_cast<u32*>(qr + k) = w[0];
       }
     }
   } else {
-    for (long long k = threadIdx.x; k < K; k += 256) qr[k] = (u8)(finite ? e4m3_code(to_float(row[k]) * inv) : 0x7Fu);
+    for (long long k = threadIdx.x; k < K; k += 256)
+      qr[k] = (u8)(finite ? vbw::e4m3_code(to_float(row[k]) * inv) : 0x7Fu);
   }
 }
 
