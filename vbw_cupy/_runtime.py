@@ -738,6 +738,13 @@ def ensure_contiguous(x):
     return x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
 
 
+def ensure_aligned16(x):
+    """x as a C-contiguous array with a 16-byte aligned base (for 16-byte vector loads): x when it is one, else a
+    copy."""
+    x = ensure_contiguous(x)
+    return x.copy() if x.data.ptr % 16 else x
+
+
 
 _CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
 

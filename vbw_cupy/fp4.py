@@ -219,9 +219,7 @@ def _quantize_gpu(x, fmt, gs, keep=None):
     """`keep`: the fast-path key to store this call's launch plan under (None: store nothing)."""
     cp = rt.require_cupy()
     x_in = x
-    x = rt.ensure_contiguous(x)
-    if x.data.ptr % 16:
-        x = x.copy()  # 16-byte vector loads need an aligned base
+    x = rt.ensure_aligned16(x)
     block = FORMATS[fmt]
     Kp = rt.cdiv(x.shape[-1], block) * block
     data = cp.empty(x.shape[:-1] + (Kp // 2,), dtype=cp.uint8)
