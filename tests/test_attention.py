@@ -317,8 +317,9 @@ def test_public_api_and_dlpack():
 def test_default_instances_do_not_spill():
     arch = _device.device_arch()
     for hd in A.HEAD_DIMS:
-        # the short-sequence default by TMA and by cp.async (no tensor maps), and the long one (_WS_FROM)
-        for shape, tma in ((None, True), (None, False), ({"Sk": 1 << 20}, True)):
+        # the short-sequence default by TMA and by cp.async (no tensor maps), and each long one (_WS_FROM's tiers)
+        tiers = A._WS_FROM.get(A._WG_HEAD_DIM.get(hd), ())
+        for shape, tma in ((None, True), (None, False), *(({"Sk": frm}, True) for frm, _ in tiers)):
             cfg = A.default_config(hd, arch, shape=shape)
             for dtype in ("float16", "bfloat16"):
                 name = A.instance_name(dtype, hd, cfg, True, tma=tma and cfg["KIND"] != "mma")
@@ -705,27 +706,31 @@ def test_gpu_huge_scores_stay_finite(scale):
 
 
 def test_long_sequences_default_to_the_warp_specialized_tiles():
-    """On sm_90 the default follows the key length (_WS_FROM): the lock-step "wg" tiles below the threshold,
-    the warp-specialized "ws" ones from it on; every such default is a compiled instance, and other archs and
-    the element-wise path never see a "ws" config."""
+    """On sm_90 the default follows the key length (_WS_FROM): the lock-step "wg" tiles below the first threshold,
+    each tier's warp-specialized "ws" tile from its threshold on; every such default is a compiled instance, and
+    other archs and the element-wise path never see a "ws" config."""
     names = {n for _, n in A.kernel_instances(arch=90)}
     for hd in A._WG_DEFAULTS:
-        frm, ws = A._WS_FROM.get(A._WG_HEAD_DIM[hd], (None, None))
+        tiers = A._WS_FROM.get(A._WG_HEAD_DIM[hd], ())
         short = A.default_config(hd, 90)   # without a shape: the lock-step tile (also the TMA-less fallback)
         assert short["KIND"] == "wg"
-        if frm is None:
+        if not tiers:
             assert A.default_config(hd, 90, shape={"Sk": 1 << 20}) == short
             continue
-        if frm > 1:   # (by the power of two at or above Sk: frm / 2 + 1 .. frm is one tuning bucket)
-            assert A.default_config(hd, 90, shape={"Sk": frm // 2}) == short
-            assert A.default_config(hd, 90, shape={"Sk": frm // 2 + 1})["KIND"] == "ws"
-        long = A.default_config(hd, 90, shape={"Sk": frm})
-        assert long == ws and long["KIND"] == "ws", (hd, long)
-        from vbw_cupy import autotune as at
-        assert at.default_config(A._tunable_name(hd), 90, {"Sk": frm, "Sq": 1, "masked": 0}) == long
-        assert A.instance_name("float16", hd, long, True, tma=True) in names
-        # without tensor maps the producer cannot load: the name is the lock-step default's
-        assert A.instance_name("float16", hd, long, True, tma=False) == A.instance_name("float16", hd, short, True)
-        for arch in (80, 86, 89):
-            assert A.default_config(hd, arch, shape={"Sk": frm})["KIND"] == "mma"
-        assert A.default_config(hd, 90, vec=False, shape={"Sk": frm})["KIND"] == "mma"
+        assert [f for f, _ in tiers] == sorted({f for f, _ in tiers}), tiers  # ascending, distinct
+        before = short
+        for frm, ws in tiers:
+            if frm > 1:   # (by the power of two at or above Sk: frm / 2 + 1 .. frm is one tuning bucket)
+                assert A.default_config(hd, 90, shape={"Sk": frm // 2}) == before
+                assert A.default_config(hd, 90, shape={"Sk": frm // 2 + 1}) == ws
+            long = A.default_config(hd, 90, shape={"Sk": frm})
+            assert long == ws and long["KIND"] == "ws", (hd, long)
+            before = ws
+            from vbw_cupy import autotune as at
+            assert at.default_config(A._tunable_name(hd), 90, {"Sk": frm, "Sq": 1, "masked": 0}) == long
+            assert A.instance_name("float16", hd, long, True, tma=True) in names
+            # without tensor maps the producer cannot load: the name is the lock-step default's
+            assert A.instance_name("float16", hd, long, True, tma=False) == A.instance_name("float16", hd, short, True)
+            for arch in (80, 86, 89):
+                assert A.default_config(hd, arch, shape={"Sk": frm})["KIND"] == "mma"
+            assert A.default_config(hd, 90, vec=False, shape={"Sk": frm})["KIND"] == "mma"

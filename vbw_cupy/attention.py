@@ -122,9 +122,9 @@ _WG_DEFAULTS = {64: _wg(64, 1), 96: _wg(128), 128: _wg(128), 160: _wg(64), 192: 
                 256: _wg(64)}
 _WG_CANDIDATES = {64: (_wg(64), _wg(128, 1), _wg(192, 1), _wg(64, 1), _wg(128, 1, stages=3), _ws(192),
                        _ws(128, wgs=3)),
-                  128: (_wg(128), _wg(128, stages=3), _wg(64, 2, True), _wg(64, stages=4), _ws(128)),
-                  192: (_wg(64), _wg(64, stages=3), _wg(64, 1, stages=3), _ws(64)),
-                  256: (_wg(64), _wg(64, 1, stages=3), _ws(64))}
+                  128: (_wg(128), _wg(128, stages=3), _wg(64, 2, True), _wg(64, stages=4), _ws(128), _ws(144)),
+                  192: (_wg(64), _wg(64, stages=3), _wg(64, 1, stages=3), _ws(64), _ws(112)),
+                  256: (_wg(64), _wg(64, 1, stages=3), _ws(64), _ws(80))}
 for _d, _w in _WG_HEAD_DIM.items():
     _WG_CANDIDATES.setdefault(_d, _WG_CANDIDATES[_w])
 _CANDIDATES = {
@@ -255,7 +255,15 @@ def _row_warps(cfg) -> int:
 # 64 x 64: 386/368/389 404/364/356 432/395/377 441/408/387; 293/274/361 346/335/348 394/377/370 411/405/395.
 # It is not the default: its consumers at 160 registers spill 28 bytes (the tile range, read a few times a
 # tile), and the default instances are kept spill-free (tests/test_attention.py).
-_WS_FROM = {64: (4096, _ws(192)), 128: (1, _ws(128)), 192: (1, _ws(64)), 256: (1, _ws(64))}
+# 2026-11-27: BLOCK_N 112 at D = 192 (S 56 + P 28 + O 96 accumulator registers a thread: no spills, where 128
+# spills 56 bytes). H100, graph replay, three interleaved reps, ws 112 / ws 64 over two leases: S = 1k 0.91
+# (full) / 0.93 (causal); 2k 1.05 / 1.02 (bf16); 4k 0.99-1.18 / 1.07-1.18; 8k 1.07 / 1.20 (bf16); 16k
+# 1.00-1.21 / 1.09-1.14. So from 2k keys. Also measured, kept as tuning candidates only: BLOCK_N 144 at D = 128
+# (1.03x at 16k full, 0.89-0.96x elsewhere; 160 and 176 spill), 80 at D = 256 (0.98-1.05x from 2k, 0.90-0.94x
+# at 1k).
+# Per wgmma width, (from this many keys, tile) tiers in ascending order: the last one the key bucket reaches.
+_WS_FROM = {64: ((4096, _ws(192)),), 128: ((1, _ws(128)),), 192: ((1, _ws(64)), (2048, _ws(112))),
+            256: ((1, _ws(64)),)}
 
 
 def default_config(head_dim: int, arch: int, vec: bool = True, shape: dict | None = None) -> dict:
@@ -271,11 +279,12 @@ def default_config(head_dim: int, arch: int, vec: bool = True, shape: dict | Non
 def _shape_default(head_dim: int, shape: dict, arch: int, cfg: dict) -> dict:
     """The default of a shape ({"Sk": longest key sequence, ...}) on an arch, given the arch's default cfg (the
     Tunable's default_for, with head_dim bound)."""
-    long = _WS_FROM.get(_WG_HEAD_DIM.get(head_dim))
     sk = int(shape.get("Sk", 0))
-    # by the power of two at or above Sk, as the tuning bucket rounds it: one default a bucket
-    if arch == 90 and cfg["KIND"] != "mma" and long and sk > 0 and 1 << (sk - 1).bit_length() >= long[0]:
-        return dict(long[1])
+    if arch == 90 and cfg["KIND"] != "mma" and sk > 0:
+        bucket = 1 << (sk - 1).bit_length()  # the power of two at or above Sk, as tuning rounds it: one default a bucket
+        for frm, tile in reversed(_WS_FROM.get(_WG_HEAD_DIM.get(head_dim), ())):
+            if bucket >= frm:
+                return dict(tile)
     return dict(cfg)
 
 
