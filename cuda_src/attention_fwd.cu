@@ -73,8 +73,8 @@
 //      two-warpgroup ws tile from 2k keys (H200); not the default (28 bytes of spills at 160 registers).
 //   v10 (H100, 2026-11-27) BLOCK_N any wgmma N with a WgmmaSS wrapper: 112 at D = 192 (S 56 + P 28 + O 96
 //      accumulators; 128 spills 56 bytes) is the ws default there from 2k keys, 1.02-1.21x the 64-key tile (two
-//      leases, graph replay); 144 at D = 128 and 80 at D = 256 are tuning candidates (1.03x at 16k keys, slower
-//      below); at D = 128, 160 and 176 (FlashAttention-3's non-causal tile) spill: the O accumulators go to local
+//      leases, graph replay); 144 at D = 128, 80 at D = 256 (1.03x at 16k keys, slower below) and 208 at D = 64
+//      (1.03-1.07x full, 0.98-1.00x causal, one run) are tuning candidates; at D = 128, 160 and 176 (FlashAttention-3's non-causal tile) spill: the O accumulators go to local
 //      memory around the loop, since S(n+1), P(n) and O are live at once (196 registers at 176).
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
@@ -473,7 +473,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   constexpr int BLOCK_M = 64 * WGS;
   constexpr int NT = 128 * WGS;
   static_assert(BLOCK_N == 64 || BLOCK_N == 80 || BLOCK_N == 112 || BLOCK_N == 128 || BLOCK_N == 144 ||
-                    BLOCK_N == 192,
+                    BLOCK_N == 192 || BLOCK_N == 208,
                 "BLOCK_N: a wgmma N with a WgmmaSS wrapper (wgmma.cuh)");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 192 || HEAD_DIM == 256, "HEAD_DIM: a wgmma N");
   static_assert(STAGES >= 2 && STAGES <= 4 && (!OVERLAP || STAGES == 2), "STAGES");

@@ -121,7 +121,7 @@ _WG_HEAD_DIM = {64: 64, 96: 128, 128: 128, 160: 192, 192: 192, 224: 256, 256: 25
 _WG_DEFAULTS = {64: _wg(64, 1), 96: _wg(128), 128: _wg(128), 160: _wg(64), 192: _wg(64), 224: _wg(64),
                 256: _wg(64)}
 _WG_CANDIDATES = {64: (_wg(64), _wg(128, 1), _wg(192, 1), _wg(64, 1), _wg(128, 1, stages=3), _ws(192),
-                       _ws(128, wgs=3)),
+                       _ws(128, wgs=3), _ws(208)),
                   128: (_wg(128), _wg(128, stages=3), _wg(64, 2, True), _wg(64, stages=4), _ws(128), _ws(144)),
                   192: (_wg(64), _wg(64, stages=3), _wg(64, 1, stages=3), _ws(64), _ws(112)),
                   256: (_wg(64), _wg(64, 1, stages=3), _ws(64), _ws(80))}
@@ -259,8 +259,9 @@ def _row_warps(cfg) -> int:
 # spills 56 bytes). H100, graph replay, three interleaved reps, ws 112 / ws 64 over two leases: S = 1k 0.91
 # (full) / 0.93 (causal); 2k 1.05 / 1.02 (bf16); 4k 0.99-1.18 / 1.07-1.18; 8k 1.07 / 1.20 (bf16); 16k
 # 1.00-1.21 / 1.09-1.14. So from 2k keys. Also measured, kept as tuning candidates only: BLOCK_N 144 at D = 128
-# (1.03x at 16k full, 0.89-0.96x elsewhere; 160 and 176 spill), 80 at D = 256 (0.98-1.05x from 2k, 0.90-0.94x
-# at 1k).
+# (1.03x at 16k full, 0.89-0.96x elsewhere; 160 and 176 spill; 96 / 112 0.93-1.02x), 80 at D = 256 (0.98-1.05x
+# from 2k, 0.90-0.94x at 1k), 208 at D = 64 (one run, 4k / 16k: 1.07 / 1.03x full, 0.98 / 1.00x causal; 224 and
+# up spill).
 # Per wgmma width, (from this many keys, tile) tiers in ascending order: the last one the key bucket reaches.
 _WS_FROM = {64: ((4096, _ws(192)),), 128: ((1, _ws(128)),), 192: ((1, _ws(64)), (2048, _ws(112))),
             256: ((1, _ws(64)),)}
