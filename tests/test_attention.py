@@ -358,12 +358,15 @@ def _sweep_cases(hd, vec):
     (1000, 1000, False, (-1, -1)),
 ])
 def test_three_warpgroup_tile(Sq, Sk, causal, window):
-    """The warp-specialized tile with three consumer warpgroups (a D = 64 candidate: 192 query rows, the turn
-    passed round 0 -> 1 -> 2) at the edges of its turn counting: CTAs with no key tile, with one, masked ones."""
+    """The warp-specialized tiles with three consumer warpgroups (D = 64: 192 query rows, the turn passed round
+    0 -> 1 -> 2; 112 keys, the default from 4k keys, and 128, a candidate) at the edges of its turn counting:
+    CTAs with no key tile, with one, masked ones."""
     if _device.device_arch() != 90:
         pytest.skip("the wgmma kernels run on sm_90 only")
-    for D, dtype in ((64, "float16"), (56, "bfloat16")):   # 56: columns past D zero-filled in the 64-wide tile
-        run_dense(2, Sq, Sk, 4, 2, D, dtype, causal=causal, window=window, seed=Sq + D, config=A._ws(128, wgs=3))
+    for n in (112, 128):
+        for D, dtype in ((64, "float16"), (56, "bfloat16")):   # 56: columns past D zero-filled in the 64-wide tile
+            run_dense(2, Sq, Sk, 4, 2, D, dtype, causal=causal, window=window, seed=Sq + D + n,
+                      config=A._ws(n, wgs=3))
 
 
 @gpu

@@ -18,8 +18,8 @@ wgmma kernel (``attn_fwd_wg``) by default, compiled for the next wgmma width of 
 160 on 192, 224 on 256: the padded columns cost less than mma.sync's lower rate), everything else the mma.sync
 one; a wgmma config is never launched off sm_90 or on unaligned inputs (``_runnable``). From a key length that
 depends on the head dim (``_WS_FROM``) the sm_90 default is the warp-specialized "ws" tile (a TMA producer
-warpgroup and two consumer warpgroups taking turns at the tensor cores, FlashAttention-3's schedule; a
-three-warpgroup tile is a D = 64 tuning candidate).
+warpgroup and two consumer warpgroups taking turns at the tensor cores, FlashAttention-3's schedule; three
+consumer warpgroups at D = 64), with a key tile that may also depend on the length.
 
 Host cost: a `flash_attention` call whose shapes, dtypes, options, device, stream and tuning state match an
 earlier checked call replays its launch, re-checking only array types, contiguity, devices and alignment.
@@ -121,7 +121,7 @@ _WG_HEAD_DIM = {64: 64, 96: 128, 128: 128, 160: 192, 192: 192, 224: 256, 256: 25
 _WG_DEFAULTS = {64: _wg(64, 1), 96: _wg(128), 128: _wg(128), 160: _wg(64), 192: _wg(64), 224: _wg(64),
                 256: _wg(64)}
 _WG_CANDIDATES = {64: (_wg(64), _wg(128, 1), _wg(192, 1), _wg(64, 1), _wg(128, 1, stages=3), _ws(192),
-                       _ws(128, wgs=3), _ws(208)),
+                       _ws(128, wgs=3), _ws(112, wgs=3), _ws(208)),
                   128: (_wg(128), _wg(128, stages=3), _wg(64, 2, True), _wg(64, stages=4), _ws(128), _ws(144)),
                   192: (_wg(64), _wg(64, stages=3), _wg(64, 1, stages=3), _ws(64), _ws(112)),
                   256: (_wg(64), _wg(64, 1, stages=3), _ws(64), _ws(80))}
@@ -262,8 +262,14 @@ def _row_warps(cfg) -> int:
 # (1.03x at 16k full, 0.89-0.96x elsewhere; 160 and 176 spill; 96 / 112 0.93-1.02x), 80 at D = 256 (0.98-1.05x
 # from 2k, 0.90-0.94x at 1k), 208 at D = 64 (one run, 4k / 16k: 1.07 / 1.03x full, 0.98 / 1.00x causal; 224 and
 # up spill).
+# D = 64 from 4k keys: three consumer warpgroups of 64 query rows (BLOCK_M 192) and 112-key tiles (S 56 + P 28
+# + O 32 accumulators a thread at setmaxnreg 160: no spills, where 128 keys spill 28 bytes). H100, graph replay,
+# three interleaved reps, TFLOP/s, S = 4k / 8k / 16k full; causal: ws 112 x3 409 / 435 / 451; 343 / 409 / 431,
+# ws 192 (the default before) 358 / 409 / 427; 334 / 401 / 422, ws 128 x3 432 / 441 / 446; 351 / 426 / 432, wg
+# 64 x 64 389 / 414 / 436; 375 / 387 / 397, cuDNN 472 / 482 / 456; 435 / 461 / 471. Below 4k the lock-step wg
+# 64 x 64 stays (ws 112 x3 0.67-0.98x of it at 1k / 2k).
 # Per wgmma width, (from this many keys, tile) tiers in ascending order: the last one the key bucket reaches.
-_WS_FROM = {64: ((4096, _ws(192)),), 128: ((1, _ws(128)),), 192: ((1, _ws(64)), (2048, _ws(112))),
+_WS_FROM = {64: ((4096, _ws(112, wgs=3)),), 128: ((1, _ws(128)),), 192: ((1, _ws(64)), (2048, _ws(112))),
             256: ((1, _ws(64)),)}
 
 
