@@ -228,15 +228,17 @@ def test_fast_key_is_strict():
 
 # ---- varlen ---------------------------------------------------------------------------------------------
 @gpu
-@pytest.mark.parametrize("D,causal", [(64, False), (128, True), (192, True), (256, False)])
-def test_varlen_next_sequence_never_leaks(D, causal):
+@pytest.mark.parametrize("D,causal,tail", [(64, False, 300), (128, True, 300), (192, True, 300), (256, False, 300),
+                                          (64, True, 5000), (192, False, 3000)])
+def test_varlen_next_sequence_never_leaks(D, causal, tail):
     """Packed TMA loads read past a sequence's end into the next sequence's tokens: those keys must be masked
     and those values zeroed. The second sequence's K and V are +-Inf / NaN; the first sequence's output (100
-    and 37 tokens: partial tiles) must still match the reference, with no NaN."""
+    and 37 tokens: partial tiles) must still match the reference, with no NaN. A long second sequence (`tail`)
+    takes the long-key default tiles (_WS_FROM: three consumer warpgroups at D = 64, 112 keys at D = 192)."""
     cp = pytest.importorskip("cupy")
     rng = np.random.default_rng(D)
     for n0 in (100, 37):
-        total = n0 + 300
+        total = n0 + tail
         qh, kh, vh = (_rand(rng, (total, 4, D), np.float16) for _ in range(3))
         kh[n0:] = np.inf
         vh[n0::2] = -np.inf
@@ -257,6 +259,7 @@ VARLEN = [
     ([517, 33, 2048], [517, 700, 2000], dict()),
     ([128, 128, 128, 127, 1], [128, 1, 400, 127, 999], dict(window=(50, 10))),
     ([700, 3], [0, 900], dict(causal=True, softcap=20.0)),
+    ([100, 2500, 1], [3000, 2600, 4100], dict(causal=True)),   # past 2k / 4k keys: the long-key default tiles
 ]
 
 
