@@ -288,7 +288,7 @@ def _shape_default(head_dim: int, shape: dict, arch: int, cfg: dict) -> dict:
     Tunable's default_for, with head_dim bound)."""
     sk = int(shape.get("Sk", 0))
     if arch == 90 and cfg["KIND"] != "mma" and sk > 0:
-        bucket = 1 << (sk - 1).bit_length()  # the power of two at or above Sk, as tuning rounds it: one default a bucket
+        bucket = 1 << (sk - 1).bit_length()  # the power of two at or above Sk, as tuning rounds it
         for frm, tile in reversed(_WS_FROM.get(_WG_HEAD_DIM.get(head_dim), ())):
             if bucket >= frm:
                 return dict(tile)
