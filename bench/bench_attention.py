@@ -253,7 +253,8 @@ def sweep(Ds=(64, 128, 256), Ss=(4096,), rep=10, out=sys.stdout):
                     print(f"D={D} causal={causal} {cfg}: FAILED {type(e).__name__}: {e}", file=out)
                     continue
                 tf = case.tflops(ms)
-                tag = (" tma" if tma else "") + (" (default)" if cfg == A.default_config(hd, arch) else "")
+                default = A.default_config(hd, arch, shape={"Sk": S})
+                tag = (" tma" if tma else "") + (" (default)" if cfg == default else "")
                 print(f"D={D:>3} S={S:>5} causal={str(causal):>5} {cfg['KIND']:>3} BM={cfg['BLOCK_M']:>3} BN={cfg['BLOCK_N']:>3} "
                       f"W={cfg['WARPS']} QR={cfg['Q_REGS']} ST={cfg['STAGES']} regs={at['num_regs']:>3} local={at['local_size_bytes']:>3}"
                       f" : {ms:8.3f} ms {tf:7.1f} TFLOP/s{tag}", file=out, flush=True)

@@ -72,12 +72,13 @@
 //      WS with three consumer warpgroups (BLOCK_M = 192; setmaxnreg 32 / 160): a D=64 candidate, 1.01-1.11x the
 //      two-warpgroup ws tile from 2k keys (H200); not the default (28 bytes of spills at 160 registers).
 //   v10 (H100, 2026-11-27) BLOCK_N any wgmma N with a WgmmaSS wrapper: 112 at D = 192 (S 56 + P 28 + O 96
-//      accumulators; 128 spills 56 bytes) is the ws default there from 2k keys, 1.02-1.21x the 64-key tile (two
-//      leases, graph replay); 144 at D = 128, 80 at D = 256 (1.03x at 16k keys, slower below) and 208 at D = 64
-//      (1.03-1.07x full, 0.98-1.00x causal, one run) are tuning candidates; at D = 128, 160 and 176 (FlashAttention-3's non-causal tile) spill: the O accumulators go to local
+//      accumulators; 128 spills 56 bytes) is the ws default there above 1k keys, 1.02-1.21x the 64-key tile
+//      (two leases, graph replay). Tuning candidates: 144 at D = 128 (1.03x at 16k full, slower below), 80 at
+//      D = 256 (0.98-1.06x from 2k; spills 48 bytes), 208 at D = 64 (1.03-1.07x full at 2k-4k, 0.97-1.00x
+//      causal, two runs). At D = 128, 160 and 176 (FlashAttention-3's non-causal tile) spill: O goes to local
 //      memory around the loop, since S(n+1), P(n) and O are live at once (196 registers at 176). Three
 //      consumer warpgroups with 112-key tiles at D = 64 (0 spills at 160 registers, where 128 keys spill 28
-//      bytes): the default from 4k keys, 1.02-1.14x the two-warpgroup 192-key tile (one run).
+//      bytes): the default above 2k keys, 1.02-1.14x the two-warpgroup 192-key tile (fp16 and bf16 runs).
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks

@@ -226,6 +226,16 @@ def test_fast_key_is_strict():
     assert A._fast_key(q, q, q, True, None, [-1, -1], 0.0, False) is None
 
 
+@gpu
+@pytest.mark.parametrize("D,Sk,causal", [(192, 3000, True), (160, 2100, False), (64, 5000, False), (48, 4500, True)])
+def test_long_key_default_tiles_bfloat16(D, Sk, causal):
+    """The long-key default tiles (_WS_FROM: 112 keys at D = 160 / 192, three consumer warpgroups at D <= 64) in
+    bfloat16, with the default config picked from the shape: partial last key tiles, masked and not."""
+    if _device.device_arch() != 90:
+        pytest.skip("the wgmma kernels run on sm_90 only")
+    run_dense(1, 333, Sk, 4, 2, D, "bfloat16", causal=causal, seed=D + Sk)
+
+
 # ---- varlen ---------------------------------------------------------------------------------------------
 @gpu
 @pytest.mark.parametrize("D,causal,tail", [(64, False, 300), (128, True, 300), (192, True, 300), (256, False, 300),
@@ -724,6 +734,9 @@ def test_long_sequences_default_to_the_warp_specialized_tiles():
             assert A.default_config(hd, 90, shape={"Sk": 1 << 20}) == short
             continue
         assert [f for f, _ in tiers] == sorted({f for f, _ in tiers}), tiers  # ascending, distinct
+        # thresholds inside the tuning bucket's range, on its powers of two (frm == 1: every length)
+        assert all(f == 1 or (64 <= f <= 16384 and f & (f - 1) == 0) for f, _ in tiers), tiers
+        assert A.default_config(hd, 90, shape={"Sk": 1 << 20}) == tiers[-1][1]  # past the last bucket: the last tier
         before = short
         for frm, ws in tiers:
             if frm > 1:   # (by the power of two at or above Sk: frm / 2 + 1 .. frm is one tuning bucket)

@@ -258,17 +258,21 @@ def _row_warps(cfg) -> int:
 # 2026-11-27: BLOCK_N 112 at D = 192 (S 56 + P 28 + O 96 accumulator registers a thread: no spills, where 128
 # spills 56 bytes). H100, graph replay, three interleaved reps, ws 112 / ws 64 over two leases: S = 1k 0.91
 # (full) / 0.93 (causal); 2k 1.05 / 1.02 (bf16); 4k 0.99-1.18 / 1.07-1.18; 8k 1.07 / 1.20 (bf16); 16k
-# 1.00-1.21 / 1.09-1.14. So from 2k keys. Also measured, kept as tuning candidates only: BLOCK_N 144 at D = 128
+# 1.00-1.21 / 1.09-1.14. So from the 2k bucket. Also measured, kept as tuning candidates only: BLOCK_N 144 at D = 128
 # (1.03x at 16k full, 0.89-0.96x elsewhere; 160 and 176 spill; 96 / 112 0.93-1.02x), 80 at D = 256 (0.98-1.05x
 # from 2k, 0.90-0.94x at 1k), 208 at D = 64 (one run, 4k / 16k: 1.07 / 1.03x full, 0.98 / 1.00x causal; 224 and
 # up spill).
-# D = 64 from 4k keys: three consumer warpgroups of 64 query rows (BLOCK_M 192) and 112-key tiles (S 56 + P 28
+# D = 64 from the 4k bucket: three consumer warpgroups of 64 query rows (BLOCK_M 192) and 112-key tiles (S 56 + P 28
 # + O 32 accumulators a thread at setmaxnreg 160: no spills, where 128 keys spill 28 bytes). H100, graph replay,
 # three interleaved reps, TFLOP/s, S = 4k / 8k / 16k full; causal: ws 112 x3 409 / 435 / 451; 343 / 409 / 431,
 # ws 192 (the default before) 358 / 409 / 427; 334 / 401 / 422, ws 128 x3 432 / 441 / 446; 351 / 426 / 432, wg
 # 64 x 64 389 / 414 / 436; 375 / 387 / 397, cuDNN 472 / 482 / 456; 435 / 461 / 471. Below 4k the lock-step wg
 # 64 x 64 stays (ws 112 x3 0.67-0.98x of it at 1k / 2k).
-# Per wgmma width, (from this many keys, tile) tiers in ascending order: the last one the key bucket reaches.
+# Per wgmma width, (threshold, tile) tiers in ascending order: the last one whose threshold the key bucket (Sk
+# rounded up to a power of two, as tuning rounds it) reaches, so a tier of 2048 applies from 1025 keys. The
+# thresholds are powers of two in [64, 16384] (tests/test_attention.py). Not measured between the powers of
+# two; at D = 64 the tier takes no account of masks (4k causal: wg 64 x 64 375 / 365 against 343 / 357, fp16 /
+# bf16; the tile it replaced 334 / 345).
 _WS_FROM = {64: ((4096, _ws(112, wgs=3)),), 128: ((1, _ws(128)),), 192: ((1, _ws(64)), (2048, _ws(112))),
             256: ((1, _ws(64)),)}
 
@@ -288,7 +292,7 @@ def _shape_default(head_dim: int, shape: dict, arch: int, cfg: dict) -> dict:
     Tunable's default_for, with head_dim bound)."""
     sk = int(shape.get("Sk", 0))
     if arch == 90 and cfg["KIND"] != "mma" and sk > 0:
-        bucket = 1 << (sk - 1).bit_length()  # the power of two at or above Sk, as tuning rounds it
+        bucket = _autotune.pow2_bucket(sk, lo=64, hi=16384)  # as _bucket rounds Sk: one default a tuning bucket
         for frm, tile in reversed(_WS_FROM.get(_WG_HEAD_DIM.get(head_dim), ())):
             if bucket >= frm:
                 return dict(tile)
