@@ -372,7 +372,7 @@ def _sweep_cases(hd, vec):
 ])
 def test_three_warpgroup_tile(Sq, Sk, causal, window):
     """The warp-specialized tiles with three consumer warpgroups (D = 64: 192 query rows, the turn passed round
-    0 -> 1 -> 2; 112 keys, the default from 4k keys, and 128, a candidate) at the edges of its turn counting:
+    0 -> 1 -> 2; 112 keys, the default above 2k keys, and 128, a candidate) at the edges of its turn counting:
     CTAs with no key tile, with one, masked ones."""
     if _device.device_arch() != 90:
         pytest.skip("the wgmma kernels run on sm_90 only")

@@ -260,8 +260,8 @@ def _row_warps(cfg) -> int:
 # (full) / 0.93 (causal); 2k 1.05 / 1.02 (bf16); 4k 0.99-1.18 / 1.07-1.18; 8k 1.07 / 1.20 (bf16); 16k
 # 1.00-1.21 / 1.09-1.14. So from the 2k bucket. Also measured, kept as tuning candidates only: BLOCK_N 144 at D = 128
 # (1.03x at 16k full, 0.89-0.96x elsewhere; 160 and 176 spill; 96 / 112 0.93-1.02x), 80 at D = 256 (0.98-1.05x
-# from 2k, 0.90-0.94x at 1k), 208 at D = 64 (one run, 4k / 16k: 1.07 / 1.03x full, 0.98 / 1.00x causal; 224 and
-# up spill).
+# from 2k, 0.90-0.94x at 1k), 208 at D = 64 (two runs, 2k-16k: 1.00-1.07x full, 0.97-1.01x causal; 224 and up
+# spill).
 # D = 64 from the 4k bucket: three consumer warpgroups of 64 query rows (BLOCK_M 192) and 112-key tiles (S 56 + P 28
 # + O 32 accumulators a thread at setmaxnreg 160: no spills, where 128 keys spill 28 bytes). H100, graph replay,
 # three interleaved reps, TFLOP/s, S = 4k / 8k / 16k full; causal: ws 112 x3 409 / 435 / 451; 343 / 409 / 431,
