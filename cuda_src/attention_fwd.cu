@@ -119,16 +119,21 @@ template <typename O> struct Elems<E4M3<O>> { using in = unsigned char; using ou
 
 }  // namespace vbw_attn
 
-// Where this CTA works, recomputed from the kernel's arguments wherever a kernel needs it (see cta_info).
+// Where this CTA works, recomputed from the kernel's arguments wherever a kernel needs it (see cta_info): with the
+// launcher's division multipliers (mg_*), or with plain divisions (LEAN: attn_fwd, which ignores the multipliers,
+// and attn_fwd_wg's EDGE tiles, see there).
 #define VBW_CTA() vbw_attn::cta_info<BLOCK_M>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, sect_heads, \
-                                              win_left, win_right)
+                                              mg_sec, mg_sect, mg_heads, win_left, win_right)
+#define VBW_CTA_LEAN() vbw_attn::cta_info<BLOCK_M, false>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, \
+                                                          sect_heads, 0u, 0u, 0u, win_left, win_right)
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool Q_REGS, int STAGES, bool VEC>
 __global__ void __launch_bounds__(WARPS * 32)
 attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
          float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
          int batch, int seqlen_q, int seqlen_k, int heads, int group, int d, int num_m, int sect_heads,
-         float scale_log2, int score_mode, float cap_prescale, int win_left, int win_right,
+         unsigned mg_sec, unsigned mg_sect, unsigned mg_heads, float scale_log2, int score_mode, float cap_prescale,
+         int win_left, int win_right,
          long long q_rs, long long kv_rs, long long lse_stride_h, int* __restrict__ err) {
   using namespace vbw;
   using vbw_attn::PAD;
@@ -152,7 +157,7 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
-  const vbw_attn::Cta cta = VBW_CTA();
+  const vbw_attn::Cta cta = VBW_CTA_LEAN();
   if (cu_q != nullptr && vbw_attn::varlen_bad<T, BLOCK_M>(cta, cu_q, cu_k, batch, seqlen_q, seqlen_k, num_m, o, lse,
                                                           q_rs, d, lse_stride_h, err))
     return;
@@ -288,7 +293,7 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
       // Masks, only on tiles that straddle a boundary (everything they need is recomputed here).
       if (n < nm_lo || n >= nm_hi) {
-        const vbw_attn::Cta c = VBW_CTA();
+        const vbw_attn::Cta c = VBW_CTA_LEAN();
         const int c0 = n * BLOCK_N;
         const int lo_off = c.lo_base - c0;
         const int hi_off = c.hi_base - c0;
@@ -372,7 +377,7 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
   // warp passed the barrier after its last Q K^T; with STAGES == 2 a warp only ever reads its own rows of Q,
   // which are the rows it overwrites here (after a __syncwarp: every lane's last ldmatrix of them first).
   __syncwarp();
-  const vbw_attn::Cta ce = VBW_CTA();
+  const vbw_attn::Cta ce = VBW_CTA_LEAN();
   const int m0 = ce.m0;
   const int rows_e = min(BLOCK_M, ce.sq - m0);
   T* og = o + (ce.q_start + m0) * q_rs + (long long)ce.h * d;
@@ -462,7 +467,8 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
             const typename vbw_attn::Elems<T>::in* __restrict__ v, typename vbw_attn::Elems<T>::out* __restrict__ o,
             float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
             int batch, int seqlen_q, int seqlen_k, int heads, int group, int d, int num_m, int sect_heads,
-            float scale_log2, int score_mode, float cap_prescale, int win_left, int win_right,
+            unsigned mg_sec, unsigned mg_sect, unsigned mg_heads, float scale_log2, int score_mode,
+            float cap_prescale, int win_left, int win_right,
             long long q_rs, long long kv_rs, long long lse_stride_h, int* __restrict__ err,
             const int* __restrict__ sp_indptr, const int* __restrict__ sp_indices, long long sp_ptr_stride,
             long long sp_idx_stride, int sp_nnz, int sp_nkb, const float* __restrict__ descale,
@@ -526,7 +532,18 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   const int wg = tid >> 7;
   const int warp = (tid >> 5) & 3;  // warp within the warpgroup
   const int lane = tid & 31;
-  const vbw_attn::Cta cta = VBW_CTA();
+  // (the D = 64 warp-specialized tiles run at the edge of their registers: what is cheaper elsewhere, fast_div
+  // here and cta_sh below, cost them 4-32 bytes of spills in the loop; they are long-key tiles, where a CTA's
+  // head and tail are noise)
+  constexpr bool EDGE = WS && HEAD_DIM == 64;
+  const vbw_attn::Cta cta = EDGE ? VBW_CTA_LEAN() : VBW_CTA();
+  // The CTA's work again for the epilogue, from shared memory: recomputing it there (with the varlen offsets'
+  // global loads) took ~720 clocks of a CTA's tail on the H100, and registers kept across the loop would cost
+  // the loop. Written here by thread 0; read after a barrier of the CTA (the first K/V tile's, or the one before
+  // the epilogue when there is no tile). Not on the EDGE.
+  constexpr bool CTA_SH = !EDGE;
+  __shared__ vbw_attn::Cta cta_sh;
+  if (CTA_SH && tid == 0) cta_sh = cta;
   if (cu_q != nullptr && vbw_attn::varlen_bad<TO, BLOCK_M>(cta, cu_q, cu_k, batch, seqlen_q, seqlen_k, num_m, o, lse,
                                                           q_rs, d, lse_stride_h, err))
     return;
@@ -551,9 +568,14 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   static_assert(8 * NBAR + 8 * (NT / 32) <= 256, "mbarriers + pin_softmax slots");
   const u32 sink = bar + 8 * NBAR + 8 * (threadIdx.x >> 5);
   auto init_bars = [&]() {
-    for (int i = 0; i < NBAR; ++i) mbar_init(bar + 8 * i, i < 1 + 2 * STAGES ? 1 : 4 * WGS);
+    for (int i = 0; i < NBAR; ++i) mbar_init<false>(bar + 8 * i, i < 1 + 2 * STAGES ? 1 : 4 * WGS);
+    mbar_init_fence();  // (one fence for all of them, on the critical path of a CTA's first loads)
   };
   constexpr bool EARLY_Q = SPARSE && TMA;
+  // WS: thread 0 issues the first K / V tile with Q, right after the barriers' initialization, instead of the
+  // producer after the CTA barrier and its setmaxnreg (~900 clocks later on the H100); not with a sparse list,
+  // which is read after Q's load is issued.
+  constexpr bool EARLY_KV = WS && TMA && !EARLY_Q;
   if constexpr (EARLY_Q) {
     // Q does not depend on the block list: its load is issued before the list is read, so the two latencies
     // overlap (dense layout only). Every way out below waits for it first (a CTA must not exit, nor reuse Q's
@@ -634,24 +656,25 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     };
     // The TMA row of K / V row 0 of this sequence (packed inputs: its first token).
     const int kv_row = cu_q != nullptr ? (int)cta.k_start : 0;
-    auto load_k = [&](int i) {
+    // (who: the issuing thread of a TMA load)
+    auto load_k = [&](int i, int who = WS ? 128 * WGS : 0) {  // (128 * WGS: NT, the producer thread)
       const int m = tile(i);
       if constexpr (TMA) {
-        tma_tile(kslot(i), &tm_k, kbar(i), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N, WS ? NT : 0);
+        tma_tile(kslot(i), &tm_k, kbar(i), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N, who);
       } else {
         vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(i), kg + (long long)m * BLOCK_N * kv_rs, kv_rs,
                                                       sk - m * BLOCK_N, d);
       }
     };
-    auto load_v = [&](int i) {
+    auto load_v = [&](int i, int who = WS ? 128 * WGS : 0) {  // (128 * WGS: NT, the producer thread)
       const int m = tile(i);
       if constexpr (FP8) {  // V^T [B, Hkv, HEAD_DIM, keys]: one box of HEAD_DIM rows x BLOCK_N keys (128 bytes)
-        if (threadIdx.x == NT) {
+        if (threadIdx.x == who) {
           mbar_expect_tx(vbar(i), KV_BYTES);
           tma_load_4d(kslot(i) + KV_BYTES, &tm_v, vbar(i), m * BLOCK_N, 0, cta.h / group, cta.b);
         }
       } else if constexpr (TMA) {
-        tma_tile(kslot(i) + KV_BYTES, &tm_v, vbar(i), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N, WS ? NT : 0);
+        tma_tile(kslot(i) + KV_BYTES, &tm_v, vbar(i), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N, who);
       } else {
         vbw_attn::load_tile_sw<BLOCK_N, HEAD_DIM, NT>(kslot(i) + KV_BYTES,
                                                       kg + vk + (long long)m * BLOCK_N * kv_rs, kv_rs,
@@ -714,7 +737,9 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
         for (int i = 0; i < NS; ++i) s[i] *= cap_prescale;
       }
       if (m < nm_lo || m >= nm_hi) {
-        const vbw_attn::Cta c = VBW_CTA();
+        // (recomputed, not read from cta_sh: it runs on the uniform datapath, so it takes no registers at the
+        // loop's peak, where cta_sh's loads cost 16 bytes of spills at D = 64)
+        const vbw_attn::Cta c = EDGE ? VBW_CTA_LEAN() : VBW_CTA();
         const int c0 = m * BLOCK_N;
         const int lo_off = c.lo_base - c0;
         const int hi_off = c.hi_base - c0;
@@ -802,9 +827,15 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     int n = 0;  // the ordinal of the tile in hand
     if constexpr (TMA) {
       if constexpr (!EARLY_Q) {  // (else issued above, before the list)
-        if (threadIdx.x == 0) init_bars();
-        __syncthreads();  // the barriers are initialized before anyone waits on them
-        tma_tile(sQ, &tm_q, bar, BLOCK_M, cta.h, (cu_q != nullptr ? (int)cta.q_start : 0) + cta.m0, 0);
+        if (threadIdx.x == 0) {
+          init_bars();  // (fenced for the async proxy: this thread's TMA may use them at once)
+          tma_tile(sQ, &tm_q, bar, BLOCK_M, cta.h, (cu_q != nullptr ? (int)cta.q_start : 0) + cta.m0, 0);
+          if constexpr (EARLY_KV) {
+            load_k(0, 0);
+            load_v(0, 0);
+          }
+        }
+        __syncthreads();  // the barriers are initialized before anyone else waits on them
       }
     } else {
       vbw_attn::load_tile_sw<BLOCK_M, HEAD_DIM, NT>(sQ, q + (cta.q_start + cta.m0) * q_rs + (long long)cta.h * d,
@@ -820,7 +851,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
       if (wg == WGS) {
         setmaxnreg_dec<WS_P_REGS>();
         if (tid == NT) {
-          for (int i = 0; i < cnt; ++i) {
+          for (int i = EARLY_KV ? 1 : 0; i < cnt; ++i) {  // (EARLY_KV: thread 0 issued the first tile's)
             if (i >= STAGES) mbar_wait(kempty(i), phase(i) ^ 1u);  // the slot's previous tile is released
             load_k(i);
             if (i >= STAGES) mbar_wait(vempty(i), phase(i) ^ 1u);
@@ -979,7 +1010,8 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
 
   // Epilogue: normalize, LSE, stage this warpgroup's O rows in its own (swizzled) rows of Q's buffer (no other
   // warpgroup reads them, and this one's wgmma are drained), then 16-byte coalesced stores.
-  const vbw_attn::Cta ce = VBW_CTA();
+  if (CTA_SH && cnt == 0) named_bar(6, NT);  // (no tile: no barrier since thread 0 wrote cta_sh; the consumers)
+  const vbw_attn::Cta ce = CTA_SH ? cta_sh : VBW_CTA_LEAN();
   const int m0 = ce.m0;
   const int rows_e = min(BLOCK_M, ce.sq - m0);
   TO* og = o + (ce.q_start + m0) * q_rs + (long long)ce.h * d;
@@ -1026,3 +1058,4 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
 }
 
 #undef VBW_CTA
+#undef VBW_CTA_LEAN

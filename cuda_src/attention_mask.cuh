@@ -21,21 +21,35 @@ struct Cta {
   long long q_start, k_start;
 };
 
-template <int BLOCK_M>
+// a / d for 0 <= a < 2^31 and d >= 1, given m = ceil(2^32 / d) (0 for d = 1; the launcher computes it,
+// attention.py _div_magic): __umulhi(a, m) is the quotient or one more, and one multiply tells which. ~4
+// dependent instructions instead of an integer division's ~20: plain divisions took ~900 of the ~1700 clocks
+// before a CTA's first load was issued (H100).
+__device__ __forceinline__ int fast_div(int a, int d, unsigned m) {
+  if (m == 0u) return a;  // d == 1
+  unsigned q = __umulhi((unsigned)a, m);
+  if (q * (unsigned)d > (unsigned)a) --q;
+  return (int)q;
+}
+
+// FAST = false: plain divisions (fewer registers where every one counts; the multipliers are not used).
+template <int BLOCK_M, bool FAST = true>
 __device__ __forceinline__ Cta cta_info(const int* __restrict__ cu_q, const int* __restrict__ cu_k, int batch,
                                         int seqlen_q, int seqlen_k, int heads, int num_m, int sect_heads,
-                                        int win_left, int win_right) {
+                                        unsigned mg_sec, unsigned mg_sect, unsigned mg_heads, int win_left,
+                                        int win_right) {
   unsigned bid;
   asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bid));
   Cta c;
   const int total = batch * heads;
   const int per_sec = sect_heads * num_m;
-  const int sec = (int)bid / per_sec;
+  const int sec = FAST ? fast_div((int)bid, per_sec, mg_sec) : (int)bid / per_sec;
   const int r = (int)bid - sec * per_sec;
-  const int size = min(sect_heads, total - sec * sect_heads);
-  const int m_block = num_m - 1 - r / size;
-  const int hh = sec * sect_heads + r % size;
-  c.b = hh / heads;
+  const int size = min(sect_heads, total - sec * sect_heads);  // (the last section may hold fewer pairs)
+  const int rs = FAST && size == sect_heads ? fast_div(r, size, mg_sect) : r / size;
+  const int m_block = num_m - 1 - rs;
+  const int hh = sec * sect_heads + (r - rs * size);
+  c.b = FAST ? fast_div(hh, heads, mg_heads) : hh / heads;
   c.h = hh - c.b * heads;
   if (cu_q != nullptr) {
     c.q_start = cu_q[c.b];

@@ -193,9 +193,14 @@ struct __align__(64) TmaDesc {
   u64 w[16];
 };
 
+// FENCE = false: the caller initializes several and then calls mbar_init_fence() once.
+template <bool FENCE = true>
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the async proxy (TMA)
+  if constexpr (FENCE) asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // -> the async proxy (TMA)
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");

@@ -409,6 +409,11 @@ def _check_seqlen(name, n):
 
 
 # ---------------------------------------------------------------------------------------------- launch
+def _div_magic(d: int) -> np.uint32:
+    """ceil(2^32 / d) for 2 <= d < 2^31, 0 for d = 1: the kernels' multiplier for a division by d (fast_div)."""
+    return np.uint32(0 if d <= 1 else (0xFFFFFFFF // d) + 1)
+
+
 class _Launch:
     """Everything one kernel launch needs except the tile config (so the tuner can re-run it)."""
 
@@ -468,7 +473,9 @@ class _Launch:
         kern = rt.get_kernel(SOURCE, instance_name(self.q.dtype, self.head_dim, cfg, self.vec, boxes is not None,
                                                    self.sparse, self.o.dtype), tuple(opts))
         num_m = rt.cdiv(self.max_q, cfg["BLOCK_M"])
-        scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + self.tail_args + \
+        # the CTA index -> (section, Q tile, b, h) divisors as multipliers (attention_mask.cuh fast_div)
+        divs = (_div_magic(self.sect_heads * num_m), _div_magic(self.sect_heads), _div_magic(self.Hq))
+        scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + divs + self.tail_args + \
             (self.sparse_args + (self.descale,) if wg else ())
         smem = smem_bytes(self.head_dim, cfg, self.q.dtype.itemsize) + (self.sparse_smem if wg else 0)
         return kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), smem, scalars, wg, boxes
