@@ -11,7 +11,11 @@ pytest-benchmark:  python -m pytest bench/bench_attention.py --benchmark-only
 
 Standalone (one device call can test and benchmark):
     python bench/bench_attention.py --quick        TFLOP/s table for the same grid, ours vs FLASH / CUDNN (each
-                                                   peer timed before and after ours, its faster time kept)
+                                                   peer timed before and after ours, its faster time kept): one
+                                                   call between two events, as a user's single call costs
+    python bench/bench_attention.py --quick --graph  the same, plus both sides replayed from a CUDA graph (no host
+                                                   time at all: torch's per-call cost, ~100 us for CUDNN at
+                                                   S = 512 on the H100, no longer counts against the peer)
     python bench/bench_attention.py --sweep        every tile config of vbw_cupy.attention at D 64/128/256
     python bench/bench_attention.py --precompile   compile every kernel instance in parallel (disk cache)
     python bench/bench_attention.py --fp8          flash_attention_fp8 against our float16 flash_attention on the
@@ -142,6 +146,42 @@ class Case:
         return self.flops / ms / 1e9 if ms else None
 
 
+def _time_peer_graph(case, name, calls=20):
+    """ms per call of the peer replayed from a CUDA graph of `calls` back-to-back calls (torch peers: a torch
+    graph; the others: CuPy stream capture), or None where it cannot be captured."""
+    torch = _torch()
+    try:
+        if name in ("FLASH", "CUDNN"):
+            fn = case.torch_peer(name)
+            if fn is None:
+                return None
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(calls):
+                    fn()
+            g.replay()
+            torch.cuda.synchronize()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(5):
+                start.record()
+                g.replay()
+                stop.record()
+                stop.synchronize()
+                times.append(start.elapsed_time(stop) / calls)
+            return float(np.median(times))
+        fn = case.cudnn_fe_peer() if name == "cudnn-fe" else None
+        return _timing.graph_time_ms([fn], target_ms=20, reps=3) if fn is not None else None
+    except Exception:  # a peer that cannot be captured has no graph figure
+        return None
+
+
 def _time_peer(case, name, rep):
     torch = _torch()
     if name in ("FLASH", "CUDNN"):
@@ -198,12 +238,15 @@ if pytest is not None:
 
 
 # ---------------------------------------------------------------------------------------------- standalone
-def quick(Ds=(64, 128, 256), Ss=GRID_S, dtypes=("float16", "bfloat16"), rep=10, out=sys.stdout):
+def quick(Ds=(64, 128, 256), Ss=GRID_S, dtypes=("float16", "bfloat16"), rep=10, out=sys.stdout, graph=False):
+    """The table. graph: also both sides replayed from CUDA graphs (columns "graph": ours, and each peer's
+    ratio), which leaves out the host time of every call."""
     peers = peer_names()
     if peers == ("naive",):
         print(f"peer: {_peers.NAIVE}; install nvidia-cudnn-frontend or torch for a tuned peer", file=out)
     head = f"{'D':>4} {'S':>6} {'BxH':>6} {'causal':>6} {'dtype':>8} | {'ours ms':>8} {'TFLOP/s':>7} | " + \
-        " | ".join(f"{p:>6} TF/s  ratio" for p in peers)
+        " | ".join(f"{p:>6} TF/s  ratio" for p in peers) + \
+        (" || graph: ours TF/s | " + " | ".join(f"{p:>6} TF/s  ratio" for p in peers) if graph else "")
     print(head, file=out, flush=True)
     rows = []
     for D in Ds:
@@ -223,10 +266,28 @@ def quick(Ds=(64, 128, 256), Ss=GRID_S, dtypes=("float16", "bfloat16"), rep=10, 
                         row[p] = case.tflops(pms)
                         row[f"ratio_{p}"] = pms / ms if pms else None
                         cells.append(f"{row[p]:>11.1f} {row[f'ratio_{p}']:>5.2f}x" if pms else f"{'-':>11} {'-':>6}")
+                    if graph:
+                        gms = _timing.graph_time_ms([case.ours()], target_ms=20, reps=3)
+                        row["graph_tflops"] = case.tflops(gms)
+                        gcells = []
+                        for p in peers:
+                            pg = _time_peer_graph(case, p)
+                            row[f"{p}_graph"] = case.tflops(pg) if pg else None
+                            row[f"ratio_graph_{p}"] = pg / gms if pg else None
+                            gcells.append(f"{row[f'{p}_graph']:>11.1f} {row[f'ratio_graph_{p}']:>5.2f}x" if pg
+                                          else f"{'-':>11} {'-':>6}")
+                        cells.append(f"| {row['graph_tflops']:>10.1f} | " + " | ".join(gcells))
                     rows.append(row)
                     print(f"{D:>4} {S:>6} {case.B:>3}x{case.H:<2} {str(causal):>6} {dt:>8} | {ms:>8.3f} "
                           f"{row['tflops']:>7.1f} | " + " | ".join(cells), file=out, flush=True)
                     del case
+    for p in peers:
+        for key, label in ((f"ratio_{p}", "single calls"), (f"ratio_graph_{p}", "CUDA graphs")):
+            r = [row[key] for row in rows if row.get(key)]
+            if r:
+                g = math.exp(sum(math.log(x) for x in r) / len(r))
+                print(f"vs {p}, {label}: geomean {g:.3f}x, worst {min(r):.2f}x ({len(r)} shapes)", file=out,
+                      flush=True)
     return rows
 
 
@@ -373,6 +434,7 @@ def fp8(Ss=(4096, 8192, 16384), D=128, out=sys.stdout):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--graph", action="store_true", help="--quick: also both sides by CUDA-graph replay")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--precompile", action="store_true")
     p.add_argument("--fp8", action="store_true", help="flash_attention_fp8 vs our float16 (D = 128)")
@@ -398,7 +460,7 @@ def main(argv=None):
         fp8(Ss=tuple(a.S or (4096, 8192, 16384)))
     if a.quick:
         quick(Ds=tuple(a.D or GRID_D), Ss=tuple(a.S or GRID_S), dtypes=tuple(a.dtype or ("float16", "bfloat16")),
-              rep=a.rep)
+              rep=a.rep, graph=a.graph)
     return 0
 
 

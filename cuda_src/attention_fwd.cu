@@ -79,6 +79,15 @@
 //      memory around the loop, since S(n+1), P(n) and O are live at once (196 registers at 176). Three
 //      consumer warpgroups with 112-key tiles at D = 64 (0 spills at 160 registers, where 128 keys spill 28
 //      bytes): the default above 2k keys, 1.02-1.14x the two-warpgroup 192-key tile (fp16 and bf16 runs).
+//   v11 (H100, 2026-11-27, ninth session) a CTA's head and tail, clocked per CTA (clock64 stamps, notes/attempts/
+//      attention-cta-timeline.py): at D = 128, S = 512 a CTA ran ~18,500 clocks, 11,500 of them its 4 tiles;
+//      its first load went out ~1,860 clocks after entry (~790 of them cta_info's integer divisions) and its
+//      epilogue took ~2,550 (~720 recomputing cta_info). Now: division multipliers from the launcher
+//      (fast_div), thread 0 issues the first K / V tile with Q right after one mbarrier-init fence (the producer
+//      starts at the second), the epilogue reads the CTA's work from shared memory: first loads out at ~1,430,
+//      CTA ~17,600 clocks. Graph replay, three interleaved runs per side: D = 128 1.05 / 1.06x at 512 (full /
+//      causal), 1.03 / 1.10x at 1k, 1.05 / 1.05x at 2k, 1.00 / 1.02x at 16k; other head dims within the noise.
+//      Tried: O stored from registers (no staging): 0.85-0.95x at short S (4-byte stores stall the tail).
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks
