@@ -508,6 +508,45 @@ def test_tuning_bucket_takes_the_sm_count_from_the_device(monkeypatch):
     assert A._bucket({"Sq": 1024, "Sk": 1024, "masked": 0, "BH": 64})[-1] == 4  # an H100's 132
 
 
+def _fast_div(a, d, m):
+    """attention_mask.cuh's fast_div, in Python: the kernels' division of a CTA index by a launch constant."""
+    if m == 0:
+        return a
+    q = (a * m) >> 32
+    return q - 1 if (q * d) & 0xFFFFFFFF > a else q
+
+
+def test_cta_division_multipliers_are_exact():
+    """The launcher's multipliers (_div_magic) give floor(a / d) for every a, d < 2^31 the CTA mapping can meet."""
+    rng = np.random.default_rng(0)
+    top = (1 << 31) - 1
+    ds = [1, 2, 3, 5, 7, 31, 32, 33, 127, 4096, 65535, 65536, 65537, 1 << 30, (1 << 30) + 1, top - 1, top]
+    ds += [int(x) for x in rng.integers(1, 5000, 200)] + [int(x) for x in rng.integers(1, top, 200)]
+    for d in ds:
+        m = int(A._div_magic(d))
+        As = {0, 1, d - 1, d, d + 1, top, top - 1, (top // d) * d, (top // d) * d - 1}
+        As |= {int(x) for x in rng.integers(0, top, 50)} | {d * int(k) + int(r) for k, r in
+                                                              zip(rng.integers(0, top // d + 1, 20),
+                                                                  rng.integers(-1, 2, 20))}
+        for a in sorted(x for x in As if 0 <= x <= top):
+            assert _fast_div(a, d, m) == a // d, (a, d, m)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cta_sections_with_a_short_last_one(monkeypatch, D, causal):
+    """CTA index -> (section, Q tile, b, h) through the multipliers, with sections of 4 (b, h) pairs and a last one
+    of 2 (its division is the plain one): a tiny 'L2' makes the launcher cut 18 pairs that way."""
+    kv_bytes = 2 * 300 * D * 2
+    monkeypatch.setattr(A, "_l2_bytes", lambda: 2 * 2 * kv_bytes)  # 2 KV heads a section = 4 query heads
+    cp = pytest.importorskip("cupy")
+    q, k = cp.zeros((3, 300, 6, D), cp.float16), cp.zeros((3, 300, 3, D), cp.float16)
+    assert A._Launch.dense(q, k, k, scale=1.0, window=(-1, -1), softcap=0.0, out=q, lse=None).sect_heads == 4
+    err, bound = run_dense(3, 300, 300, 6, 3, D, "float16", causal=causal, seed=D)
+    assert err <= bound, (err, bound)
+
+
 def test_head_dim_bucket():
     assert [A.head_dim_bucket(d) for d in (1, 32, 33, 59, 64, 65, 111, 128, 129, 200, 256)] == \
         [32, 32, 64, 64, 64, 96, 128, 128, 160, 224, 256]
