@@ -161,6 +161,11 @@ def head_dim_bucket(D: int) -> int:
     raise ValueError(f"q: expected a head dimension D from 1 to 256, got {D}")
 
 
+# Static shared memory of the wgmma kernel (its copy of the CTA's work, cta_sh: 48 bytes, 128 as ptxas lays it
+# out), which counts against the same per-block limit as the dynamic size below.
+WG_STATIC_SMEM = 128
+
+
 def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     """Dynamic shared memory of one CTA. mma: Q [BLOCK_M] + K, V [STAGES][BLOCK_N] rows of HEAD_DIM + 8
     elements; wg: the same rows of the wgmma width _WG_HEAD_DIM[head_dim], unpadded (swizzled), 1 KB to align
@@ -358,7 +363,7 @@ def _fits(head_dim: int):
             # history, attn_fwd_wg v4-v5), and each costs a compile on a first call (the cold start)
             return False
         return (cfg["WARPS"] * 32 <= lim["max_threads"]
-                and smem_bytes(head_dim, cfg) <= lim["smem_optin"]
+                and smem_bytes(head_dim, cfg) + (WG_STATIC_SMEM if cfg["KIND"] != "mma" else 0) <= lim["smem_optin"]
                 and cfg["BLOCK_M"] % (16 * _row_warps(cfg)) == 0)
     return fits
 
@@ -411,6 +416,7 @@ def _check_seqlen(name, n):
 # ---------------------------------------------------------------------------------------------- launch
 def _div_magic(d: int) -> np.uint32:
     """ceil(2^32 / d) for 2 <= d < 2^31, 0 for d = 1: the kernels' multiplier for a division by d (fast_div)."""
+    d = int(d)  # (a NumPy int32 would overflow in the division)
     return np.uint32(0 if d <= 1 else (0xFFFFFFFF // d) + 1)
 
 
