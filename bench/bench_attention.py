@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 
 import numpy as np
@@ -146,36 +147,41 @@ class Case:
         return self.flops / ms / 1e9 if ms else None
 
 
+def _torch_ms(run, rep, per=1):
+    """Median ms of run() / per over `rep` runs between torch CUDA events (torch runs on its own current stream,
+    so the timing is torch's too)."""
+    torch = _torch()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(rep):
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / per)
+    return float(np.median(times))
+
+
 def _time_peer_graph(case, name, calls=20):
     """ms per call of the peer replayed from a CUDA graph of `calls` back-to-back calls (torch peers: a torch
     graph; the others: CuPy stream capture), or None where it cannot be captured."""
-    torch = _torch()
     try:
         if name in ("FLASH", "CUDNN"):
             fn = case.torch_peer(name)
             if fn is None:
                 return None
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+
+            def warm():
                 for _ in range(3):
                     fn()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+
+            def calls_of_fn():
                 for _ in range(calls):
                     fn()
+            g = _peers.torch_cuda_graph(warm, calls_of_fn)
             g.replay()
-            torch.cuda.synchronize()
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(5):
-                start.record()
-                g.replay()
-                stop.record()
-                stop.synchronize()
-                times.append(start.elapsed_time(stop) / calls)
-            return float(np.median(times))
+            _torch().cuda.synchronize()
+            return _torch_ms(g.replay, 5, per=calls)
         fn = case.cudnn_fe_peer() if name == "cudnn-fe" else None
         return _timing.graph_time_ms([fn], target_ms=20, reps=3) if fn is not None else None
     except Exception:  # a peer that cannot be captured has no graph figure
@@ -183,23 +189,13 @@ def _time_peer_graph(case, name, calls=20):
 
 
 def _time_peer(case, name, rep):
-    torch = _torch()
     if name in ("FLASH", "CUDNN"):
         fn = case.torch_peer(name)
         if fn is None:
             return None
-        # torch runs on its own current stream; synchronize around the CuPy-event timing by timing in torch.
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(3):
             fn()
-        times = []
-        for _ in range(rep):
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop))
-        return float(np.median(times))
+        return _torch_ms(fn, rep)
     if name == "cudnn-fe":
         fn = case.cudnn_fe_peer()
         return cuda_ms(fn, warmup=3, rep=rep) if fn is not None else None
@@ -285,9 +281,8 @@ def quick(Ds=(64, 128, 256), Ss=GRID_S, dtypes=("float16", "bfloat16"), rep=10, 
         for key, label in ((f"ratio_{p}", "single calls"), (f"ratio_graph_{p}", "CUDA graphs")):
             r = [row[key] for row in rows if row.get(key)]
             if r:
-                g = math.exp(sum(math.log(x) for x in r) / len(r))
-                print(f"vs {p}, {label}: geomean {g:.3f}x, worst {min(r):.2f}x ({len(r)} shapes)", file=out,
-                      flush=True)
+                print(f"vs {p}, {label}: geomean {statistics.geometric_mean(r):.3f}x, worst {min(r):.2f}x "
+                      f"({len(r)} shapes)", file=out, flush=True)
     return rows
 
 

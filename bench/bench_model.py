@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vbw_cupy import _timing  # noqa: E402
+from vbw_cupy import _peers, _timing  # noqa: E402
 from vbw_cupy.fp4 import FP4Tensor  # noqa: E402
 from vbw_cupy.models import LlamaConfig, LlamaGPU  # noqa: E402
 from vbw_cupy.models.generate import CHUNK  # noqa: E402
@@ -177,16 +177,14 @@ def peer(cfg, B, weights, steps=NEW, prompt=PROMPT):
             tok_in.copy_(out[:, None])
             pos_in.add_(1)
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
+        def warm():
             for _ in range(2):
                 step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()   # CHUNK steps a replay, as ours
-        with torch.cuda.graph(graph):
+
+        def chunk():   # CHUNK steps a replay, as ours
             for i in range(CHUNK):
                 step(i)
+        graph = _peers.torch_cuda_graph(warm, chunk)
         for mode in ("eager", "graph"):
             pos_in.fill_(prompt)
             torch.cuda.synchronize()

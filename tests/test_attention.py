@@ -339,8 +339,7 @@ def test_default_instances_do_not_spill():
                 kern = rt.get_kernel(A.SOURCE, name)
                 assert kern.attributes["local_size_bytes"] == 0, (hd, cfg, dtype, kern.attributes)
                 # the launchers' fit checks allow WG_STATIC_SMEM of static shared memory beside the dynamic size
-                assert kern.attributes["shared_size_bytes"] <= (A.WG_STATIC_SMEM if cfg["KIND"] != "mma" else 0), \
-                    (hd, cfg, kern.attributes)
+                assert kern.attributes["shared_size_bytes"] <= A.static_smem_bytes(cfg), (hd, cfg, kern.attributes)
 
 
 def _sweep_configs():
@@ -568,8 +567,7 @@ def test_tile_tables():
             assert A.smem_bytes(hd, cfg) <= limit, (hd, arch, cfg)
         for cfg in A._all_configs(hd, True):
             assert cfg["BLOCK_M"] % (16 * A._row_warps(cfg)) == 0 and cfg["BLOCK_N"] % 16 == 0, cfg
-            static = A.WG_STATIC_SMEM if cfg["KIND"] != "mma" else 0  # (the wgmma kernel's cta_sh)
-            assert A.smem_bytes(hd, cfg) + static <= SMEM_OPTIN[90], (hd, cfg)
+            assert A.smem_bytes(hd, cfg) + A.static_smem_bytes(cfg) <= SMEM_OPTIN[90], (hd, cfg)
     names = {n for _, n in A.kernel_instances()}
     for hd in A.HEAD_DIMS:
         for arch in SMEM_OPTIN:

@@ -161,6 +161,21 @@ def torch_sdpa(q, k, v, causal: bool, scale: float):
     return torch, run
 
 
+def torch_cuda_graph(warm: Callable[[], object], body: Callable[[], object]):
+    """A torch CUDA graph of body(), captured after warm() ran on a side stream (torch's recipe: first-call
+    allocations and lazy initialization stay out of the capture). Replay with .replay()."""
+    torch = _import("torch")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        warm()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph
+
+
 # ---------------------------------------------------------------------------------------------- naive
 def naive_attention(q, k, v, causal: bool, scale: float):
     """CuPy matmul-softmax-matmul with an fp32 softmax: the plain path a fused kernel replaces (S x S scores

@@ -166,6 +166,11 @@ def head_dim_bucket(D: int) -> int:
 WG_STATIC_SMEM = 128
 
 
+def static_smem_bytes(cfg: dict) -> int:
+    """Static shared memory of cfg's kernel (the mma.sync kernel has none): what a fit check adds to smem_bytes."""
+    return WG_STATIC_SMEM if cfg["KIND"] != "mma" else 0
+
+
 def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     """Dynamic shared memory of one CTA. mma: Q [BLOCK_M] + K, V [STAGES][BLOCK_N] rows of HEAD_DIM + 8
     elements; wg: the same rows of the wgmma width _WG_HEAD_DIM[head_dim], unpadded (swizzled), 1 KB to align
@@ -363,7 +368,7 @@ def _fits(head_dim: int):
             # history, attn_fwd_wg v4-v5), and each costs a compile on a first call (the cold start)
             return False
         return (cfg["WARPS"] * 32 <= lim["max_threads"]
-                and smem_bytes(head_dim, cfg) + (WG_STATIC_SMEM if cfg["KIND"] != "mma" else 0) <= lim["smem_optin"]
+                and smem_bytes(head_dim, cfg) + static_smem_bytes(cfg) <= lim["smem_optin"]
                 and cfg["BLOCK_M"] % (16 * _row_warps(cfg)) == 0)
     return fits
 

@@ -116,7 +116,7 @@ def _wg_config(q, k, v, o, block_q, block_k, causal, Sq, Sk, n_k_blocks):
     for c in _WG_TILES[hd]:
         # the CTA stages its block ids (n_k_blocks ints) in shared memory after the K/V ring
         if (c["BLOCK_M"], c["BLOCK_N"]) == (block_q, block_k) and \
-                _attn.smem_bytes(hd, c) + 4 * n_k_blocks + _attn.WG_STATIC_SMEM <= limit:
+                _attn.smem_bytes(hd, c) + 4 * n_k_blocks + _attn.static_smem_bytes(c) <= limit:
             return c
     return None
 
