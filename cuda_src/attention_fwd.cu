@@ -88,6 +88,16 @@
 //      CTA ~17,600 clocks. Graph replay, three interleaved runs per side: D = 128 1.05 / 1.06x at 512 (full /
 //      causal), 1.03 / 1.10x at 1k, 1.05 / 1.05x at 2k, 1.00 / 1.02x at 16k; other head dims within the noise.
 //      Tried: O stored from registers (no staging): 0.85-0.95x at short S (4-byte stores stall the tail).
+//   v12 (H100, 2026-11-27, tenth session) PERSIST (WS = 2, attention.py KIND "wsp"): at most one CTA an SM walks
+//      work tiles, its producer loading the next tile's first K / V and Q during this one's last P V and
+//      epilogue, O staged in its own area. Per work tile at D = 128, S = 2k: ~3,400 clocks outside the key
+//      tiles (timeline), against ~6,400 for a CTA. Graph replay, 8 interleaved pairs, median speed over ws:
+//      S = 512 / 1k / 2k / 4k full 1.11 / 1.09 / 1.04 / 1.01, causal 1.21 / 1.10 / 1.02 / 1.02; 8k causal 0.99,
+//      16k 0.99 / 1.00 (ws stays from 8k keys); FP8 1.07 / 1.13 at 1k, 1.01 at 4k, 0.89 at 8k-16k causal.
+//      Two things made it: the rounds of work tiles alternate direction (a plain stride: 0.87x at 2k causal),
+//      and the first turn is passed without a branch on the warpgroup (after one, ptxas kept the whole loop off
+//      the uniform datapath: 8-13% slower at every length). The first attempt (v7 era,
+//      notes/attempts/attention-ws-persistent.patch) had neither.
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks
@@ -128,13 +138,16 @@ template <typename O> struct Elems<E4M3<O>> { using in = unsigned char; using ou
 
 }  // namespace vbw_attn
 
-// Where this CTA works, recomputed from the kernel's arguments wherever a kernel needs it (see cta_info): with the
-// launcher's division multipliers (mg_*), or with plain divisions (LEAN: attn_fwd, which ignores the multipliers,
-// and attn_fwd_wg's EDGE tiles, see there).
-#define VBW_CTA() vbw_attn::cta_info<BLOCK_M>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, sect_heads, \
-                                              mg_sec, mg_sect, mg_heads, win_left, win_right)
-#define VBW_CTA_LEAN() vbw_attn::cta_info<BLOCK_M, false>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, \
-                                                          sect_heads, 0u, 0u, 0u, win_left, win_right)
+// Where this CTA works, recomputed from the kernel's arguments wherever a kernel needs it (see cta_info): for work
+// tile `work` (-1: the CTA's own, by its block index; attn_fwd_wg's PERSIST walks others) with the launcher's
+// division multipliers (mg_*), or with plain divisions (LEAN: attn_fwd, which ignores the multipliers, and
+// attn_fwd_wg's EDGE tiles, see there).
+#define VBW_CTA_AT(work) vbw_attn::cta_info<BLOCK_M>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, num_m, \
+                                                      sect_heads, mg_sec, mg_sect, mg_heads, win_left, win_right, work)
+#define VBW_CTA_LEAN_AT(work) vbw_attn::cta_info<BLOCK_M, false>(cu_q, cu_k, batch, seqlen_q, seqlen_k, heads, \
+                                                                 num_m, sect_heads, 0u, 0u, 0u, win_left, \
+                                                                 win_right, work)
+#define VBW_CTA_LEAN() VBW_CTA_LEAN_AT(-1)
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool Q_REGS, int STAGES, bool VEC>
 __global__ void __launch_bounds__(WARPS * 32)
@@ -470,7 +483,7 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 // size). A bad list (indptr not from 0, decreasing or past sp_nnz, longer than sp_nkb, an id outside
 // [0, sp_nkb)) gives NaN rows and SPARSE_INDICES. Dense launches pass null pointers; the dense instances
 // compile without any of it.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP, bool TMA, int STAGES, bool WS, bool SPARSE>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WGS, bool OVERLAP, bool TMA, int STAGES, int WS, bool SPARSE>
 __global__ void __launch_bounds__(WGS * 128 + (WS ? 128 : 0), 1)
 attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typename vbw_attn::Elems<T>::in* __restrict__ k,
             const typename vbw_attn::Elems<T>::in* __restrict__ v, typename vbw_attn::Elems<T>::out* __restrict__ o,
@@ -501,10 +514,19 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   // for 384 threads, 128 for 512) and setmaxnreg only moves them (asking for more makes setmaxnreg.inc hang)
   constexpr int WS_P_REGS = WGS == 2 ? VBW_WS_PRODUCER_REGS : 32;
   constexpr int WS_C_REGS = WGS == 2 ? VBW_WS_CONSUMER_REGS : 160;
+  // PERSIST: the producer walks the work tiles (cta_info, tile_range: 24 registers would spill)
+#ifndef VBW_WSP_P_REGS
+#define VBW_WSP_P_REGS 40
+#define VBW_WSP_C_REGS 232
+#endif
+  constexpr int WSP_P_REGS = VBW_WSP_P_REGS, WSP_C_REGS = VBW_WSP_C_REGS;
   static_assert(!WS || 128 * WS_P_REGS + 128 * WGS * WS_C_REGS <=
                            128 * (WGS + 1) * (65536 / (128 * (WGS + 1)) / 8 * 8), "WS registers");
   // FP8: dense warp-specialized only; Q and K rows and V^T's 128-key rows are whole 128-byte panels
   static_assert(!FP8 || (WS && !SPARSE && BLOCK_N == 128 && HEAD_DIM % 128 == 0), "FP8: ws, BLOCK_N 128, D 128 / 256");
+  // WS == 2: persistent warp-specialized CTAs (see PERSIST below); dense inputs, two consumer warpgroups
+  constexpr bool PERSIST = WS == 2;
+  static_assert(WS >= 0 && WS <= 2 && (!PERSIST || (!SPARSE && WGS == 2)), "WS: 0, 1, or 2 (persistent)");
   constexpr int NS = BLOCK_N / 2;    // S accumulators a thread
   constexpr int NO = HEAD_DIM / 2;   // O accumulators a thread
   constexpr int NN = BLOCK_N / 8;    // n8 column tiles of S
@@ -512,7 +534,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   constexpr int KP = BLOCK_N / (FP8 ? 32 : 16);  // k steps of P V
   constexpr int EPP = 128 / (int)sizeof(TI);  // elements of a 128-byte swizzled panel row
   constexpr u32 Q_LOAD = BLOCK_M * HEAD_DIM * sizeof(TI);
-  constexpr u32 Q_BYTES = BLOCK_M * HEAD_DIM * 2;  // Q, then the epilogue's staged 16-bit O
+  constexpr u32 Q_BYTES = BLOCK_M * HEAD_DIM * 2;  // Q, then the epilogue's staged 16-bit O (PERSIST: O's own)
   constexpr u32 KV_BYTES = BLOCK_N * HEAD_DIM * sizeof(TI);  // one K or V tile (FP8: V^T [HEAD_DIM][BLOCK_N])
   // FP8: the inputs' descales fold into the score scale (S is in e4m3 units) and the output; P is stored as
   // 256 p (<= 256 < 448, e4m3's subnormals then reach p = 2^-17), which the row sums carry too.
@@ -534,8 +556,10 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   const u32 raw = smem_addr(smem_raw);
   const u32 sbase = (raw + 1023u) & ~1023u;
   const u32 sQ = sbase;
-  const u32 sK = sbase + Q_BYTES;             // slot st: sK + st * 2 * KV_BYTES; V follows its K
+  // PERSIST: O is staged in its own area after Q's, so the next work tile's Q can land during the epilogue
+  const u32 sK = sbase + Q_BYTES * (PERSIST ? 2 : 1);  // slot st: sK + st * 2 * KV_BYTES; V follows its K
   unsigned char* const sQ_ptr = smem_raw + (sbase - raw);
+  unsigned char* const sO_ptr = sQ_ptr + (PERSIST ? Q_BYTES : 0);
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;
@@ -545,16 +569,44 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   // here and cta_sh below, cost them 4-32 bytes of spills in the loop; they are long-key tiles, where a CTA's
   // head and tail are noise)
   constexpr bool EDGE = WS && HEAD_DIM == 64;
-  const vbw_attn::Cta cta = EDGE ? VBW_CTA_LEAN() : VBW_CTA();
+  // The TMA mbarriers follow the K/V slots: [0] Q, [1 + s] K of slot s, [1 + STAGES + s] V of slot s; WS adds
+  // the slots' "empty" barriers, [1 + 2 STAGES + s] K and [1 + 3 STAGES + s] V, one arrival per consumer warp;
+  // PERSIST one more, [1 + 4 STAGES]: Q's buffer is free (every S of the work tile done), one per consumer warp.
+  const u32 bar = sK + 2 * STAGES * KV_BYTES;
+  constexpr int NBAR = 1 + (WS ? 4 : 2) * STAGES + (PERSIST ? 1 : 0);
+  const u32 q_empty = bar + 8 * (1 + 4 * STAGES);  // (PERSIST)
+  // After the mbarriers: 8 bytes a consumer warp that pin_softmax stores to (the values are never read; producer
+  // warps never call it, their `sink` would fall on the list), then the sparse block list; the mbarriers and
+  // those slots fit the 256 bytes the launcher reserves past the tiles.
+  static_assert(8 * NBAR + 8 * (NT / 32) <= 256, "mbarriers + pin_softmax slots");
+  const u32 sink = bar + 8 * NBAR + 8 * (threadIdx.x >> 5);
+  auto init_bars = [&]() {
+    for (int i = 0; i < NBAR; ++i) mbar_init<false>(bar + 8 * i, i < 1 + 2 * STAGES ? 1 : 4 * WGS);
+    mbar_init_fence();  // (one fence for all of them, on the critical path of a CTA's first loads)
+  };
+  // WS: the consumer warpgroups' turns at the tensor cores go round: 0, 1, (2,) 0, ...; named barrier 8 + w is
+  // warpgroup w's (256 threads: the waiter and the one passing the turn)
+  const int next_wg = wg + 1 == WGS ? 0 : wg + 1;
+  auto turn_wait = [&]() { named_bar(8 + wg, 256); };
+  auto turn_pass = [&]() { named_arrive(8 + next_wg, 256); };
+  // PERSIST: K/V ordinals and Q loads before the work tile in hand (the ring and Q's barrier run on across the
+  // CTA's work tiles; each role counts its own); 0 otherwise.
+  int gb = 0, nq = 0;
   // The CTA's work again for the epilogue, from shared memory: recomputing it there (with the varlen offsets'
   // global loads) took ~720 clocks of a CTA's tail on the H100, and registers kept across the loop would cost
-  // the loop. Written here by thread 0; read after a barrier of the CTA (the first K/V tile's, or the one before
-  // the epilogue when there is no tile). Not on the EDGE.
-  constexpr bool CTA_SH = !EDGE;
+  // the loop. Written by thread 0; read after a barrier of the CTA (the first K/V tile's, or the one before
+  // the epilogue when there is no tile). Not on the EDGE, nor PERSIST (whose epilogue recomputes it, dense).
+  constexpr bool CTA_SH = !EDGE && !PERSIST;
   __shared__ vbw_attn::Cta cta_sh;
+
+  // One work tile: BLOCK_M query rows of one (b, h). work = -1: the CTA's own, by its block index (PERSIST: the
+  // consumers' part of work tile `work`; the producer walks the same tiles in `produce` below).
+  auto body = [&](const int work) {
+  const vbw_attn::Cta cta = EDGE ? VBW_CTA_LEAN_AT(work) : VBW_CTA_AT(work);
   if (CTA_SH && tid == 0) cta_sh = cta;
-  if (cu_q != nullptr && vbw_attn::varlen_bad<TO, BLOCK_M>(cta, cu_q, cu_k, batch, seqlen_q, seqlen_k, num_m, o, lse,
-                                                          q_rs, d, lse_stride_h, err))
+  if (!PERSIST && cu_q != nullptr &&
+      vbw_attn::varlen_bad<TO, BLOCK_M>(cta, cu_q, cu_k, batch, seqlen_q, seqlen_k, num_m, o, lse, q_rs, d,
+                                        lse_stride_h, err))
     return;
   if (cta.m0 >= cta.sq) return;
   const int sk = cta.sk;
@@ -567,24 +619,11 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   // The CTA's key tiles by ordinal i = 0 .. cnt - 1: dense, n_hi - 1 down to n_lo; sparse, the listed blocks.
   int cnt = n_hi - n_lo;
   const int* sp_list = nullptr;
-  // The TMA mbarriers follow the K/V slots: [0] Q, [1 + s] K of slot s, [1 + STAGES + s] V of slot s; WS adds
-  // the slots' "empty" barriers, [1 + 2 STAGES + s] K and [1 + 3 STAGES + s] V, one arrival per consumer warp.
-  const u32 bar = sK + 2 * STAGES * KV_BYTES;
-  constexpr int NBAR = 1 + (WS ? 4 : 2) * STAGES;
-  // After the mbarriers: 8 bytes a consumer warp that pin_softmax stores to (the values are never read; producer
-  // warps never call it, their `sink` would fall on the list), then the sparse block list; the mbarriers and
-  // those slots fit the 256 bytes the launcher reserves past the tiles.
-  static_assert(8 * NBAR + 8 * (NT / 32) <= 256, "mbarriers + pin_softmax slots");
-  const u32 sink = bar + 8 * NBAR + 8 * (threadIdx.x >> 5);
-  auto init_bars = [&]() {
-    for (int i = 0; i < NBAR; ++i) mbar_init<false>(bar + 8 * i, i < 1 + 2 * STAGES ? 1 : 4 * WGS);
-    mbar_init_fence();  // (one fence for all of them, on the critical path of a CTA's first loads)
-  };
   constexpr bool EARLY_Q = SPARSE && TMA;
   // WS: thread 0 issues the first K / V tile with Q, right after the barriers' initialization, instead of the
   // producer after the CTA barrier and its setmaxnreg (~900 clocks later on the H100); not with a sparse list,
   // which is read after Q's load is issued.
-  constexpr bool EARLY_KV = WS && TMA && !EARLY_Q;
+  constexpr bool EARLY_KV = WS && TMA && !EARLY_Q && !PERSIST;
   if constexpr (EARLY_Q) {
     // Q does not depend on the block list: its load is issued before the list is read, so the two latencies
     // overlap (dense layout only). Every way out below waits for it first (a CTA must not exit, nor reuse Q's
@@ -642,13 +681,14 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   if (cnt > 0) {
     // Tile ordinal i lives in slot i % STAGES (K at kslot(i), its V KV_BYTES after), as that slot's fill number
     // i / STAGES. The lambdas below take ordinals; tile(i) is the key tile's index.
-    auto kslot = [&](int i) -> u32 { return sK + ((u32)i % STAGES) * (2 * KV_BYTES); };
+    // (PERSIST: the ring's ordinal is gb + i)
+    auto kslot = [&](int i) -> u32 { return sK + ((u32)(gb + i) % STAGES) * (2 * KV_BYTES); };
     // TMA: a fill completes its barrier's phase of parity (fill number) & 1.
-    auto kbar = [&](int i) -> u32 { return bar + 8 + 8 * ((u32)i % STAGES); };
+    auto kbar = [&](int i) -> u32 { return bar + 8 + 8 * ((u32)(gb + i) % STAGES); };
     auto vbar = [&](int i) -> u32 { return kbar(i) + 8 * STAGES; };
     auto kempty = [&](int i) -> u32 { return kbar(i) + 16 * STAGES; };  // (WS)
     auto vempty = [&](int i) -> u32 { return kbar(i) + 24 * STAGES; };
-    auto phase = [&](int i) -> u32 { return ((u32)i / STAGES) & 1u; };
+    auto phase = [&](int i) -> u32 { return ((u32)(gb + i) / STAGES) & 1u; };
     // One thread issues a tile's TMA boxes (one per 64-column panel) at row row0 of the CTA's sequence. Dense
     // maps are [d, heads, seqlen, batch]: their bounds zero-fill columns past d and rows past the sequence.
     // Packed (varlen) maps are [d, heads, total tokens, 1]: rows past a sequence hold the next one's tokens,
@@ -700,7 +740,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     // bounds below sk), so this is called once, before the loop. Generic stores, then a proxy fence and a
     // barrier before wgmma reads the tile.
     auto clear_v_tail = [&](int it) {
-      if constexpr (TMA && !FP8) {  // (FP8 runs dense inputs only)
+      if constexpr (TMA && !FP8 && !PERSIST) {  // (FP8 and PERSIST run dense inputs only)
         const int r0 = sk - tile(it) * BLOCK_N;
         if (cu_q == nullptr || r0 >= BLOCK_N) return;
         wait_v(it);
@@ -748,7 +788,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
       if (m < nm_lo || m >= nm_hi) {
         // (recomputed, not read from cta_sh: it runs on the uniform datapath, so it takes no registers at the
         // loop's peak, where cta_sh's loads cost 16 bytes of spills at D = 64)
-        const vbw_attn::Cta c = EDGE ? VBW_CTA_LEAN() : VBW_CTA();
+        const vbw_attn::Cta c = EDGE ? VBW_CTA_LEAN_AT(work) : VBW_CTA_AT(work);
         const int c0 = m * BLOCK_N;
         const int lo_off = c.lo_base - c0;
         const int hi_off = c.hi_base - c0;
@@ -835,7 +875,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
 
     int n = 0;  // the ordinal of the tile in hand
     if constexpr (TMA) {
-      if constexpr (!EARLY_Q) {  // (else issued above, before the list)
+      if constexpr (!EARLY_Q && !PERSIST) {  // (else issued above, before the list; PERSIST: by the producer)
         if (threadIdx.x == 0) {
           init_bars();  // (fenced for the async proxy: this thread's TMA may use them at once)
           tma_tile(sQ, &tm_q, bar, BLOCK_M, cta.h, (cu_q != nullptr ? (int)cta.q_start : 0) + cta.m0, 0);
@@ -857,7 +897,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
       // consumer warpgroups take turns at the tensor cores (named barriers 8 + wg): a warpgroup waits for its
       // turn, issues S(i+1) = Q K^T and O += P(i) V(i), hands the turn over, and runs the softmax of S(i+1)
       // while the others' GEMMs run. The producer gives its registers to the consumers (setmaxnreg).
-      if (wg == WGS) {
+      if (!PERSIST && wg == WGS) {  // (PERSIST: the producer runs `produce`, never this)
         setmaxnreg_dec<WS_P_REGS>();
         if (tid == NT) {
           for (int i = EARLY_KV ? 1 : 0; i < cnt; ++i) {  // (EARLY_KV: thread 0 issued the first tile's)
@@ -869,15 +909,10 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
         }
         return;  // (the epilogue is the consumers'; the CTA lives on until they finish)
       }
-      setmaxnreg_inc<WS_C_REGS>();
-      // the turn goes round the consumer warpgroups: 0, 1, (2,) 0, ...; named barrier 8 + w is warpgroup w's
-      // (256 threads: the waiter and the one passing the turn)
-      const int next = wg + 1 == WGS ? 0 : wg + 1;
-      auto turn_wait = [&]() { named_bar(8 + wg, 256); };
-      auto turn_pass = [&]() { named_arrive(8 + next, 256); };
+      if constexpr (!PERSIST) setmaxnreg_inc<WS_C_REGS>();
       auto release = [&](u32 b) { if (lane == 0) mbar_arrive(b); };
-      if (wg == WGS - 1) turn_pass();  // warpgroup 0 goes first
-      mbar_wait(bar, 0);         // Q
+      if (!PERSIST && wg == WGS - 1) turn_pass();  // warpgroup 0 goes first (PERSIST: once, before its first tile)
+      mbar_wait(bar, (u32)nq & 1u);  // Q
       wait_k(0);
       clear_v_tail(0);
       turn_wait();
@@ -906,11 +941,13 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
         rescale_o(corr);
         pack_p(s, pa);
       }
+      if constexpr (PERSIST) release(q_empty);  // every S of this tile is done: the next Q may land
       wait_v(cnt - 1);
       turn_wait();
       issue_pv(pa, cnt - 1);
-      if (wg != WGS - 1) turn_pass();  // (the last warpgroup's last turn has no taker)
+      if (PERSIST || wg != WGS - 1) turn_pass();  // (without PERSIST the last warpgroup's last turn has no taker)
       wg_wait<0>();
+      if constexpr (PERSIST) release(vempty(cnt - 1));  // the ring runs on into the next tile
     } else if constexpr (!OVERLAP) {
       load_k(0);
       // Tiles n .. n - STAGES + 2 in flight before the loop; each iteration refills the slot of the tile just
@@ -1013,14 +1050,21 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   if constexpr (EARLY_Q) {
     if (cnt == 0) mbar_wait(bar, 0);  // an empty list: Q's copy lands before its buffer stages O
   }
-  if constexpr (WS) {
+  if constexpr (WS && !PERSIST) {
     if (wg == WGS) return;  // (cnt == 0: the producer had nothing to load)
+  }
+  if constexpr (PERSIST) {
+    if (cnt > 0) {  // the ring and Q's barrier run on into the next work tile
+      gb += cnt;
+      ++nq;
+    }
   }
 
   // Epilogue: normalize, LSE, stage this warpgroup's O rows in its own (swizzled) rows of Q's buffer (no other
   // warpgroup reads them, and this one's wgmma are drained), then 16-byte coalesced stores.
   if (CTA_SH && cnt == 0) named_bar(6, NT);  // (no tile: no barrier since thread 0 wrote cta_sh; the consumers)
-  const vbw_attn::Cta ce = CTA_SH ? cta_sh : VBW_CTA_LEAN();
+  const vbw_attn::Cta ce = CTA_SH ? cta_sh : PERSIST ? VBW_CTA_AT(work) : VBW_CTA_LEAN_AT(work);
+  if constexpr (PERSIST) named_bar(1 + wg, 128);  // O's area is free: this warpgroup's previous tile is out
   const int m0 = ce.m0;
   const int rows_e = min(BLOCK_M, ce.sq - m0);
   TO* og = o + (ce.q_start + m0) * q_rs + (long long)ce.h * d;
@@ -1036,7 +1080,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
 #pragma unroll
     for (int j = 0; j < ND; ++j) {
       const int col = j * 8 + (lane & 3) * 2;
-      *reinterpret_cast<u32*>(sQ_ptr + vbw_attn::sw_offset<BLOCK_M>(r, col)) =
+      *reinterpret_cast<u32*>(sO_ptr + vbw_attn::sw_offset<BLOCK_M>(r, col)) =
           pack2<TO>(acc_o[4 * j + 2 * hf] * inv, acc_o[4 * j + 2 * hf + 1] * inv);
     }
     if (lse != nullptr && (lane & 3) == 0 && r < rows_e) {
@@ -1058,13 +1102,97 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
       const int col = (c % CPR) * 8;
       if (r < rows_e && col < d)
         *reinterpret_cast<uint4*>(og + r * q_rs + col) =
-            *reinterpret_cast<const uint4*>(sQ_ptr + vbw_attn::sw_offset<BLOCK_M>(r, col));
+            *reinterpret_cast<const uint4*>(sO_ptr + vbw_attn::sw_offset<BLOCK_M>(r, col));
     }
+  }
+  };  // body
+
+  if constexpr (PERSIST) {
+    // Persistent CTAs (the launcher starts at most one an SM): CTA c takes one work tile of each round of
+    // gridDim.x tiles in cta_info's order (work_of below). The producer thread walks the same tiles and runs
+    // ahead across them: a tile's first K / V slots are refilled as the previous tile's consumers release them,
+    // its Q as soon as both consumer warpgroups are done with the previous Q (q_empty), so the next tile's loads
+    // are in flight during this one's last P V and epilogue. Dense inputs only (the launcher never passes
+    // varlen offsets or a block list here).
+    auto produce = [&](const int work) {
+      const vbw_attn::Cta c = VBW_CTA_AT(work);
+      int n_lo, n_hi, nm_lo, nm_hi;
+      vbw_attn::tile_range<BLOCK_N>(c, min(BLOCK_M, c.sq - c.m0), n_lo, n_hi, nm_lo, nm_hi);
+      const int cnt = n_hi - n_lo;
+      if (cnt <= 0) return;  // (its consumers write zero rows; no loads, no Q)
+      auto issue = [&](u32 dst, const vbw::TmaDesc* map, u32 b, int rows, int head, int row0) {
+        mbar_expect_tx(b, (u32)rows * HEAD_DIM * sizeof(TI));
+#pragma unroll
+        for (int p = 0; p < HEAD_DIM / EPP; ++p) tma_load_4d(dst + p * rows * 128, map, b, p * EPP, head, row0, c.b);
+      };
+      auto load_kv = [&](int i) {
+        const u32 g = (u32)(gb + i), slot = g % STAGES, ph = (g / STAGES) & 1u;
+        const u32 ks = sK + slot * (2 * KV_BYTES), kb = bar + 8 * (1 + slot), vb = kb + 8 * STAGES;
+        const int m = n_hi - 1 - i;
+        if (g >= STAGES) mbar_wait(kb + 16 * STAGES, ph ^ 1u);  // the slot's previous K is released
+        issue(ks, &tm_k, kb, BLOCK_N, c.h / group, m * BLOCK_N);
+        if (g >= STAGES) mbar_wait(vb + 16 * STAGES, ph ^ 1u);
+        if constexpr (FP8) {  // V^T: one box of HEAD_DIM rows x BLOCK_N keys
+          mbar_expect_tx(vb, KV_BYTES);
+          tma_load_4d(ks + KV_BYTES, &tm_v, vb, m * BLOCK_N, 0, c.h / group, c.b);
+        } else {
+          issue(ks + KV_BYTES, &tm_v, vb, BLOCK_N, c.h / group, m * BLOCK_N);
+        }
+      };
+      // K / V of the first VBW_WSP_QAFTER key tiles, then Q (its buffer frees up after the previous tile's
+      // last S, when the first slots are free too), then the rest
+#ifndef VBW_WSP_QAFTER
+#define VBW_WSP_QAFTER 1
+#endif
+      int i = 0;
+      for (; i < min(cnt, VBW_WSP_QAFTER); ++i) load_kv(i);
+      if (nq > 0) mbar_wait(q_empty, (u32)(nq - 1) & 1u);
+      issue(sQ, &tm_q, bar, BLOCK_M, c.h, c.m0);
+      for (; i < cnt; ++i) load_kv(i);
+      gb += cnt;
+      ++nq;
+    };
+    if (tid == 0) init_bars();
+    __syncthreads();  // the barriers are initialized before anyone waits on them
+    const int total = num_m * batch * heads;
+    // Round r of the grid takes work tiles r G .. r G + G - 1 (G = gridDim.x), forwards in even rounds and
+    // backwards in odd ones: cta_info orders a section's tiles longest first, so under a causal mask the CTA
+    // with a round's longest tile gets the next round's shortest (a plain stride gave CTA 0 the longest tile
+    // of every round: 0.87x the non-persistent kernel at S = 2k causal, H100).
+#ifndef VBW_WSP_ZIGZAG
+#define VBW_WSP_ZIGZAG 1
+#endif
+    auto work_of = [&](int r) {
+      const int G = (int)gridDim.x, c = (int)blockIdx.x;
+      return r * G + (VBW_WSP_ZIGZAG && (r & 1) ? G - 1 - c : c);
+    };
+    const int rounds = (total + (int)gridDim.x - 1) / (int)gridDim.x;
+    // (each role's loop under its own setmaxnreg: ptxas gives a region the registers of the setmaxnreg that
+    // dominates it)
+    if (wg == WGS) {
+      setmaxnreg_dec<WSP_P_REGS>();
+      if (tid == NT)
+        for (int r = 0; r < rounds; ++r)
+          if (work_of(r) < total) produce(work_of(r));
+      return;
+    }
+    setmaxnreg_inc<WSP_C_REGS>();
+    // Warpgroup 0 goes first: the last one passes it the turn, the others arrive alone on barrier 10 (it
+    // completes at once). The same instruction for all, no branch on wg: ptxas keeps code after such a branch
+    // off the uniform datapath, and the loop's slot and descriptor arithmetic went to the vector units (H100: the
+    // loop ran 8-13% slower).
+    named_arrive(wg == WGS - 1 ? 8 + next_wg : 10, wg == WGS - 1 ? 256 : 128);
+    for (int r = 0; r < rounds; ++r)
+      if (work_of(r) < total) body(work_of(r));
+    if (wg == 0) turn_wait();  // (the last warpgroup's pass after its last tile)
+  } else {
+    body(-1);
   }
 #else
   __trap();  // sm_90a only: the launcher never picks this kernel elsewhere
 #endif
 }
 
-#undef VBW_CTA
 #undef VBW_CTA_LEAN
+#undef VBW_CTA_AT
+#undef VBW_CTA_LEAN_AT

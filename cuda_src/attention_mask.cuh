@@ -16,6 +16,7 @@ namespace vbw_attn {
 // section's K and V fit in L2); within a section the longest Q tiles (largest m) of all its heads go first.
 // The block index is read with a volatile move so that calling this again (in the rarely taken mask branch and
 // in the epilogue) recomputes the values instead of keeping them alive in registers across the KV loop.
+// work >= 0 (attn_fwd_wg's persistent CTAs): the place of work tile `work` instead of the block index's.
 struct Cta {
   int b, h, m0, sq, sk, lo_base, hi_base;
   long long q_start, k_start;
@@ -37,9 +38,9 @@ template <int BLOCK_M, bool FAST = true>
 __device__ __forceinline__ Cta cta_info(const int* __restrict__ cu_q, const int* __restrict__ cu_k, int batch,
                                         int seqlen_q, int seqlen_k, int heads, int num_m, int sect_heads,
                                         unsigned mg_sec, unsigned mg_sect, unsigned mg_heads, int win_left,
-                                        int win_right) {
-  unsigned bid;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bid));
+                                        int win_right, int work = -1) {
+  unsigned bid = (unsigned)work;
+  if (work < 0) asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bid));
   Cta c;
   const int total = batch * heads;
   const int per_sec = sect_heads * num_m;

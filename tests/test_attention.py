@@ -385,6 +385,25 @@ def test_three_warpgroup_tile(Sq, Sk, causal, window):
 
 
 @gpu
+@pytest.mark.parametrize("sms", [1, 3, 7])
+@pytest.mark.parametrize("Sq,Sk,causal,window,softcap,D,dtype", [
+    (512, 256, True, (-1, -1), 0.0, 128, "float16"),   # the last Q tiles see no key: cnt = 0 between others
+    (300, 100, False, (-1, -1), 0.0, 128, "bfloat16"),  # one key tile a work tile
+    (700, 700, True, (-1, -1), 5.0, 96, "float16"),     # heavy-first causal tiles, softcap, D = 96 on the 128 tile
+    (600, 900, False, (150, 40), 0.0, 128, "float16"),  # a window: tiles masked at both ends
+])
+def test_persistent_tiles_walk_many_work_tiles(monkeypatch, sms, Sq, Sk, causal, window, softcap, D, dtype):
+    """The persistent warp-specialized tile ("wsp") on a grid of `sms` CTAs, so each walks many work tiles: the
+    K / V ring, Q's buffer and its barrier phases, the turn between the warpgroups and O's staging area carry
+    over from tile to tile (forwards and backwards rounds), through tiles with no key at all."""
+    if _device.device_arch() != 90:
+        pytest.skip("the wgmma kernels run on sm_90 only")
+    monkeypatch.setattr(A._device, "num_sms", lambda: sms)
+    run_dense(3, Sq, Sk, 4, 2, D, dtype, causal=causal, window=window, softcap=softcap, seed=Sq + sms,
+              config=A._wsp(128))
+
+
+@gpu
 def test_every_config_subprocess():
     """Every candidate the tuner may pick is correct; in a subprocess, so an illegal address cannot poison the
     CUDA context of the rest of the suite."""
@@ -764,8 +783,8 @@ def test_gpu_huge_scores_stay_finite(scale):
 
 def test_long_sequences_default_to_the_warp_specialized_tiles():
     """On sm_90 the default follows the key length (_WS_FROM): the lock-step "wg" tiles below the first threshold,
-    each tier's warp-specialized "ws" tile from its threshold on; every such default is a compiled instance, and
-    other archs and the element-wise path never see a "ws" config."""
+    each tier's warp-specialized "ws" / "wsp" tile from its threshold on; every such default is a compiled instance,
+    and other archs and the element-wise path never see one."""
     names = {n for _, n in A.kernel_instances(arch=90)}
     for hd in A._WG_DEFAULTS:
         tiers = A._WS_FROM.get(A._WG_HEAD_DIM[hd], ())
@@ -784,7 +803,7 @@ def test_long_sequences_default_to_the_warp_specialized_tiles():
                 assert A.default_config(hd, 90, shape={"Sk": frm // 2}) == before
                 assert A.default_config(hd, 90, shape={"Sk": frm // 2 + 1}) == ws
             long = A.default_config(hd, 90, shape={"Sk": frm})
-            assert long == ws and long["KIND"] == "ws", (hd, long)
+            assert long == ws and long["KIND"] in ("ws", "wsp"), (hd, long)
             before = ws
             from vbw_cupy import autotune as at
             assert at.default_config(A._tunable_name(hd), 90, {"Sk": frm, "Sq": 1, "masked": 0}) == long

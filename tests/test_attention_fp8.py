@@ -251,6 +251,16 @@ def test_gpu_fp8_options(case):
 
 
 @gpu
+@pytest.mark.parametrize("Sk,causal", [(700, True), (8192, False)])
+def test_gpu_fp8_persistent_and_long_tiles(monkeypatch, Sk, causal):
+    """Below 8k keys the persistent tile ("wsp") on a grid of 3 CTAs, so each walks many work tiles (the ring,
+    Q's buffer and the turns carried from tile to tile); from 8k keys the non-persistent one."""
+    monkeypatch.setattr(F._attn._device, "num_sms", lambda: 3)
+    assert F._config(Sk)["KIND"] == ("wsp" if Sk < 8192 else "ws")
+    _gpu_case(2, 300 if Sk < 8192 else 128, Sk, 4, 2, 128, causal, seed=Sk)
+
+
+@gpu
 def test_gpu_fp8_attention_bfloat16_out():
     _gpu_case(1, 384, 384, 2, 2, 128, True, out_dtype=BF16)
 

@@ -7,7 +7,7 @@ BLOCK_M query rows of one head, K/V streamed through shared memory, fp32 accumul
 driver encodes the tensor maps, see `_map_args`; cp.async where it cannot)) and return CuPy arrays.
 
 Head dims: any D from 1 to 256 runs the instance compiled for the next of HEAD_DIMS (32, 64, ..., 256); the
-kernel zero-fills the missing columns and never reads or writes past D. Configs (KIND "mma" / "wg" / "wgp" / "ws",
+kernel zero-fills the missing columns and never reads or writes past D. Configs (KIND "mma" / "wg" / "wgp" / "ws" / "wsp",
 BLOCK_M, BLOCK_N, WARPS, Q_REGS, STAGES) are chosen per compiled head dim: a per-architecture default, or the
 autotuner's pick (``vbw_cupy.autotune``, one Tunable per head dim, named ``attention_fwd_d<HEAD_DIM>``, timed on
 back-to-back launches (``warm_l2``); shape bucket = (pow2 of the longest query sequence, pow2 of the longest key
@@ -19,7 +19,8 @@ wgmma kernel (``attn_fwd_wg``) by default, compiled for the next wgmma width of 
 one; a wgmma config is never launched off sm_90 or on unaligned inputs (``_runnable``). From a key length that
 depends on the head dim (``_WS_FROM``) the sm_90 default is the warp-specialized "ws" tile (a TMA producer
 warpgroup and two consumer warpgroups taking turns at the tensor cores, FlashAttention-3's schedule; three
-consumer warpgroups at D = 64), with a key tile that may also depend on the length.
+consumer warpgroups at D = 64), with a key tile that may also depend on the length; at D = 96 / 128 below 8k
+keys its persistent form "wsp" (one CTA an SM walking work tiles, the next tile's loads under this one's epilogue).
 
 Host cost: a `flash_attention` call whose shapes, dtypes, options, device, stream and tuning state match an
 earlier checked call replays its launch, re-checking only array types, contiguity, devices and alignment.
@@ -79,6 +80,18 @@ def _ws(n, stages=2, wgs=2):
     return {"KIND": "ws", "BLOCK_M": 64 * wgs, "BLOCK_N": n, "WARPS": 4 * wgs + 4, "Q_REGS": 0, "STAGES": stages}
 
 
+def _wsp(n, stages=2):
+    """The persistent form of a two-consumer-warpgroup "ws" tile (KIND "wsp"): at most one CTA an SM, each walking
+    work tiles (128 query rows of one (b, h)) with its producer loading the next tile's Q and first K / V during
+    this one's last P V and epilogue; O staged in its own shared area. Dense inputs (varlen and block-sparse
+    launches run its "ws" form)."""
+    return {"KIND": "wsp", "BLOCK_M": 128, "BLOCK_N": n, "WARPS": 12, "Q_REGS": 0, "STAGES": stages}
+
+
+# attn_fwd_wg's WS template argument by KIND: 0 lock-step, 1 warp-specialized, 2 persistent warp-specialized
+_WS_ARG = {"ws": 1, "wsp": 2}
+
+
 # Per compiled head dim: {arch: default config} and the candidates the tuner may time. Warp w owns
 # BLOCK_M / (16 WARPS) m16 row tiles; two tiles per warp halve the shared-memory reads of K and V per mma,
 # which is what the large head dims cannot afford in registers (O alone is HEAD_DIM/2 floats per m16 tile).
@@ -122,7 +135,8 @@ _WG_DEFAULTS = {64: _wg(64, 1), 96: _wg(128), 128: _wg(128), 160: _wg(64), 192: 
                 256: _wg(64)}
 _WG_CANDIDATES = {64: (_wg(64), _wg(128, 1), _wg(192, 1), _wg(64, 1), _wg(128, 1, stages=3), _ws(192),
                        _ws(128, wgs=3), _ws(112, wgs=3), _ws(208)),
-                  128: (_wg(128), _wg(128, stages=3), _wg(64, 2, True), _wg(64, stages=4), _ws(128), _ws(144)),
+                  128: (_wg(128), _wg(128, stages=3), _wg(64, 2, True), _wg(64, stages=4), _ws(128), _ws(144),
+                        _wsp(128)),
                   192: (_wg(64), _wg(64, stages=3), _wg(64, 1, stages=3), _ws(64), _ws(112)),
                   256: (_wg(64), _wg(64, 1, stages=3), _ws(64), _ws(80))}
 for _d, _w in _WG_HEAD_DIM.items():
@@ -175,9 +189,9 @@ def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     """Dynamic shared memory of one CTA. mma: Q [BLOCK_M] + K, V [STAGES][BLOCK_N] rows of HEAD_DIM + 8
     elements; wg: the same rows of the wgmma width _WG_HEAD_DIM[head_dim], unpadded (swizzled), 1 KB to align
     the base to 1024 bytes and 256 bytes of TMA mbarriers and per-warp slots; Q's rows are 16-bit (they stage
-    the output) even for FP8 inputs (itemsize 1, attention_fp8.py)."""
+    the output) even for FP8 inputs (itemsize 1, attention_fp8.py), and "wsp" has a second such area for O."""
     if cfg["KIND"] != "mma":
-        tiles = 2 * cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"] * itemsize
+        tiles = 2 * cfg["BLOCK_M"] * (2 if cfg["KIND"] == "wsp" else 1) + 2 * cfg["STAGES"] * cfg["BLOCK_N"] * itemsize
         return tiles * _WG_HEAD_DIM[head_dim] + 1024 + 256
     return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize
 
@@ -196,7 +210,7 @@ def instance_name(dtype, head_dim: int, cfg: dict, vec: bool = True, tma: bool =
             raise ValueError("instance_name: FP8 (uint8) inputs need out_dtype")
         t = rt.ctype(dtype) if np.dtype(dtype) != np.uint8 else f"vbw_attn::E4M3<{rt.ctype(out_dtype)}>"
         return (f"attn_fwd_wg<{t}, {_WG_HEAD_DIM[head_dim]}, {cfg['BLOCK_N']}, {cfg['BLOCK_M'] // 64}, "
-                f"{b(cfg['KIND'] == 'wgp')}, {b(tma)}, {cfg['STAGES']}, {b(cfg['KIND'] == 'ws')}, {b(sparse)}>")
+                f"{b(cfg['KIND'] == 'wgp')}, {b(tma)}, {cfg['STAGES']}, {_WS_ARG.get(cfg['KIND'], 0)}, {b(sparse)}>")
     return (f"attn_fwd<{rt.ctype(dtype)}, {head_dim}, {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['WARPS']}, "
             f"{b(cfg['Q_REGS'])}, {cfg['STAGES']}, {b(vec)}>")
 
@@ -229,19 +243,20 @@ def kernel_instances(arch: int | None = None, head_dims=None) -> list[tuple[str,
 
 
 def _tma_variants(cfg) -> tuple:
-    """The load paths an instance of cfg is compiled for: mma.sync cp.async only, wgmma both, "ws" TMA only."""
-    return {"mma": (False,), "ws": (True,)}.get(cfg["KIND"], (False, True))
+    """The load paths an instance of cfg is compiled for: mma.sync cp.async only, wgmma both, "ws" / "wsp" TMA
+    only."""
+    return {"mma": (False,), "ws": (True,), "wsp": (True,)}.get(cfg["KIND"], (False, True))
 
 
 def _loadable(head_dim: int, cfg: dict, tma: bool) -> dict:
     """cfg, or where it cannot load without tensor maps (a "ws" producer issues TMA copies only) and tma is off,
     the head dim's lock-step default."""
-    return _WG_DEFAULTS[head_dim] if cfg["KIND"] == "ws" and not tma else cfg
+    return _WG_DEFAULTS[head_dim] if cfg["KIND"] in _WS_ARG and not tma else cfg
 
 
 def _row_warps(cfg) -> int:
-    """The warps that own query rows (a "ws" CTA's producer warpgroup owns none)."""
-    return cfg["WARPS"] - (4 if cfg["KIND"] == "ws" else 0)
+    """The warps that own query rows (a "ws" / "wsp" CTA's producer warpgroup owns none)."""
+    return cfg["WARPS"] - (4 if cfg["KIND"] in _WS_ARG else 0)
 
 
 # sm_90: the warp-specialized tiles from this many keys on, per wgmma width. H100, fp16, B * S = 32k tokens,
@@ -283,8 +298,11 @@ def _row_warps(cfg) -> int:
 # thresholds are powers of two in [64, 16384] (tests/test_attention.py). Not measured between the powers of
 # two; at D = 64 the tier takes no account of masks (4k causal: wg 64 x 64 375 / 365 against 343 / 357, fp16 /
 # bf16; the tile it replaced 334 / 345).
-_WS_FROM = {64: ((4096, _ws(112, wgs=3)),), 128: ((1, _ws(128)),), 192: ((1, _ws(64)), (2048, _ws(112))),
-            256: ((1, _ws(64)),)}
+# D = 128 below 8k keys: the persistent form ("wsp", attention_fwd.cu v12). H100, graph replay, 8 interleaved
+# pairs, median speed of wsp / ws, S = 512 / 1k / 2k / 4k full; causal: 1.11 1.09 1.04 1.01; 1.21 1.10 1.02 1.02;
+# 8k causal 0.99, 16k 0.99 / 1.00 full / causal (there a CTA's head and tail are noise).
+_WS_FROM = {64: ((4096, _ws(112, wgs=3)),), 128: ((1, _wsp(128)), (8192, _ws(128))),
+            192: ((1, _ws(64)), (2048, _ws(112))), 256: ((1, _ws(64)),)}
 
 
 def default_config(head_dim: int, arch: int, vec: bool = True, shape: dict | None = None) -> dict:
@@ -436,6 +454,7 @@ class _Launch:
         self.fp8 = q.dtype == np.uint8
         self.descale = rt.NULL if descale is None else descale
         self.B, self.max_q, self.max_k, self.Hq, self.Hkv, self.D = B, max_q, max_k, Hq, Hkv, D
+        self.varlen = cu_q is not None
         self.head_dim = 128 if self.fp8 else head_dim_bucket(D)
         # varlen lengths may be unread on the host (checked on the device): clamp against what no sequence exceeds
         left, right = _clamp_window(left, right, *((max_q, max_k) if cu_q is None else (MAX_SEQLEN, MAX_SEQLEN)))
@@ -477,7 +496,9 @@ class _Launch:
         boxes = (cfg["BLOCK_M"], cfg["BLOCK_N"]) if wg and (_USE_TMA or self.fp8) else None
         if boxes is not None and self.maps(boxes) is None:
             boxes = None  # the driver cannot encode the maps: cp.async
-        if self.fp8 and (boxes is None or cfg["KIND"] != "ws"):
+        if cfg["KIND"] == "wsp" and (self.sparse or self.varlen):
+            cfg = dict(cfg, KIND="ws")  # (the persistent walk is dense only)
+        if self.fp8 and (boxes is None or cfg["KIND"] not in _WS_ARG):
             raise ValueError(f"FP8 attention runs the warp-specialized kernel with tensor maps, not {cfg}")
         cfg = _loadable(self.head_dim, cfg, boxes is not None)
         opts = _EXTRA_OPTIONS.get(self.head_dim, ()) if isinstance(_EXTRA_OPTIONS, dict) else _EXTRA_OPTIONS
@@ -489,7 +510,10 @@ class _Launch:
         scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + divs + self.tail_args + \
             (self.sparse_args + (self.descale,) if wg else ())
         smem = smem_bytes(self.head_dim, cfg, self.q.dtype.itemsize) + (self.sparse_smem if wg else 0)
-        return kern, (num_m * self.B * self.Hq,), (cfg["WARPS"] * 32,), smem, scalars, wg, boxes
+        ctas = num_m * self.B * self.Hq
+        if cfg["KIND"] == "wsp":  # persistent: at most one CTA an SM (its shared memory allows no second)
+            ctas = min(ctas, _device.num_sms())
+        return kern, (ctas,), (cfg["WARPS"] * 32,), smem, scalars, wg, boxes
 
     def maps(self, boxes):
         """The wgmma kernel's tensor-map arguments for boxes (see _map_args; FP8: _map_args_fp8)."""
