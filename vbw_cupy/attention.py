@@ -268,7 +268,11 @@ def _row_warps(cfg) -> int:
 # cost more in the warp-specialized kernel than its overlap saves. A second run (same method) repeated D=128
 # (geomean 1.07) and D=192 from 8k (1.04-1.15x); D=64 at 16k read 1.05 / 0.95x there, so D=64 keeps "wg".
 # Persistent warp-specialized CTAs (one an SM, a static tile stride) were correct but no faster (D=128 geomean
-# 1.05x wg against 1.07x for ws; D=192 causal 0.73-0.84x): notes/attempts/attention-ws-persistent.patch.
+# 1.05x wg against 1.07x for ws; D=192 causal 0.73-0.84x): notes/attempts/attention-ws-persistent.patch. The
+# tenth session's "wsp" (attention_fwd.cu v12: rounds of alternating direction, no warpgroup branch before the
+# loop) is 1.01-1.21x ws at D = 128 below 8k keys (the tiers below). At D = 64 it stays behind the lock-step
+# 64 x 64 tile below 4k keys (H100, graph replay: wsp 128 0.83-0.98x, wsp 192 0.72-0.98x); at D = 192 its
+# consumers spill at 232 registers and at D = 256 Q, O and two K / V stages do not fit 227 KB.
 # 2026-11-26 (sixth session), after the softmax was pinned ahead of the P V wait (attention_fwd.cu v9: until then
 # ptxas had hoisted the wait and nothing overlapped), one run, same method, TFLOP/s of ws / wg at S = 512 / 1k /
 # 2k / 4k / 8k / 16k, full; causal: D=192 382/365 474/461 526/494 561/534 577/556 615/535; 232/226 365/342
