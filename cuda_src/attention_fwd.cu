@@ -97,7 +97,9 @@
 //      Two things made it: the rounds of work tiles alternate direction (a plain stride: 0.87x at 2k causal),
 //      and the first turn is passed without a branch on the warpgroup (after one, ptxas kept the whole loop off
 //      the uniform datapath: 8-13% slower at every length). The first attempt (v7 era,
-//      notes/attempts/attention-ws-persistent.patch) had neither.
+//      notes/attempts/attention-ws-persistent.patch) had neither. Tried on top: Q double-buffered (the next
+//      tile's Q loaded a whole tile early): 0.99-1.01x, not kept; Q issued after the first K / V tile of the
+//      next work tile instead of the second: +1-2% at 512-2k (kept).
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks
