@@ -99,7 +99,8 @@
 //      the uniform datapath: 8-13% slower at every length). The first attempt (v7 era,
 //      notes/attempts/attention-ws-persistent.patch) had neither. Tried on top: Q double-buffered (the next
 //      tile's Q loaded a whole tile early): 0.99-1.01x, not kept; Q issued after the first K / V tile of the
-//      next work tile instead of the second: +1-2% at 512-2k (kept).
+//      next work tile instead of the second: +1-2% at 512-2k (kept). D = 256 (O in Q's buffer, the next Q after
+//      the epilogue; a tuning candidate): 1.00-1.05x except causal 512 / 1k 0.92 / 0.97 and 16k 0.66.
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks
@@ -516,10 +517,11 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   // for 384 threads, 128 for 512) and setmaxnreg only moves them (asking for more makes setmaxnreg.inc hang)
   constexpr int WS_P_REGS = WGS == 2 ? VBW_WS_PRODUCER_REGS : 32;
   constexpr int WS_C_REGS = WGS == 2 ? VBW_WS_CONSUMER_REGS : 160;
-  // PERSIST: the producer walks the work tiles (cta_info, tile_range: 24 registers would spill)
+  // PERSIST: the producer walks the work tiles (cta_info, tile_range: 24 registers spill there, in the producer
+  // only); above D = 128 the consumers need 240 (232 spill 40 bytes at D = 256), so the producer spills
 #ifndef VBW_WSP_P_REGS
-#define VBW_WSP_P_REGS 40
-#define VBW_WSP_C_REGS 232
+#define VBW_WSP_P_REGS (HEAD_DIM > 128 ? 24 : 40)
+#define VBW_WSP_C_REGS (HEAD_DIM > 128 ? 240 : 232)
 #endif
   constexpr int WSP_P_REGS = VBW_WSP_P_REGS, WSP_C_REGS = VBW_WSP_C_REGS;
   static_assert(!WS || 128 * WS_P_REGS + 128 * WGS * WS_C_REGS <=
@@ -558,10 +560,13 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   const u32 raw = smem_addr(smem_raw);
   const u32 sbase = (raw + 1023u) & ~1023u;
   const u32 sQ = sbase;
-  // PERSIST: O is staged in its own area after Q's, so the next work tile's Q can land during the epilogue
-  const u32 sK = sbase + Q_BYTES * (PERSIST ? 2 : 1);  // slot st: sK + st * 2 * KV_BYTES; V follows its K
+  // PERSIST up to D = 128: O is staged in its own area after Q's, so the next work tile's Q can land during the
+  // epilogue; above (Q, O and two K / V stages would not fit), in Q's buffer as without PERSIST, and the next Q
+  // waits for the epilogue
+  constexpr bool SEP_O = PERSIST && HEAD_DIM <= 128;
+  const u32 sK = sbase + Q_BYTES * (SEP_O ? 2 : 1);  // slot st: sK + st * 2 * KV_BYTES; V follows its K
   unsigned char* const sQ_ptr = smem_raw + (sbase - raw);
-  unsigned char* const sO_ptr = sQ_ptr + (PERSIST ? Q_BYTES : 0);
+  unsigned char* const sO_ptr = sQ_ptr + (SEP_O ? Q_BYTES : 0);
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;
@@ -943,7 +948,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
         rescale_o(corr);
         pack_p(s, pa);
       }
-      if constexpr (PERSIST) release(q_empty);  // every S of this tile is done: the next Q may land
+      if constexpr (SEP_O) release(q_empty);  // every S of this tile is done: the next Q may land
       wait_v(cnt - 1);
       turn_wait();
       issue_pv(pa, cnt - 1);
@@ -1061,6 +1066,22 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
       ++nq;
     }
   }
+  if constexpr (PERSIST && !SEP_O) {
+    if (cnt == 0) {
+      // No key (no Q was loaded for this tile): zero rows and -inf straight to global memory, since Q's buffer,
+      // O's staging area here, may be taking the next tile's Q already.
+      const vbw_attn::Cta cz = VBW_CTA_AT(work);
+      const int rows_z = min(BLOCK_M, cz.sq - cz.m0), t = tid & 127;
+      TO* oz = o + (cz.q_start + cz.m0) * q_rs + (long long)cz.h * d;
+      for (int c = t; c < 64 * (d / 8); c += 128) {  // (d % 8 == 0: the wgmma kernel's inputs are 16-byte rows)
+        const int r = wg * 64 + c / (d / 8);
+        if (r < rows_z) *reinterpret_cast<uint4*>(oz + r * q_rs + (c % (d / 8)) * 8) = make_uint4(0u, 0u, 0u, 0u);
+      }
+      if (lse != nullptr && t < 64 && wg * 64 + t < rows_z)
+        lse[(long long)cz.h * lse_stride_h + (long long)cz.b * heads * seqlen_q + cz.m0 + wg * 64 + t] = NEG_INF;
+      return;
+    }
+  }
 
   // Epilogue: normalize, LSE, stage this warpgroup's O rows in its own (swizzled) rows of Q's buffer (no other
   // warpgroup reads them, and this one's wgmma are drained), then 16-byte coalesced stores.
@@ -1106,6 +1127,11 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
         *reinterpret_cast<uint4*>(og + r * q_rs + col) =
             *reinterpret_cast<const uint4*>(sO_ptr + vbw_attn::sw_offset<BLOCK_M>(r, col));
     }
+  }
+  if constexpr (PERSIST && !SEP_O) {  // this warp's reads of Q's buffer are done: the next Q may land there
+    fence_async_smem();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(q_empty);
   }
   };  // body
 

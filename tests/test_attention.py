@@ -391,16 +391,20 @@ def test_three_warpgroup_tile(Sq, Sk, causal, window):
     (300, 100, False, (-1, -1), 0.0, 128, "bfloat16"),  # one key tile a work tile
     (700, 700, True, (-1, -1), 5.0, 96, "float16"),     # heavy-first causal tiles, softcap, D = 96 on the 128 tile
     (600, 900, False, (150, 40), 0.0, 128, "float16"),  # a window: tiles masked at both ends
+    (512, 256, True, (-1, -1), 0.0, 256, "bfloat16"),  # D = 256: O staged in Q's buffer; rows without keys
+    (300, 450, False, (100, 0), 0.0, 224, "float16"),   # D = 224 on the 256 tile, a window
+    (700, 700, True, (-1, -1), 0.0, 256, "float16"),
 ])
 def test_persistent_tiles_walk_many_work_tiles(monkeypatch, sms, Sq, Sk, causal, window, softcap, D, dtype):
     """The persistent warp-specialized tile ("wsp") on a grid of `sms` CTAs, so each walks many work tiles: the
-    K / V ring, Q's buffer and its barrier phases, the turn between the warpgroups and O's staging area carry
-    over from tile to tile (forwards and backwards rounds), through tiles with no key at all."""
+    K / V ring, Q's buffer and its barrier phases, the turn between the warpgroups and O's staging area (its own
+    up to D = 128, Q's buffer above) carry over from tile to tile (forwards and backwards rounds), through tiles
+    with no key at all."""
     if _device.device_arch() != 90:
         pytest.skip("the wgmma kernels run on sm_90 only")
     monkeypatch.setattr(A._device, "num_sms", lambda: sms)
     run_dense(3, Sq, Sk, 4, 2, D, dtype, causal=causal, window=window, softcap=softcap, seed=Sq + sms,
-              config=A._wsp(128))
+              config=A._wsp(128 if D <= 128 else 64))
 
 
 @gpu

@@ -138,7 +138,7 @@ _WG_CANDIDATES = {64: (_wg(64), _wg(128, 1), _wg(192, 1), _wg(64, 1), _wg(128, 1
                   128: (_wg(128), _wg(128, stages=3), _wg(64, 2, True), _wg(64, stages=4), _ws(128), _ws(144),
                         _wsp(128)),
                   192: (_wg(64), _wg(64, stages=3), _wg(64, 1, stages=3), _ws(64), _ws(112)),
-                  256: (_wg(64), _wg(64, 1, stages=3), _ws(64), _ws(80))}
+                  256: (_wg(64), _wg(64, 1, stages=3), _ws(64), _ws(80), _wsp(64))}
 for _d, _w in _WG_HEAD_DIM.items():
     _WG_CANDIDATES.setdefault(_d, _WG_CANDIDATES[_w])
 _CANDIDATES = {
@@ -189,9 +189,11 @@ def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     """Dynamic shared memory of one CTA. mma: Q [BLOCK_M] + K, V [STAGES][BLOCK_N] rows of HEAD_DIM + 8
     elements; wg: the same rows of the wgmma width _WG_HEAD_DIM[head_dim], unpadded (swizzled), 1 KB to align
     the base to 1024 bytes and 256 bytes of TMA mbarriers and per-warp slots; Q's rows are 16-bit (they stage
-    the output) even for FP8 inputs (itemsize 1, attention_fp8.py), and "wsp" has a second such area for O."""
+    the output) even for FP8 inputs (itemsize 1, attention_fp8.py), and "wsp" up to D = 128 has a second such
+    area for O."""
     if cfg["KIND"] != "mma":
-        tiles = 2 * cfg["BLOCK_M"] * (2 if cfg["KIND"] == "wsp" else 1) + 2 * cfg["STAGES"] * cfg["BLOCK_N"] * itemsize
+        q_areas = 2 if cfg["KIND"] == "wsp" and _WG_HEAD_DIM[head_dim] <= 128 else 1
+        tiles = 2 * cfg["BLOCK_M"] * q_areas + 2 * cfg["STAGES"] * cfg["BLOCK_N"] * itemsize
         return tiles * _WG_HEAD_DIM[head_dim] + 1024 + 256
     return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize
 
@@ -272,7 +274,10 @@ def _row_warps(cfg) -> int:
 # tenth session's "wsp" (attention_fwd.cu v12: rounds of alternating direction, no warpgroup branch before the
 # loop) is 1.01-1.21x ws at D = 128 below 8k keys (the tiers below). At D = 64 it stays behind the lock-step
 # 64 x 64 tile below 4k keys (H100, graph replay: wsp 128 0.83-0.98x, wsp 192 0.72-0.98x); at D = 192 its
-# consumers spill at 232 registers and at D = 256 Q, O and two K / V stages do not fit 227 KB.
+# consumers spill at 232 registers. At D = 256 (O staged in Q's buffer: Q, O and two K / V stages do not fit
+# 227 KB) it is a tuning candidate only: wsp 64 / ws 64, 8 interleaved pairs, S = 512 / 1k / 2k / 4k / 16k full
+# 1.03 1.03 1.03 1.01 1.00, causal 0.92 0.97 1.05 1.05 0.66 (at 16k a section of the CTA order, one head, is
+# shorter than a round of 132 work tiles, and the alternating rounds no longer even out the causal lengths).
 # 2026-11-26 (sixth session), after the softmax was pinned ahead of the P V wait (attention_fwd.cu v9: until then
 # ptxas had hoisted the wait and nothing overlapped), one run, same method, TFLOP/s of ws / wg at S = 512 / 1k /
 # 2k / 4k / 8k / 16k, full; causal: D=192 382/365 474/461 526/494 561/534 577/556 615/535; 232/226 365/342
