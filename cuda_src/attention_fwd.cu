@@ -101,6 +101,10 @@
 //      tile's Q loaded a whole tile early): 0.99-1.01x, not kept; Q issued after the first K / V tile of the
 //      next work tile instead of the second: +1-2% at 512-2k (kept). D = 256 (O in Q's buffer, the next Q after
 //      the epilogue; a tuning candidate): 1.00-1.05x except causal 512 / 1k 0.92 / 0.97 and 16k 0.66.
+//      Timeline (--persistent) at S = 2k: a tile's Q takes ~3,000 clocks from issue to landing and its K(0)
+//      ~4,100 (HBM, a new head), so the consumers wait ~900 after their epilogue. An L2 prefetch
+//      (cp.async.bulk.prefetch.tensor) of the next tile's Q, K(0), V(0) issued by the producer before its
+//      current tile's loads: 0.79-0.85x at 512, 0.92-0.99x at 1k-4k (not kept; it delays the loads due now).
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks
