@@ -595,14 +595,35 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     for (int i = 0; i < NBAR; ++i) mbar_init<false>(bar + 8 * i, i < 1 + 2 * STAGES ? 1 : 4 * WGS);
     mbar_init_fence();  // (one fence for all of them, on the critical path of a CTA's first loads)
   };
+  // PERSIST: K/V ordinals and Q loads before the work tile in hand (the ring and Q's barrier run on across the
+  // CTA's work tiles; each role counts its own); 0 otherwise.
+  int gb = 0, nq = 0;
+  // The K/V ring by a work tile's ordinal i: the ring's ordinal gb + i lives in slot (gb + i) % STAGES (K at
+  // kslot(i), its V KV_BYTES after), as that slot's fill number (gb + i) / STAGES; TMA completes the slot
+  // barrier's phase of parity (fill number) & 1.
+  auto kslot = [&](int i) -> u32 { return sK + ((u32)(gb + i) % STAGES) * (2 * KV_BYTES); };
+  auto kbar = [&](int i) -> u32 { return bar + 8 + 8 * ((u32)(gb + i) % STAGES); };
+  auto vbar = [&](int i) -> u32 { return kbar(i) + 8 * STAGES; };
+  auto kempty = [&](int i) -> u32 { return kbar(i) + 16 * STAGES; };  // (WS)
+  auto vempty = [&](int i) -> u32 { return kbar(i) + 24 * STAGES; };
+  auto phase = [&](int i) -> u32 { return ((u32)(gb + i) / STAGES) & 1u; };
+  // The calling thread issues the TMA boxes (one per 128-byte column panel) of `rows` rows from row0 into dst,
+  // completing on barrier b; and FP8's V^T [B, Hkv, HEAD_DIM, keys] of key tile m into ordinal i's V slot: one
+  // box of HEAD_DIM rows x BLOCK_N keys (128 bytes).
+  auto tma_rows = [&](u32 dst, const vbw::TmaDesc* map, u32 b, int rows, int head, int row0, int batch) {
+    mbar_expect_tx(b, (u32)rows * HEAD_DIM * sizeof(TI));
+#pragma unroll
+    for (int p = 0; p < HEAD_DIM / EPP; ++p) tma_load_4d(dst + p * rows * 128, map, b, p * EPP, head, row0, batch);
+  };
+  auto tma_vt = [&](int i, int m, int head, int batch) {
+    mbar_expect_tx(vbar(i), KV_BYTES);
+    tma_load_4d(kslot(i) + KV_BYTES, &tm_v, vbar(i), m * BLOCK_N, 0, head, batch);
+  };
   // WS: the consumer warpgroups' turns at the tensor cores go round: 0, 1, (2,) 0, ...; named barrier 8 + w is
   // warpgroup w's (256 threads: the waiter and the one passing the turn)
   const int next_wg = wg + 1 == WGS ? 0 : wg + 1;
   auto turn_wait = [&]() { named_bar(8 + wg, 256); };
   auto turn_pass = [&]() { named_arrive(8 + next_wg, 256); };
-  // PERSIST: K/V ordinals and Q loads before the work tile in hand (the ring and Q's barrier run on across the
-  // CTA's work tiles; each role counts its own); 0 otherwise.
-  int gb = 0, nq = 0;
   // The CTA's work again for the epilogue, from shared memory: recomputing it there (with the varlen offsets'
   // global loads) took ~720 clocks of a CTA's tail on the H100, and registers kept across the loop would cost
   // the loop. Written by thread 0; read after a barrier of the CTA (the first K/V tile's, or the one before
@@ -690,29 +711,14 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};
 
   if (cnt > 0) {
-    // Tile ordinal i lives in slot i % STAGES (K at kslot(i), its V KV_BYTES after), as that slot's fill number
-    // i / STAGES. The lambdas below take ordinals; tile(i) is the key tile's index.
-    // (PERSIST: the ring's ordinal is gb + i)
-    auto kslot = [&](int i) -> u32 { return sK + ((u32)(gb + i) % STAGES) * (2 * KV_BYTES); };
-    // TMA: a fill completes its barrier's phase of parity (fill number) & 1.
-    auto kbar = [&](int i) -> u32 { return bar + 8 + 8 * ((u32)(gb + i) % STAGES); };
-    auto vbar = [&](int i) -> u32 { return kbar(i) + 8 * STAGES; };
-    auto kempty = [&](int i) -> u32 { return kbar(i) + 16 * STAGES; };  // (WS)
-    auto vempty = [&](int i) -> u32 { return kbar(i) + 24 * STAGES; };
-    auto phase = [&](int i) -> u32 { return ((u32)(gb + i) / STAGES) & 1u; };
-    // One thread issues a tile's TMA boxes (one per 64-column panel) at row row0 of the CTA's sequence. Dense
-    // maps are [d, heads, seqlen, batch]: their bounds zero-fill columns past d and rows past the sequence.
-    // Packed (varlen) maps are [d, heads, total tokens, 1]: rows past a sequence hold the next one's tokens,
-    // which the mask hides in S and clear_v_tail zeroes in V (see attention.py).
+    // The lambdas below take tile ordinals (the ring's slots: kslot etc. above); tile(i) is the key tile's index.
+    // One thread issues a tile's TMA boxes at row row0 of the CTA's sequence. Dense maps are [d, heads, seqlen,
+    // batch]: their bounds zero-fill columns past d and rows past the sequence. Packed (varlen) maps are [d,
+    // heads, total tokens, 1]: rows past a sequence hold the next one's tokens, which the mask hides in S and
+    // clear_v_tail zeroes in V (see attention.py).
     // (the issuing thread: 0, or WS's producer thread, NT; Q always comes from thread 0)
     auto tma_tile = [&](u32 dst, const vbw::TmaDesc* map, u32 b, int rows, int head, int row0, int who) {
-      if (threadIdx.x == who) {
-        const bool packed = cu_q != nullptr;
-        mbar_expect_tx(b, (u32)rows * HEAD_DIM * sizeof(TI));
-#pragma unroll
-        for (int p = 0; p < HEAD_DIM / EPP; ++p)
-          tma_load_4d(dst + p * rows * 128, map, b, p * EPP, head, row0, packed ? 0 : cta.b);
-      }
+      if (threadIdx.x == who) tma_rows(dst, map, b, rows, head, row0, cu_q != nullptr ? 0 : cta.b);
     };
     // The TMA row of K / V row 0 of this sequence (packed inputs: its first token).
     const int kv_row = cu_q != nullptr ? (int)cta.k_start : 0;
@@ -728,11 +734,8 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     };
     auto load_v = [&](int i, int who = WS ? 128 * WGS : 0) {  // (128 * WGS: NT, the producer thread)
       const int m = tile(i);
-      if constexpr (FP8) {  // V^T [B, Hkv, HEAD_DIM, keys]: one box of HEAD_DIM rows x BLOCK_N keys (128 bytes)
-        if (threadIdx.x == who) {
-          mbar_expect_tx(vbar(i), KV_BYTES);
-          tma_load_4d(kslot(i) + KV_BYTES, &tm_v, vbar(i), m * BLOCK_N, 0, cta.h / group, cta.b);
-        }
+      if constexpr (FP8) {
+        if (threadIdx.x == who) tma_vt(i, m, cta.h / group, cta.b);
       } else if constexpr (TMA) {
         tma_tile(kslot(i) + KV_BYTES, &tm_v, vbar(i), BLOCK_N, cta.h / group, kv_row + m * BLOCK_N, who);
       } else {
@@ -1152,35 +1155,20 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
       vbw_attn::tile_range<BLOCK_N>(c, min(BLOCK_M, c.sq - c.m0), n_lo, n_hi, nm_lo, nm_hi);
       const int cnt = n_hi - n_lo;
       if (cnt <= 0) return;  // (its consumers write zero rows; no loads, no Q)
-      auto issue = [&](u32 dst, const vbw::TmaDesc* map, u32 b, int rows, int head, int row0) {
-        mbar_expect_tx(b, (u32)rows * HEAD_DIM * sizeof(TI));
-#pragma unroll
-        for (int p = 0; p < HEAD_DIM / EPP; ++p) tma_load_4d(dst + p * rows * 128, map, b, p * EPP, head, row0, c.b);
-      };
       auto load_kv = [&](int i) {
-        const u32 g = (u32)(gb + i), slot = g % STAGES, ph = (g / STAGES) & 1u;
-        const u32 ks = sK + slot * (2 * KV_BYTES), kb = bar + 8 * (1 + slot), vb = kb + 8 * STAGES;
         const int m = n_hi - 1 - i;
-        if (g >= STAGES) mbar_wait(kb + 16 * STAGES, ph ^ 1u);  // the slot's previous K is released
-        issue(ks, &tm_k, kb, BLOCK_N, c.h / group, m * BLOCK_N);
-        if (g >= STAGES) mbar_wait(vb + 16 * STAGES, ph ^ 1u);
-        if constexpr (FP8) {  // V^T: one box of HEAD_DIM rows x BLOCK_N keys
-          mbar_expect_tx(vb, KV_BYTES);
-          tma_load_4d(ks + KV_BYTES, &tm_v, vb, m * BLOCK_N, 0, c.h / group, c.b);
-        } else {
-          issue(ks + KV_BYTES, &tm_v, vb, BLOCK_N, c.h / group, m * BLOCK_N);
-        }
+        if (gb + i >= STAGES) mbar_wait(kempty(i), phase(i) ^ 1u);  // the slot's previous tile is released
+        tma_rows(kslot(i), &tm_k, kbar(i), BLOCK_N, c.h / group, m * BLOCK_N, c.b);
+        if (gb + i >= STAGES) mbar_wait(vempty(i), phase(i) ^ 1u);
+        if constexpr (FP8) tma_vt(i, m, c.h / group, c.b);
+        else tma_rows(kslot(i) + KV_BYTES, &tm_v, vbar(i), BLOCK_N, c.h / group, m * BLOCK_N, c.b);
       };
-      // K / V of the first VBW_WSP_QAFTER key tiles, then Q (its buffer frees up after the previous tile's
-      // last S, when the first slots are free too), then the rest
-#ifndef VBW_WSP_QAFTER
-#define VBW_WSP_QAFTER 1
-#endif
-      int i = 0;
-      for (; i < min(cnt, VBW_WSP_QAFTER); ++i) load_kv(i);
+      // the first key tile's K / V, then Q (its buffer frees up after the previous tile's last S, when the first
+      // slots are free too), then the rest
+      load_kv(0);
       if (nq > 0) mbar_wait(q_empty, (u32)(nq - 1) & 1u);
-      issue(sQ, &tm_q, bar, BLOCK_M, c.h, c.m0);
-      for (; i < cnt; ++i) load_kv(i);
+      tma_rows(sQ, &tm_q, bar, BLOCK_M, c.h, c.m0, c.b);
+      for (int i = 1; i < cnt; ++i) load_kv(i);
       gb += cnt;
       ++nq;
     };
@@ -1191,12 +1179,9 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     // backwards in odd ones: cta_info orders a section's tiles longest first, so under a causal mask the CTA
     // with a round's longest tile gets the next round's shortest (a plain stride gave CTA 0 the longest tile
     // of every round: 0.87x the non-persistent kernel at S = 2k causal, H100).
-#ifndef VBW_WSP_ZIGZAG
-#define VBW_WSP_ZIGZAG 1
-#endif
     auto work_of = [&](int r) {
       const int G = (int)gridDim.x, c = (int)blockIdx.x;
-      return r * G + (VBW_WSP_ZIGZAG && (r & 1) ? G - 1 - c : c);
+      return r * G + ((r & 1) ? G - 1 - c : c);
     };
     const int rounds = (total + (int)gridDim.x - 1) / (int)gridDim.x;
     // (each role's loop under its own setmaxnreg: ptxas gives a region the registers of the setmaxnreg that
@@ -1204,8 +1189,10 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     if (wg == WGS) {
       setmaxnreg_dec<WSP_P_REGS>();
       if (tid == NT)
-        for (int r = 0; r < rounds; ++r)
-          if (work_of(r) < total) produce(work_of(r));
+        for (int r = 0; r < rounds; ++r) {
+          const int w = work_of(r);
+          if (w < total) produce(w);
+        }
       return;
     }
     setmaxnreg_inc<WSP_C_REGS>();
@@ -1214,8 +1201,10 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     // off the uniform datapath, and the loop's slot and descriptor arithmetic went to the vector units (H100: the
     // loop ran 8-13% slower).
     named_arrive(wg == WGS - 1 ? 8 + next_wg : 10, wg == WGS - 1 ? 256 : 128);
-    for (int r = 0; r < rounds; ++r)
-      if (work_of(r) < total) body(work_of(r));
+    for (int r = 0; r < rounds; ++r) {
+      const int w = work_of(r);
+      if (w < total) body(w);
+    }
     if (wg == 0) turn_wait();  // (the last warpgroup's pass after its last tile)
   } else {
     body(-1);

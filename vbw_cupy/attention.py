@@ -247,7 +247,7 @@ def kernel_instances(arch: int | None = None, head_dims=None) -> list[tuple[str,
 def _tma_variants(cfg) -> tuple:
     """The load paths an instance of cfg is compiled for: mma.sync cp.async only, wgmma both, "ws" / "wsp" TMA
     only."""
-    return {"mma": (False,), "ws": (True,), "wsp": (True,)}.get(cfg["KIND"], (False, True))
+    return (False,) if cfg["KIND"] == "mma" else (True,) if cfg["KIND"] in _WS_ARG else (False, True)
 
 
 def _loadable(head_dim: int, cfg: dict, tma: bool) -> dict:

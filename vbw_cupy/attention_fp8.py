@@ -41,6 +41,7 @@ _WSP_BELOW = 8192
 
 
 def _config(Sk: int) -> dict:
+    """The FP8 tile for Sk keys (its own threshold, measured on FP8: not attention.py's tiers)."""
     return _CONFIGS[0] if Sk < _WSP_BELOW else _CONFIGS[1]
 
 _UINT8 = np.dtype(np.uint8)

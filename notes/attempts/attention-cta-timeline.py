@@ -109,8 +109,8 @@ rep('''      if constexpr (PERSIST) release(vempty(cnt - 1));  // the ring runs 
       if (PERSIST && (tid & 127) == 0) GTW(work, wg ? 10 : 2);''')
 rep('''  };  // body''', '''  if (PERSIST && (tid & 127) == 0) GTW(work, wg ? 4 : 3);
   };  // body''')
-rep('''      issue(sQ, &tm_q, bar, BLOCK_M, c.h, c.m0);''', '''      GTW(work, 11);
-      issue(sQ, &tm_q, bar, BLOCK_M, c.h, c.m0);
+rep('''      tma_rows(sQ, &tm_q, bar, BLOCK_M, c.h, c.m0, c.b);''', '''      GTW(work, 11);
+      tma_rows(sQ, &tm_q, bar, BLOCK_M, c.h, c.m0, c.b);
       GTW(work, 8);''')
 rep('''      if (cnt <= 0) return;  // (its consumers write zero rows; no loads, no Q)''',
     '''      if (cnt <= 0) return;  // (its consumers write zero rows; no loads, no Q)
