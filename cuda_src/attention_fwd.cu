@@ -1179,8 +1179,16 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     // backwards in odd ones: cta_info orders a section's tiles longest first, so under a causal mask the CTA
     // with a round's longest tile gets the next round's shortest (a plain stride gave CTA 0 the longest tile
     // of every round: 0.87x the non-persistent kernel at S = 2k causal, H100).
+    // With a schedule (masked launches; sp_indices carries it, never a block list here: PERSIST is dense) CTA
+    // c's tile of round r is sched[r G + c] instead (-1: none; the launcher's list has one row more than there
+    // are rounds, all -1, so the look-ahead below reads inside it): attention.py's _persistent_schedule gives
+    // each round's tiles, longest first, to the CTAs with the least work so far, which the alternating rounds
+    // only approximate under a causal mask (by its cost model, 6-11% over the ideal at S = 512-2k and 54% at
+    // D = 256 S = 16k against 1-3%).
+    const int* const sched = sp_indices;
     auto work_of = [&](int r) {
       const int G = (int)gridDim.x, c = (int)blockIdx.x;
+      if (sched != nullptr) return __ldg(sched + r * G + c);
       return r * G + ((r & 1) ? G - 1 - c : c);
     };
     const int rounds = (total + (int)gridDim.x - 1) / (int)gridDim.x;
@@ -1188,11 +1196,14 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     // dominates it)
     if (wg == WGS) {
       setmaxnreg_dec<WSP_P_REGS>();
-      if (tid == NT)
+      if (tid == NT) {
+        int w = work_of(0);
         for (int r = 0; r < rounds; ++r) {
-          const int w = work_of(r);
-          if (w < total) produce(w);
+          const int next = work_of(r + 1);  // (a schedule's entry loads during this tile)
+          if ((unsigned)w < (unsigned)total) produce(w);
+          w = next;
         }
+      }
       return;
     }
     setmaxnreg_inc<WSP_C_REGS>();
@@ -1201,9 +1212,11 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     // off the uniform datapath, and the loop's slot and descriptor arithmetic went to the vector units (H100: the
     // loop ran 8-13% slower).
     named_arrive(wg == WGS - 1 ? 8 + next_wg : 10, wg == WGS - 1 ? 256 : 128);
+    int w = work_of(0);
     for (int r = 0; r < rounds; ++r) {
-      const int w = work_of(r);
-      if (w < total) body(w);
+      const int next = work_of(r + 1);
+      if ((unsigned)w < (unsigned)total) body(w);
+      w = next;
     }
     if (wg == 0) turn_wait();  // (the last warpgroup's pass after its last tile)
   } else {

@@ -599,6 +599,53 @@ def test_tile_tables():
                     assert A.instance_name(dt, hd, A.default_config(hd, arch, vec), vec) in names
 
 
+def _tile_costs(num_m, pairs, sect, sq, sk, left, right, bm, bn):
+    """Per work tile, cta_info's order and tile_range's key tiles, one tile at a time (attention_mask.cuh)."""
+    costs = []
+    for w in range(num_m * pairs):
+        sec, r = divmod(w, sect * num_m)
+        size = min(sect, pairs - sec * sect)
+        m0 = (num_m - 1 - r // size) * bm
+        rows = min(bm, sq - m0)
+        lo_base = m0 + sk - sq - left if left >= 0 else -2**30
+        hi_base = m0 + sk - sq + right + 1 if right >= 0 else 2**30
+        lo, hi = max(0, lo_base), min(sk, hi_base + rows - 1)
+        costs.append((-(-hi // bn) - lo // bn if hi > lo else 0) + A._TILE_OVERHEAD)
+    return costs
+
+
+@pytest.mark.parametrize("num_m,pairs,sect,sq,sk,left,right,bm,bn,ctas", [
+    (4, 1024, 100, 512, 512, -1, 0, 128, 128, 132),      # D = 128, S = 512 causal (B * S = 32k, H = 16)
+    (16, 256, 24, 2048, 2048, -1, 0, 128, 128, 132),     # S = 2k causal
+    (128, 16, 1, 16384, 16384, -1, 0, 128, 64, 132),     # D = 256, S = 16k causal: one head a section
+    (3, 5, 2, 300, 1000, 100, 5, 128, 64, 7),             # a window, Sk > Sq, a short last section, 7 CTAs
+    (2, 3, 3, 200, 150, -1, 0, 128, 128, 11),             # fewer tiles than CTAs; Sq > Sk: tiles with no key
+])
+def test_persistent_schedule(num_m, pairs, sect, sq, sk, left, right, bm, bn, ctas):
+    """The persistent tile's schedule under a mask runs every work tile once, round r exactly the tiles of the
+    kernel's static round r, and ends no later than the static alternating rounds by the same cost model (and
+    within one tile of the average where there are many tiles a CTA)."""
+    sched = A._persistent_schedule(num_m, pairs, sect, sq, sk, left, right, bm, bn, ctas)
+    total = num_m * pairs
+    rounds = -(-total // ctas)
+    assert sched.dtype == np.int32 and sched.shape == (rounds + 1, ctas)
+    assert (sched[-1] == -1).all()
+    for r in range(rounds):
+        row = sched[r]
+        assert sorted(row[row >= 0].tolist()) == list(range(r * ctas, min(total, (r + 1) * ctas)))
+    cost = _tile_costs(num_m, pairs, sect, sq, sk, left, right, bm, bn)
+    load = [sum(cost[w] for w in sched[:, c] if w >= 0) for c in range(ctas)]
+    static = [0.0] * ctas
+    for r in range(rounds):
+        for c in range(ctas):
+            w = r * ctas + (ctas - 1 - c if r % 2 else c)
+            if w < total:
+                static[c] += cost[w]
+    assert max(load) <= max(static) + 1e-9
+    if rounds >= 4:
+        assert max(load) <= sum(cost) / ctas + max(cost), (max(load), sum(cost) / ctas)
+
+
 def test_wgmma_kernel_only_where_it_can_run():
     """The wgmma kernel is the sm_90 default for aligned inputs of head dims above 32; never elsewhere
     (a wgmma on another target is an illegal instruction), and the tuner may not time it elsewhere."""

@@ -467,6 +467,7 @@ class _Launch:
         self.head_dim = 128 if self.fp8 else head_dim_bucket(D)
         # varlen lengths may be unread on the host (checked on the device): clamp against what no sequence exceeds
         left, right = _clamp_window(left, right, *((max_q, max_k) if cu_q is None else (MAX_SEQLEN, MAX_SEQLEN)))
+        self.left, self.right = left, right
         mode, scale_log2, pre = score_transform(scale, softcap)
         ptrs = [q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr]
         self.vec = bool(D % 8 == 0 and all(p % 16 == 0 for p in ptrs))
@@ -516,13 +517,33 @@ class _Launch:
         num_m = rt.cdiv(self.max_q, cfg["BLOCK_M"])
         # the CTA index -> (section, Q tile, b, h) divisors as multipliers (attention_mask.cuh fast_div)
         divs = (_div_magic(self.sect_heads * num_m), _div_magic(self.sect_heads), _div_magic(self.Hq))
-        scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + divs + self.tail_args + \
-            (self.sparse_args + (self.descale,) if wg else ())
-        smem = smem_bytes(self.head_dim, cfg, self.q.dtype.itemsize) + (self.sparse_smem if wg else 0)
         ctas = num_m * self.B * self.Hq
+        sparse_args = self.sparse_args
         if cfg["KIND"] == "wsp":  # persistent: at most one CTA an SM (its shared memory allows no second)
             ctas = min(ctas, _device.num_sms())
+            if self.masked:  # (the block list's place carries the work-tile schedule)
+                sparse_args = (rt.NULL, self.schedule(num_m, cfg, ctas)) + sparse_args[2:]
+        scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + divs + self.tail_args + \
+            (sparse_args + (self.descale,) if wg else ())
+        smem = smem_bytes(self.head_dim, cfg, self.q.dtype.itemsize) + (self.sparse_smem if wg else 0)
         return kern, (ctas,), (cfg["WARPS"] * 32,), smem, scalars, wg, boxes
+
+    def schedule(self, num_m, cfg, ctas):
+        """The persistent tile's work-tile schedule on the device (_persistent_schedule), one a signature and
+        device; rt.NULL (the kernel's static rounds) while a CUDA graph is being captured and it is not made yet:
+        the order changes no result, only the balance."""
+        cp = rt.cupy
+        key = (self.q.data.device_id, num_m, self.B * self.Hq, self.sect_heads, self.max_q, self.max_k, self.left,
+               self.right, cfg["BLOCK_M"], cfg["BLOCK_N"], ctas)
+        sched = _schedules.get(key)
+        if sched is None:
+            if cp.cuda.get_current_stream().is_capturing():
+                return rt.NULL
+            sched = cp.asarray(_persistent_schedule(num_m, self.B * self.Hq, self.sect_heads, self.max_q,
+                                                    self.max_k, self.left, self.right, cfg["BLOCK_M"],
+                                                    cfg["BLOCK_N"], ctas))
+            _schedules.put(key, sched)
+        return sched
 
     def maps(self, boxes):
         """The wgmma kernel's tensor-map arguments for boxes (see _map_args; FP8: _map_args_fp8)."""
@@ -544,6 +565,46 @@ class _Launch:
                  "SMS": _device.num_sms()}
         return _autotune.pick(_tunable_name(self.head_dim), shape, self.q.dtype, self.run)
 
+
+# A persistent work tile's fixed cost in key tiles (its first loads, epilogue and turn hand-over): ~3,400 clocks
+# against ~2,750 a key tile at D = 128 (H100, notes/attempts/attention-cta-timeline.py --persistent).
+_TILE_OVERHEAD = 1.2
+
+
+def _persistent_schedule(num_m, pairs, sect_heads, sq, sk, left, right, block_m, block_n, ctas):
+    """The persistent tile's schedule under a mask: int32 [rounds + 1, ctas], CTA c's work tile of round r at
+    [r, c] (-1: none; the last row is all -1, the kernel's look-ahead). Round r holds the same work tiles as the
+    kernel's static rounds (tiles r * ctas ..., in cta_info's order: a section's heads together for L2, longest
+    first), each given, longest first, to the CTA with the least work so far. A tile costs its key tiles plus
+    _TILE_OVERHEAD (the key tiles by tile_range's rule, attention_mask.cuh). The static rounds alternate
+    direction, which balances a causal mask only where a section spans several rounds: by this cost model they
+    end 6-11% past the ideal at S = 512-2k (D = 128, 32k tokens) and 54% past at D = 256 S = 16k (one head a
+    section, 128 tiles against 132 CTAs), where this schedule ends 1-3% past."""
+    total = num_m * pairs
+    w = np.arange(total, dtype=np.int64)
+    per_sec = sect_heads * num_m
+    sec = w // per_sec
+    r = w - sec * per_sec
+    rs = r // np.minimum(sect_heads, pairs - sec * sect_heads)
+    m0 = (num_m - 1 - rs) * block_m
+    rows = np.minimum(block_m, sq - m0)
+    diag = sk - sq
+    lo = np.maximum(0, m0 + diag - left) if left >= 0 else np.zeros_like(m0)
+    hi = np.minimum(sk, m0 + diag + right + rows) if right >= 0 else np.full_like(m0, sk)
+    cost = np.where(hi > lo, -(-hi // block_n) - lo // block_n, 0) + _TILE_OVERHEAD
+    rounds = -(-total // ctas)
+    sched = np.full((rounds + 1, ctas), -1, np.int32)
+    load = np.zeros(ctas)
+    for i in range(rounds):
+        tiles = w[i * ctas:(i + 1) * ctas]
+        longest = np.argsort(-cost[tiles], kind="stable")
+        least = np.argsort(load, kind="stable")[:len(tiles)]
+        sched[i, least] = tiles[longest]
+        load[least] += cost[tiles[longest]]
+    return sched
+
+
+_schedules = _plans.PlanCache(64)  # (device, signature) -> the schedule on that device
 
 # NVRTC options (a tuple, or {HEAD_DIM: tuple}) for A/B experiments (bench/bench_attention.py --ab); empty in use
 _EXTRA_OPTIONS = ()
