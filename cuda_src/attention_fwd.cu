@@ -105,6 +105,12 @@
 //      ~4,100 (HBM, a new head), so the consumers wait ~900 after their epilogue. An L2 prefetch
 //      (cp.async.bulk.prefetch.tensor) of the next tile's Q, K(0), V(0) issued by the producer before its
 //      current tile's loads: 0.79-0.85x at 512, 0.92-0.99x at 1k-4k (not kept; it delays the loads due now).
+//   v13 (H100, 2026-11-27, eleventh session) PERSIST under a mask walks the launcher's schedule (attention.py
+//      _persistent_schedule: a round's tiles, longest first, to the CTAs with the least work so far; passed in
+//      sp_indices, read a tile ahead). Graph replay, 8 interleaved triples, speed over ws, alternating rounds /
+//      schedule: D = 128 causal 512 / 1k / 2k 1.21 / 1.30, 1.11 / 1.20, 1.01 / 1.08; D = 256 causal 512 0.92 /
+//      1.04, 16k 0.65 / 0.98; FP8 causal 1k 1.12 / 1.15, 8k 0.87 / 0.99. The loop keeps its 209 uniform-datapath
+//      instructions (the tile index comes from a load now). D = 256 takes the persistent tile below 8k keys.
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks

@@ -310,8 +310,14 @@ def _row_warps(cfg) -> int:
 # D = 128 below 8k keys: the persistent form ("wsp", attention_fwd.cu v12). H100, graph replay, 8 interleaved
 # pairs, median speed of wsp / ws, S = 512 / 1k / 2k / 4k full; causal: 1.11 1.09 1.04 1.01; 1.21 1.10 1.02 1.02;
 # 8k causal 0.99, 16k 0.99 / 1.00 full / causal (there a CTA's head and tail are noise).
+# 2026-11-27 (eleventh session): under a mask the persistent tile follows _persistent_schedule instead of the
+# alternating rounds. H100, graph replay, 8 interleaved triples, median speed over ws, rounds / schedule: D = 128
+# causal S = 512 / 1k / 2k / 4k / 8k / 16k 1.21 / 1.30, 1.11 / 1.20, 1.01 / 1.08, 1.03 / 1.02, 1.00 / 0.99,
+# 0.99 / 0.99; D = 256 causal 0.92 / 1.04, 1.00 / 1.05, 1.07 / 1.03, 1.04 / 1.03, 1.03 / 1.02, 0.65 / 0.98 and
+# full (no mask, no schedule) 1.02, 1.04, 1.01-1.02, 1.02, 0.98-1.00, 1.00: so D = 256 (and 224) takes it below
+# 8k keys too.
 _WS_FROM = {64: ((4096, _ws(112, wgs=3)),), 128: ((1, _wsp(128)), (8192, _ws(128))),
-            192: ((1, _ws(64)), (2048, _ws(112))), 256: ((1, _ws(64)),)}
+            192: ((1, _ws(64)), (2048, _ws(112))), 256: ((1, _wsp(64)), (8192, _ws(64)))}
 
 
 def default_config(head_dim: int, arch: int, vec: bool = True, shape: dict | None = None) -> dict:

@@ -35,7 +35,8 @@ OUT_DTYPES = ("float16", "bfloat16")
 FP8_HEAD_DIM = 128
 # two consumer warpgroups of 64 rows, 128-key tiles (one 128-byte row of V^T), 2 stages; below 8k keys the
 # persistent form (H100, graph replay, 8 interleaved pairs, median speed of wsp / ws, S = 1k / 2k / 4k / 8k / 16k
-# full; causal: 1.07 1.04 1.01 1.01 1.00; 1.13 1.06 1.01 0.89 0.89)
+# full; causal: 1.07 1.04 1.01 1.01 1.00; 1.13 1.06 1.01 0.89 0.89; causal with attention.py's
+# _persistent_schedule, next session: 1.15 1.08 1.03 0.99 0.98)
 _CONFIGS = (_attn._wsp(128), _attn._ws(128))
 _WSP_BELOW = 8192
 
