@@ -17,8 +17,9 @@ OUT=${OUT:-sanitize-logs}; mkdir -p "$OUT"
 CS=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
 if [ ! -x "$CS" ]; then echo "sanitize.sh: compute-sanitizer not found (set COMPUTE_SANITIZER)"; exit 2; fi
 # pytest selections, one pytest run each (a -k applies to a whole run), separated by ';'
-# (the attention selection runs the warp-specialized kernel: D = 128 and 96, dense and packed varlen)
-ATTN="tests/test_attention.py -k 'head_dims and (128 or 96)'; tests/test_attention.py -k 'never_leaks and 128'; tests/test_attention_fp8.py -k 'gpu and (B2 or D64 or quantize)'"
+# (the attention selection runs the warp-specialized kernel: D = 128 and 96, dense and packed varlen, and its
+# persistent form on 1- to 7-CTA grids, following the launcher's schedule under a mask)
+ATTN="tests/test_attention.py -k 'head_dims and (128 or 96)'; tests/test_attention.py -k 'never_leaks and 128'; tests/test_attention.py -k persistent_tiles; tests/test_attention_fp8.py -k 'gpu and (B2 or D64 or quantize)'"
 GEMV="tests/test_gemm.py -k 'diag_decode and mmvk'"
 MEMCHECK=${MEMCHECK:-"tests/test_call_path.py -k bad; tests/test_model_gpu.py; tests/test_sparse.py -k 'not 16k'; tests/test_fuzz.py; $ATTN; $GEMV"}
 SMALL=${SMALL:-"tests/test_call_path.py -k one-split; tests/test_sparse.py -k 'gpu_blocks and float16 and not causal'; $ATTN; $GEMV"}
