@@ -41,7 +41,9 @@ run_tool() {  # tool, selections: every selection under the tool, then one summa
           python3 -m pytest -q -m gpu -p no:cacheprovider "$@" > "$OUT/$tool.$n.pytest.log" 2>&1 || rc=1
     summary="$summary | $sel: $(tail -n 1 "$OUT/$tool.$n.pytest.log")"
   done
-  local errors; errors=$(cat "$OUT/$tool".*.log 2>/dev/null | sed -n 's/.*ERROR SUMMARY: \([0-9]*\) error.*/\1/p' |
+  # (memcheck and synccheck end with "ERROR SUMMARY: n errors", racecheck with "RACECHECK SUMMARY: ... (n errors")
+  local errors; errors=$(cat "$OUT/$tool".*.log 2>/dev/null |
+                         sed -n -e 's/.*ERROR SUMMARY: \([0-9]*\) error.*/\1/p' -e 's/.*RACECHECK SUMMARY: .*(\([0-9]*\) error.*/\1/p' |
                          awk '{s += $1} END {print s + 0}')
   echo "$tool: $errors errors, $([ $rc = 0 ] && echo "all runs passed" || echo "a run FAILED") in" \
        "$((SECONDS - t0)) s; logs $OUT/$tool.*$summary"
