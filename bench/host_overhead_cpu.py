@@ -16,7 +16,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
 import fake_cupy as fc  # noqa: E402
 
-from vbw_cupy import _checks, attention, fp4, paged  # noqa: E402
+from vbw_cupy import _checks, attention, fp4, gemm, paged  # noqa: E402
 
 
 def us(fn, n=2000):
@@ -39,6 +39,8 @@ def main():
     q = fc.asgpu(np.zeros((B, 32, 128), f16))
     x = fc.asgpu(np.zeros((4096, 4096), f16))
     qa, ka = (fc.asgpu(np.zeros((4, 1024, 16, 64), f16)) for _ in range(2))
+    w = fp4.quantize(fc.asgpu(np.zeros((8192, 8192), f16)), "nvfp4", 1.0)  # (the fake's kernels never run: the
+    a1, a16 = fc.asgpu(np.zeros((1, 8192), f16)), fc.asgpu(np.zeros((16, 8192), f16))  # plan is the planner's own)
     data = np.zeros((4096, 2048), np.uint8)
     scales = np.zeros((4096, 256), np.uint8)
     # "first call" rows: the full (checking) path, plans forgotten before every call
@@ -51,6 +53,8 @@ def main():
          paged.paged_attention(q, kc, vcache, table, lens, check=False)),
         ("paged_attention B=8 ctx=4096 check=True",
          lambda: paged.paged_attention(q, kc, vcache, table, lens)),
+        ("fp4_matmul M=1 8192^2 nvfp4", lambda: gemm.fp4_matmul(a1, w)),
+        ("fp4_matmul M=16 8192^2 nvfp4", lambda: gemm.fp4_matmul(a16, w)),
         ("quantize mxfp4 4096^2 fp16", lambda: fp4.quantize(x, "mxfp4")),
         ("  first call (no plan)", lambda: fp4._q_plans.clear() or fp4.quantize(x, "mxfp4")),
         ("quantize nvfp4 4096^2 fp16 global_scale=0.01", lambda: fp4.quantize(x, "nvfp4", 0.01)),

@@ -47,6 +47,7 @@ class ndarray:
     def __init__(self, a, device_id=None):
         self.a = a
         self._dev = _state["device"] if device_id is None else device_id
+        self._mem = None
 
     shape = property(lambda self: self.a.shape)
     dtype = property(lambda self: self.a.dtype)
@@ -55,7 +56,11 @@ class ndarray:
     itemsize = property(lambda self: self.a.itemsize)
     nbytes = property(lambda self: self.a.nbytes)
     flags = property(lambda self: self.a.flags)
-    data = property(lambda self: _Mem(self.a.__array_interface__["data"][0], self._dev))
+    @property
+    def data(self):  # (made once: CuPy's is an attribute read, and the timed host paths read it several times)
+        if self._mem is None:
+            self._mem = _Mem(self.a.__array_interface__["data"][0], self._dev)
+        return self._mem
     device = property(lambda self: Device(self._dev))
 
     def get(self):
@@ -129,7 +134,11 @@ cuda = types.SimpleNamespace(
                                   deviceGetAttribute=lambda attr, dev: 132, getDeviceCount=lambda: 1),
     get_current_stream=lambda: _Stream(_state["stream"]),
 )
-empty, zeros, ascontiguousarray, asarray = _empty, _zeros, _ascontiguousarray, _asarray
+def _array(x, dtype=None):
+    return ndarray(np.array(x.a if isinstance(x, ndarray) else x, dtype=dtype))
+
+
+empty, zeros, ascontiguousarray, asarray, array = _empty, _zeros, _ascontiguousarray, _asarray, _array
 float32, int32, uint8, uint32 = np.float32, np.int32, np.uint8, np.uint32
 
 
