@@ -611,3 +611,25 @@ def test_scratch_keeps_replaced_buffers_only_where_a_capture_may_use_them(kernel
     capturing["on"] = True
     with pytest.raises(RuntimeError, match="make the same call once before capturing"):
         _plans.scratch("staged", 1 << 24, per_call=True)
+
+
+def test_persistent_schedule_kept_and_bounded(kernels, monkeypatch):
+    """The persistent tile's schedule is made once a signature and never dropped (a captured graph holds its
+    address); none is made while a graph is being captured or past _SCHEDULE_BYTES: the kernel then walks its
+    static rounds (rt.NULL)."""
+    monkeypatch.setattr(attention, "_schedules", {})
+    monkeypatch.setattr(attention, "_schedule_bytes", [0])
+    q = fc.asgpu(np.zeros((2, 300, 4, 128), np.float16))
+    launch = attention._Launch.dense(q, q, q, scale=0.1, window=(-1, 0), softcap=0.0, out=q, lse=None)
+    cfg = attention._wsp(128)
+    s = launch.schedule(3, cfg, 5)
+    assert isinstance(s, fc.ndarray) and s.shape == (-(-3 * 8 // 5) + 1, 5) and s.dtype == np.int32
+    assert launch.schedule(3, cfg, 5) is s                       # one a signature, reused
+    np.testing.assert_array_equal(s.get(), attention._persistent_schedule(3, 8, launch.sect_heads, 300, 300, -1, 0,
+                                                                          128, 128, 5))
+    monkeypatch.setattr(attention, "_SCHEDULE_BYTES", attention._schedule_bytes[0])
+    assert launch.schedule(3, cfg, 7) is rt.NULL                 # a new signature past the bound
+    assert launch.schedule(3, cfg, 5) is s                       # made ones stay
+    monkeypatch.setattr(attention, "_SCHEDULE_BYTES", 1 << 30)
+    monkeypatch.setattr(fc._Stream, "is_capturing", lambda self: True)
+    assert launch.schedule(3, cfg, 9) is rt.NULL                 # none made during a capture

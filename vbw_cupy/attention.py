@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import numpy as np
 
@@ -536,19 +537,27 @@ class _Launch:
 
     def schedule(self, num_m, cfg, ctas):
         """The persistent tile's work-tile schedule on the device (_persistent_schedule), one a signature and
-        device; rt.NULL (the kernel's static rounds) while a CUDA graph is being captured and it is not made yet:
-        the order changes no result, only the balance."""
+        device, kept for the life of the process (a captured graph holds its address, as it does scratch
+        buffers'). rt.NULL, the kernel's static rounds, where none is made: while a CUDA graph is being captured
+        (no host copy there) and once the schedules hold _SCHEDULE_BYTES. The order changes no result, only the
+        balance."""
         cp = rt.cupy
         key = (self.q.data.device_id, num_m, self.B * self.Hq, self.sect_heads, self.max_q, self.max_k, self.left,
                self.right, cfg["BLOCK_M"], cfg["BLOCK_N"], ctas)
         sched = _schedules.get(key)
         if sched is None:
-            if cp.cuda.get_current_stream().is_capturing():
-                return rt.NULL
-            sched = cp.asarray(_persistent_schedule(num_m, self.B * self.Hq, self.sect_heads, self.max_q,
-                                                    self.max_k, self.left, self.right, cfg["BLOCK_M"],
-                                                    cfg["BLOCK_N"], ctas))
-            _schedules.put(key, sched)
+            plan = _persistent_schedule(num_m, self.B * self.Hq, self.sect_heads, self.max_q, self.max_k,
+                                        self.left, self.right, cfg["BLOCK_M"], cfg["BLOCK_N"], ctas)
+            with _schedule_lock:
+                sched = _schedules.get(key)
+                if sched is None:
+                    if cp.cuda.get_current_stream().is_capturing() or \
+                            _schedule_bytes[0] + plan.nbytes > _SCHEDULE_BYTES:
+                        return rt.NULL
+                    with cp.cuda.Device(self.q.data.device_id):
+                        sched = cp.asarray(plan)
+                    _schedules[key] = sched
+                    _schedule_bytes[0] += plan.nbytes
         return sched
 
     def maps(self, boxes):
@@ -610,7 +619,13 @@ def _persistent_schedule(num_m, pairs, sect_heads, sq, sk, left, right, block_m,
     return sched
 
 
-_schedules = _plans.PlanCache(64)  # (device, signature) -> the schedule on that device
+# (device, signature) -> the schedule on that device; never dropped (captured graphs may read them), so bounded
+# by bytes: a shape past the bound walks the static rounds (a schedule is ~4 bytes a work tile: 17 KB at S = 512,
+# B * H = 1024, D = 128)
+_schedules: dict = {}
+_schedule_bytes = [0]
+_schedule_lock = threading.Lock()
+_SCHEDULE_BYTES = 64 << 20
 
 # NVRTC options (a tuple, or {HEAD_DIM: tuple}) for A/B experiments (bench/bench_attention.py --ab); empty in use
 _EXTRA_OPTIONS = ()
