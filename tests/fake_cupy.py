@@ -124,7 +124,7 @@ def _ascontiguousarray(x):
     return ndarray(np.ascontiguousarray(x.a), x._dev)
 
 
-def _asarray(x, dtype=None):
+def _asarray(x, dtype=None, blocking=False):
     return x if isinstance(x, ndarray) else ndarray(np.asarray(x, dtype=dtype))
 
 

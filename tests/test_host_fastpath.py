@@ -631,5 +631,13 @@ def test_persistent_schedule_kept_and_bounded(kernels, monkeypatch):
     assert launch.schedule(3, cfg, 7) is rt.NULL                 # a new signature past the bound
     assert launch.schedule(3, cfg, 5) is s                       # made ones stay
     monkeypatch.setattr(attention, "_SCHEDULE_BYTES", 1 << 30)
+    dec = fc.asgpu(np.zeros((2, 1, 4, 128), np.float16))        # a decode step: every tile alike
+    kv = fc.asgpu(np.zeros((2, 300, 4, 128), np.float16))
+    plans = []
+    monkeypatch.setattr(attention, "_persistent_schedule", lambda *a, _p=attention._persistent_schedule:
+                        plans.append(a) or _p(*a))
+    step = attention._Launch.dense(dec, kv, kv, scale=0.1, window=(-1, 0), softcap=0.0, out=dec, lse=None)
+    assert step.schedule(1, cfg, 5) is rt.NULL and step.schedule(1, cfg, 5) is rt.NULL
+    assert len(plans) == 1                                        # planned once, the answer remembered
     monkeypatch.setattr(fc._Stream, "is_capturing", lambda self: True)
     assert launch.schedule(3, cfg, 9) is rt.NULL                 # none made during a capture

@@ -538,26 +538,34 @@ class _Launch:
     def schedule(self, num_m, cfg, ctas):
         """The persistent tile's work-tile schedule on the device (_persistent_schedule), one a signature and
         device, kept for the life of the process (a captured graph holds its address, as it does scratch
-        buffers'). rt.NULL, the kernel's static rounds, where none is made: while a CUDA graph is being captured
-        (no host copy there) and once the schedules hold _SCHEDULE_BYTES. The order changes no result, only the
-        balance."""
+        buffers'). rt.NULL, the kernel's static rounds, where none is made: where those rounds are as even
+        already, while a CUDA graph is being captured (no host copy there), and once the schedules hold
+        _SCHEDULE_BYTES. The order changes no result, only the balance."""
         cp = rt.cupy
         key = (self.q.data.device_id, num_m, self.B * self.Hq, self.sect_heads, self.max_q, self.max_k, self.left,
                self.right, cfg["BLOCK_M"], cfg["BLOCK_N"], ctas)
         sched = _schedules.get(key)
-        if sched is None:
-            plan = _persistent_schedule(num_m, self.B * self.Hq, self.sect_heads, self.max_q, self.max_k,
-                                        self.left, self.right, cfg["BLOCK_M"], cfg["BLOCK_N"], ctas)
-            with _schedule_lock:
-                sched = _schedules.get(key)
-                if sched is None:
-                    if cp.cuda.get_current_stream().is_capturing() or \
-                            _schedule_bytes[0] + plan.nbytes > _SCHEDULE_BYTES:
-                        return rt.NULL
-                    with cp.cuda.Device(self.q.data.device_id):
-                        sched = cp.asarray(plan)
-                    _schedules[key] = sched
-                    _schedule_bytes[0] += plan.nbytes
+        if sched is not None:
+            return sched
+        size = -(-4 * (rt.cdiv(num_m * self.B * self.Hq, ctas) + 1) * ctas // 512) * 512  # (CuPy's rounding)
+        if _schedule_bytes[0] + size > _SCHEDULE_BYTES or _no_schedule.get(key) or \
+                cp.cuda.get_current_stream().is_capturing():
+            return rt.NULL
+        plan = _persistent_schedule(num_m, self.B * self.Hq, self.sect_heads, self.max_q, self.max_k, self.left,
+                                    self.right, cfg["BLOCK_M"], cfg["BLOCK_N"], ctas)
+        if plan is None:
+            _no_schedule.put(key, True)
+            return rt.NULL
+        with _schedule_lock:
+            sched = _schedules.get(key)
+            if sched is None:
+                if _schedule_bytes[0] + size > _SCHEDULE_BYTES:
+                    return rt.NULL
+                with cp.cuda.Device(self.q.data.device_id):
+                    # (a blocking copy: the array is shared by every stream's launches from here on)
+                    sched = cp.asarray(plan, blocking=True)
+                _schedules[key] = sched
+                _schedule_bytes[0] += size
         return sched
 
     def maps(self, boxes):
@@ -588,7 +596,8 @@ _TILE_OVERHEAD = 1.2
 
 def _persistent_schedule(num_m, pairs, sect_heads, sq, sk, left, right, block_m, block_n, ctas):
     """The persistent tile's schedule under a mask: int32 [rounds + 1, ctas], CTA c's work tile of round r at
-    [r, c] (-1: none; the last row is all -1, the kernel's look-ahead). Round r holds the same work tiles as the
+    [r, c] (-1: none; the last row is all -1, the kernel's look-ahead); None where it would not help (one round,
+    or tiles that all cost the same: a decode step's single query row, a window inside every tile's keys). Round r holds the same work tiles as the
     kernel's static rounds (tiles r * ctas ..., in cta_info's order: a section's heads together for L2, longest
     first), each given, longest first, to the CTA with the least work so far. A tile costs its key tiles plus
     _TILE_OVERHEAD (the key tiles by tile_range's rule, attention_mask.cuh). The static rounds alternate
@@ -608,6 +617,8 @@ def _persistent_schedule(num_m, pairs, sect_heads, sq, sk, left, right, block_m,
     hi = np.minimum(sk, m0 + diag + right + rows) if right >= 0 else np.full_like(m0, sk)
     cost = np.where(hi > lo, -(-hi // block_n) - lo // block_n, 0) + _TILE_OVERHEAD
     rounds = -(-total // ctas)
+    if rounds <= 1 or cost.min() == cost.max():
+        return None  # (one tile a CTA, or all alike: the static rounds are as even)
     sched = np.full((rounds + 1, ctas), -1, np.int32)
     load = np.zeros(ctas)
     for i in range(rounds):
@@ -624,6 +635,7 @@ def _persistent_schedule(num_m, pairs, sect_heads, sq, sk, left, right, block_m,
 # B * H = 1024, D = 128)
 _schedules: dict = {}
 _schedule_bytes = [0]
+_no_schedule = _plans.PlanCache()  # signatures whose tiles need none (their static rounds are as even)
 _schedule_lock = threading.Lock()
 _SCHEDULE_BYTES = 64 << 20
 
