@@ -408,6 +408,35 @@ def test_persistent_tiles_walk_many_work_tiles(monkeypatch, sms, Sq, Sk, causal,
 
 
 @gpu
+@pytest.mark.parametrize("D,window", [(128, (-1, 0)), (256, (-1, 0)), (128, (200, 30))])
+def test_persistent_schedule_changes_no_result(monkeypatch, D, window):
+    """Under a mask the persistent tile follows the launcher's schedule; the same call walking the static rounds
+    (no schedule) gives bitwise the same output and lse: a tile's arithmetic does not depend on its CTA."""
+    if _device.device_arch() != 90:
+        pytest.skip("the wgmma kernels run on sm_90 only")
+    cp = pytest.importorskip("cupy")
+    monkeypatch.setattr(A._device, "num_sms", lambda: 5)
+    rng = np.random.default_rng(D)
+    q, k, v = (cp.asarray(_rand(rng, (3, 700, 4, D), np.float16)) for _ in range(3))
+    cfg = A._wsp(128 if D <= 128 else 64)
+
+    def run():
+        o = cp.full(q.shape, cp.nan, dtype=q.dtype)
+        lse = cp.full((3, 4, 700), cp.nan, dtype=cp.float32)
+        A._flash_gpu(q, k, v, causal=False, softmax_scale=None, window=window, softcap=0.0, return_lse=True,
+                     out=o, lse_out=lse, config=cfg)
+        return cp.asnumpy(o), cp.asnumpy(lse)
+
+    planned = run()
+    assert any(key[-1] == 5 for key in A._schedules)  # (a schedule was made for this 5-CTA grid)
+    monkeypatch.setattr(A._Launch, "schedule", lambda self, *a: rt.NULL)
+    static = run()
+    for x, y in zip(planned, static):
+        assert not np.isnan(x).any()
+        np.testing.assert_array_equal(x, y)
+
+
+@gpu
 def test_every_config_subprocess():
     """Every candidate the tuner may pick is correct; in a subprocess, so an illegal address cannot poison the
     CUDA context of the rest of the suite."""
