@@ -39,8 +39,10 @@ def main():
     q = fc.asgpu(np.zeros((B, 32, 128), f16))
     x = fc.asgpu(np.zeros((4096, 4096), f16))
     qa, ka = (fc.asgpu(np.zeros((4, 1024, 16, 64), f16)) for _ in range(2))
-    w = fp4.quantize(fc.asgpu(np.zeros((8192, 8192), f16)), "nvfp4", 1.0)  # (the fake's kernels never run: the
-    a1, a16 = fc.asgpu(np.zeros((1, 8192), f16)), fc.asgpu(np.zeros((16, 8192), f16))  # plan is the planner's own)
+    # fp4_matmul's weights: the fake's kernels never run, so the plan timed is whatever the planner picks from
+    # what they leave
+    w = fp4.quantize(fc.asgpu(np.zeros((8192, 8192), f16)), "nvfp4", 1.0)
+    a1, a16 = fc.asgpu(np.zeros((1, 8192), f16)), fc.asgpu(np.zeros((16, 8192), f16))
     data = np.zeros((4096, 2048), np.uint8)
     scales = np.zeros((4096, 256), np.uint8)
     # "first call" rows: the full (checking) path, plans forgotten before every call
