@@ -111,6 +111,13 @@
 //      schedule: D = 128 causal 512 / 1k / 2k 1.21 / 1.30, 1.11 / 1.20, 1.01 / 1.08; D = 256 causal 512 0.92 /
 //      1.04, 16k 0.65 / 0.98; FP8 causal 1k 1.12 / 1.15, 8k 0.87 / 0.99. The loop keeps its 209 uniform-datapath
 //      instructions (the tile index comes from a load now). D = 256 takes the persistent tile below 8k keys.
+//   v14 (H100, 2026-11-27, twelfth session) PERSIST up to D = 128: Q double-buffered (the next work tile's Q
+//      issued before its first K / V, into the buffer the tile before this one freed) and O sent by two storer
+//      warps of the producer warpgroup (the consumers normalize, stage and go on; setmaxnreg 56 / 224, the
+//      loop's SASS unchanged). Each alone: 1.005x / 1.014x; together, two runs of 4 interleaved rounds (graph
+//      replay, D = 128 S = 512-4k, bf16 512 / 1k, FP8 1k / 4k): geomean 1.027 / 1.022x, causal 1.02-1.09x, full
+//      0.98-1.03x. The storers' first hand-off (a lane's mbarrier arrival for its warp, then bar.arrive /
+//      bar.sync pairs) drew racecheck hazards on the staged rows; every consumer thread arriving itself is clean.
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks
@@ -141,6 +148,15 @@
 #define VBW_WS_CONSUMER_REGS 240
 #endif
 static_assert(128 * VBW_WS_PRODUCER_REGS + 256 * VBW_WS_CONSUMER_REGS <= 384 * 168, "WS registers");
+// The persistent tile up to D = 128: warps 1 and 2 of the producer warpgroup store O from its staging area, so
+// the consumers go on to the next work tile after staging it (-D to A/B)
+#ifndef VBW_WSP_STORERS
+#define VBW_WSP_STORERS 1
+#endif
+// The persistent tile up to D = 128: Q double-buffered, the next work tile's Q loaded a whole tile early (-D to A/B)
+#ifndef VBW_WSP_QDB
+#define VBW_WSP_QDB 1
+#endif
 
 namespace vbw_attn {
 // attn_fwd_wg's element types: T = __half / __nv_bfloat16 (inputs and output of that type), or E4M3<O>: q, k, v
@@ -527,13 +543,16 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   // for 384 threads, 128 for 512) and setmaxnreg only moves them (asking for more makes setmaxnreg.inc hang)
   constexpr int WS_P_REGS = WGS == 2 ? VBW_WS_PRODUCER_REGS : 32;
   constexpr int WS_C_REGS = WGS == 2 ? VBW_WS_CONSUMER_REGS : 160;
-  // PERSIST: the producer walks the work tiles (cta_info, tile_range: 24 registers spill there, in the producer
-  // only); above D = 128 the consumers need 240 (232 spill 40 bytes at D = 256), so the producer spills
+  // PERSIST: the producer walks the work tiles (cta_info, tile_range) and, up to D = 128, two of its warps store O
+  // (STORERS): 56 registers there (40 spilled 20 bytes in the walk), 224 for the consumers (their loop's SASS is
+  // the same as at 232); above D = 128 the consumers need 240 (232 spill 40 bytes at D = 256), so the producer
+  // spills at 24
 #ifndef VBW_WSP_P_REGS
-#define VBW_WSP_P_REGS (HEAD_DIM > 128 ? 24 : 40)
-#define VBW_WSP_C_REGS (HEAD_DIM > 128 ? 240 : 232)
+#define VBW_WSP_P_REGS (HEAD_DIM > 128 ? 24 : 56)
+#define VBW_WSP_C_REGS (HEAD_DIM > 128 ? 240 : 224)
 #endif
   constexpr int WSP_P_REGS = VBW_WSP_P_REGS, WSP_C_REGS = VBW_WSP_C_REGS;
+  static_assert(!(WS == 2) || 128 * WSP_P_REGS + 256 * WSP_C_REGS <= 384 * 168, "WSP registers");
   static_assert(!WS || 128 * WS_P_REGS + 128 * WGS * WS_C_REGS <=
                            128 * (WGS + 1) * (65536 / (128 * (WGS + 1)) / 8 * 8), "WS registers");
   // FP8: dense warp-specialized only; Q and K rows and V^T's 128-key rows are whole 128-byte panels
@@ -574,9 +593,19 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   // epilogue; above (Q, O and two K / V stages would not fit), in Q's buffer as without PERSIST, and the next Q
   // waits for the epilogue
   constexpr bool SEP_O = PERSIST && HEAD_DIM <= 128;
-  const u32 sK = sbase + Q_BYTES * (SEP_O ? 2 : 1);  // slot st: sK + st * 2 * KV_BYTES; V follows its K
+  // STORERS (SEP_O): the producer warpgroup's warps 1 and 2 store consumer warpgroup 0's and 1's staged O rows,
+  // so the consumers only normalize and stage. Hand-off per warpgroup w: mbarrier "staged" (every consumer thread
+  // arrives: compute-sanitizer's racecheck sees a thread's own release, not a warp's through one lane) and named
+  // barrier 13 + w "sent" (the storer's bar.arrive, the consumers' bar.sync: PTX's producer / consumer pattern;
+  // an mbarrier wait there took the consumers' loop off the uniform datapath, 209 -> 8 uniform instructions)
+  constexpr bool STORERS = SEP_O && VBW_WSP_STORERS;
+  // QDB (SEP_O): two Q buffers (work tile n's in buffer n % 2, so the producer loads the next tile's Q as soon as
+  // the tile before this one is done with its buffer), then O's area: 3 Q_BYTES before the K/V ring
+  constexpr bool QDB = SEP_O && VBW_WSP_QDB;
+  constexpr int Q_AREAS = QDB ? 3 : SEP_O ? 2 : 1;
+  const u32 sK = sbase + Q_BYTES * Q_AREAS;  // slot st: sK + st * 2 * KV_BYTES; V follows its K
   unsigned char* const sQ_ptr = smem_raw + (sbase - raw);
-  unsigned char* const sO_ptr = sQ_ptr + (SEP_O ? Q_BYTES : 0);
+  unsigned char* const sO_ptr = sQ_ptr + (Q_AREAS - 1) * Q_BYTES;
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;
@@ -589,16 +618,30 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   // The TMA mbarriers follow the K/V slots: [0] Q, [1 + s] K of slot s, [1 + STAGES + s] V of slot s; WS adds
   // the slots' "empty" barriers, [1 + 2 STAGES + s] K and [1 + 3 STAGES + s] V, one arrival per consumer warp;
   // PERSIST one more, [1 + 4 STAGES]: Q's buffer is free (every S of the work tile done), one per consumer warp.
+  // QDB two more: [2 + 4 STAGES] Q buffer 1 free, [3 + 4 STAGES] Q buffer 1 landed (buffer 0's are [1 + 4 STAGES]
+  // and [0]).
   const u32 bar = sK + 2 * STAGES * KV_BYTES;
-  constexpr int NBAR = 1 + (WS ? 4 : 2) * STAGES + (PERSIST ? 1 : 0);
+  constexpr int NBAR = 1 + (WS ? 4 : 2) * STAGES + (PERSIST ? 1 : 0) + (QDB ? 2 : 0);
   const u32 q_empty = bar + 8 * (1 + 4 * STAGES);  // (PERSIST)
+  // work tile n's (Q count n) Q buffer, its barriers and their phases
+  auto q_buf = [&](int n) -> u32 { return sQ + (QDB ? (u32)(n & 1) * Q_BYTES : 0u); };
+  auto q_full = [&](int n) -> u32 { return QDB && (n & 1) ? bar + 8 * (3 + 4 * STAGES) : bar; };
+  auto q_free = [&](int n) -> u32 { return q_empty + (QDB ? 8u * (u32)(n & 1) : 0u); };
+  auto q_phase = [&](int n) -> u32 { return (u32)(QDB ? n >> 1 : n) & 1u; };
   // After the mbarriers: 8 bytes a consumer warp that pin_softmax stores to (the values are never read; producer
   // warps never call it, their `sink` would fall on the list), then the sparse block list; the mbarriers and
   // those slots fit the 256 bytes the launcher reserves past the tiles.
-  static_assert(8 * NBAR + 8 * (NT / 32) <= 256, "mbarriers + pin_softmax slots");
+  // STORERS then 16 bytes a consumer warpgroup, the hand-off slot (O's global address for the work tile, its
+  // rows), and its "staged" mbarrier
+  static_assert(8 * NBAR + 8 * (NT / 32) + (STORERS ? 24 * WGS : 0) <= 256, "mbarriers + pin_softmax slots");
   const u32 sink = bar + 8 * NBAR + 8 * (threadIdx.x >> 5);
+  unsigned char* const o_slot = smem_raw + (bar - raw) + 8 * NBAR + 8 * (NT / 32);
+  const u32 o_staged = bar + 8 * NBAR + 8 * (NT / 32) + 16 * WGS;  // (STORERS: warpgroup w's at + 8 w)
   auto init_bars = [&]() {
-    for (int i = 0; i < NBAR; ++i) mbar_init<false>(bar + 8 * i, i < 1 + 2 * STAGES ? 1 : 4 * WGS);
+    for (int i = 0; i < NBAR; ++i)
+      mbar_init<false>(bar + 8 * i, i < 1 + 2 * STAGES || (QDB && i == 3 + 4 * STAGES) ? 1 : 4 * WGS);
+    if constexpr (STORERS)
+      for (int w = 0; w < WGS; ++w) mbar_init<false>(o_staged + 8 * w, 128);
     mbar_init_fence();  // (one fence for all of them, on the critical path of a CTA's first loads)
   };
   // PERSIST: K/V ordinals and Q loads before the work tile in hand (the ring and Q's barrier run on across the
@@ -778,7 +821,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
         if constexpr (WS) named_bar(5, NT); else __syncthreads();  // (WS: the consumers)
       }
     };
-    const u32 q_wg = sQ + wg * 64 * 128;  // this warpgroup's rows of every Q panel
+    const u32 q_wg = q_buf(nq) + wg * 64 * 128;  // this warpgroup's rows of every Q panel
     // S = Q K(m)^T, issued and committed (not waited for).
     auto issue_s = [&](float (&s)[NS], int i) {
       wg_fence();
@@ -932,7 +975,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
       if constexpr (!PERSIST) setmaxnreg_inc<WS_C_REGS>();
       auto release = [&](u32 b) { if (lane == 0) mbar_arrive(b); };
       if (!PERSIST && wg == WGS - 1) turn_pass();  // warpgroup 0 goes first (PERSIST: once, before its first tile)
-      mbar_wait(bar, (u32)nq & 1u);  // Q
+      mbar_wait(q_full(nq), q_phase(nq));  // Q
       wait_k(0);
       clear_v_tail(0);
       turn_wait();
@@ -961,7 +1004,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
         rescale_o(corr);
         pack_p(s, pa);
       }
-      if constexpr (SEP_O) release(q_empty);  // every S of this tile is done: the next Q may land
+      if constexpr (SEP_O) release(q_free(nq));  // every S of this tile is done: a later Q may land here
       wait_v(cnt - 1);
       turn_wait();
       issue_pv(pa, cnt - 1);
@@ -1100,7 +1143,8 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   // warpgroup reads them, and this one's wgmma are drained), then 16-byte coalesced stores.
   if (CTA_SH && cnt == 0) named_bar(6, NT);  // (no tile: no barrier since thread 0 wrote cta_sh; the consumers)
   const vbw_attn::Cta ce = CTA_SH ? cta_sh : PERSIST ? VBW_CTA_AT(work) : VBW_CTA_LEAN_AT(work);
-  if constexpr (PERSIST) named_bar(1 + wg, 128);  // O's area is free: this warpgroup's previous tile is out
+  if constexpr (STORERS) named_bar(13 + wg, 160);  // O's area is free: the previous tile is sent
+  else if constexpr (PERSIST) named_bar(1 + wg, 128);  // O's area is free: this warpgroup's previous tile is out
   const int m0 = ce.m0;
   const int rows_e = min(BLOCK_M, ce.sq - m0);
   TO* og = o + (ce.q_start + m0) * q_rs + (long long)ce.h * d;
@@ -1125,6 +1169,14 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
                                   : vbw_attn::nan_or(sum, NEG_INF);
       lse[lse_base + m0 + r] = val;
     }
+  }
+  if constexpr (STORERS) {  // staged: the storer warp takes it from here
+    if ((tid & 127) == 0) {
+      *reinterpret_cast<TO**>(o_slot + 16 * wg) = og;
+      *reinterpret_cast<int*>(o_slot + 16 * wg + 8) = rows_e;
+    }
+    mbar_arrive(o_staged + 8 * wg);
+    return;
   }
   named_bar(1 + wg, 128);
   {
@@ -1171,9 +1223,15 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
       };
       // the first key tile's K / V, then Q (its buffer frees up after the previous tile's last S, when the first
       // slots are free too), then the rest
-      load_kv(0);
-      if (nq > 0) mbar_wait(q_empty, (u32)(nq - 1) & 1u);
-      tma_rows(sQ, &tm_q, bar, BLOCK_M, c.h, c.m0, c.b);
+      if constexpr (QDB) {  // Q first: its buffer was freed by the tile before the one in hand
+        if (nq >= 2) mbar_wait(q_free(nq), (u32)((nq >> 1) - 1) & 1u);
+        tma_rows(q_buf(nq), &tm_q, q_full(nq), BLOCK_M, c.h, c.m0, c.b);
+        load_kv(0);
+      } else {
+        load_kv(0);
+        if (nq > 0) mbar_wait(q_empty, (u32)(nq - 1) & 1u);
+        tma_rows(sQ, &tm_q, bar, BLOCK_M, c.h, c.m0, c.b);
+      }
       for (int i = 1; i < cnt; ++i) load_kv(i);
       gb += cnt;
       ++nq;
@@ -1209,6 +1267,27 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
           if ((unsigned)w < (unsigned)total) produce(w);
           w = next;
         }
+      } else if (STORERS && (warp == 1 || warp == 2)) {
+        // Consumer warpgroup `cw`'s storer: for each of its work tiles, wait for the 64 staged O rows, send them
+        // with 16-byte stores, release the area; a row count of -1 in the hand-off slot ends it
+        const int cw = warp - 1;
+        named_arrive(13 + cw, 160);  // (the first tile's area is free)
+        for (u32 t = 0;; ++t) {
+          mbar_wait(o_staged + 8 * cw, t & 1u);
+          const int rows_s = *reinterpret_cast<volatile int*>(o_slot + 16 * cw + 8);
+          if (rows_s < 0) break;
+          TO* const og = *reinterpret_cast<TO* volatile*>(o_slot + 16 * cw);
+          constexpr int CPR = HEAD_DIM / 8;
+#pragma unroll 4
+          for (int i = lane; i < 64 * CPR; i += 32) {
+            const int row = cw * 64 + i / CPR, col = (i % CPR) * 8;
+            if (row < rows_s && col < d)
+              *reinterpret_cast<uint4*>(og + row * q_rs + col) =
+                  *reinterpret_cast<const uint4*>(sO_ptr + vbw_attn::sw_offset<BLOCK_M>(row, col));
+          }
+          __syncwarp();
+          named_arrive(13 + cw, 160);  // sent: the area is free for the warpgroup's next tile
+        }
       }
       return;
     }
@@ -1225,6 +1304,11 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
       w = next;
     }
     if (wg == 0) turn_wait();  // (the last warpgroup's pass after its last tile)
+    if constexpr (STORERS) {  // no more tiles: tell the storer warp
+      named_bar(13 + wg, 160);
+      if ((tid & 127) == 0) *reinterpret_cast<int*>(o_slot + 16 * wg + 8) = -1;
+      mbar_arrive(o_staged + 8 * wg);
+    }
   } else {
     body(-1);
   }

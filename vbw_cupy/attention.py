@@ -190,10 +190,10 @@ def smem_bytes(head_dim: int, cfg: dict, itemsize: int = 2) -> int:
     """Dynamic shared memory of one CTA. mma: Q [BLOCK_M] + K, V [STAGES][BLOCK_N] rows of HEAD_DIM + 8
     elements; wg: the same rows of the wgmma width _WG_HEAD_DIM[head_dim], unpadded (swizzled), 1 KB to align
     the base to 1024 bytes and 256 bytes of TMA mbarriers and per-warp slots; Q's rows are 16-bit (they stage
-    the output) even for FP8 inputs (itemsize 1, attention_fp8.py), and "wsp" up to D = 128 has a second such
-    area for O."""
+    the output) even for FP8 inputs (itemsize 1, attention_fp8.py), and "wsp" up to D = 128 has three such
+    areas: two for Q (double-buffered across work tiles) and one for O."""
     if cfg["KIND"] != "mma":
-        q_areas = 2 if cfg["KIND"] == "wsp" and _WG_HEAD_DIM[head_dim] <= 128 else 1
+        q_areas = 3 if cfg["KIND"] == "wsp" and _WG_HEAD_DIM[head_dim] <= 128 else 1
         tiles = 2 * cfg["BLOCK_M"] * q_areas + 2 * cfg["STAGES"] * cfg["BLOCK_N"] * itemsize
         return tiles * _WG_HEAD_DIM[head_dim] + 1024 + 256
     return (cfg["BLOCK_M"] + 2 * cfg["STAGES"] * cfg["BLOCK_N"]) * (head_dim + 8) * itemsize

@@ -71,9 +71,9 @@ rep('''        if (tid == NT) {
           for (int i = EARLY_KV''','''        if (tid == NT) {
           GTL(1);
           for (int i = EARLY_KV''')
-rep('''      mbar_wait(bar, (u32)nq & 1u);  // Q
+rep('''      mbar_wait(q_full(nq), q_phase(nq));  // Q
       wait_k(0);
-''','''      mbar_wait(bar, (u32)nq & 1u);  // Q
+''','''      mbar_wait(q_full(nq), q_phase(nq));  // Q
       wait_k(0);
       if (tid == 0) GTL(2);
 ''')
@@ -109,9 +109,13 @@ rep('''      if constexpr (PERSIST) release(vempty(cnt - 1));  // the ring runs 
       if (PERSIST && (tid & 127) == 0) GTW(work, wg ? 10 : 2);''')
 rep('''  };  // body''', '''  if (PERSIST && (tid & 127) == 0) GTW(work, wg ? 4 : 3);
   };  // body''')
-rep('''      tma_rows(sQ, &tm_q, bar, BLOCK_M, c.h, c.m0, c.b);''', '''      GTW(work, 11);
-      tma_rows(sQ, &tm_q, bar, BLOCK_M, c.h, c.m0, c.b);
-      GTW(work, 8);''')
+rep('''    mbar_arrive(o_staged + 8 * wg);
+    return;''', '''    mbar_arrive(o_staged + 8 * wg);
+    if ((tid & 127) == 0) GTW(work, wg ? 4 : 3);
+    return;''')
+rep('''        tma_rows(q_buf(nq), &tm_q, q_full(nq), BLOCK_M, c.h, c.m0, c.b);''', '''        GTW(work, 11);
+        tma_rows(q_buf(nq), &tm_q, q_full(nq), BLOCK_M, c.h, c.m0, c.b);
+        GTW(work, 8);''')
 rep('''      if (cnt <= 0) return;  // (its consumers write zero rows; no loads, no Q)''',
     '''      if (cnt <= 0) return;  // (its consumers write zero rows; no loads, no Q)
       GTW(work, 9);''')
