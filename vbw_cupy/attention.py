@@ -84,8 +84,9 @@ def _ws(n, stages=2, wgs=2):
 def _wsp(n, stages=2):
     """The persistent form of a two-consumer-warpgroup "ws" tile (KIND "wsp"): at most one CTA an SM, each walking
     work tiles (128 query rows of one (b, h)) with its producer loading the next tile's Q and first K / V during
-    this one's last P V and epilogue; O staged in its own shared area. Dense inputs (varlen and block-sparse
-    launches run its "ws" form)."""
+    this one's last P V and epilogue. Up to a compiled head dim of 128, Q is double-buffered (the next tile's Q
+    lands a whole tile early) and O is staged in its own shared area, from which two producer warps store it
+    while the consumers go on. Dense inputs (varlen and block-sparse launches run its "ws" form)."""
     return {"KIND": "wsp", "BLOCK_M": 128, "BLOCK_N": n, "WARPS": 12, "Q_REGS": 0, "STAGES": stages}
 
 
