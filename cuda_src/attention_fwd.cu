@@ -484,7 +484,8 @@ attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 // attn_fwd_wg: the same computation and arguments as attn_fwd, with wgmma instead of mma.sync (VEC inputs only,
 // d a multiple of 8 up to HEAD_DIM, HEAD_DIM a multiple of 64), plus three TMA tensor maps (tm_q, tm_k, tm_v;
 // used when TMA, zero otherwise). CTA = WGS warpgroups; warpgroup g owns query rows 64g..64g+63 of the CTA's
-// BLOCK_M = 64 WGS. Shared memory (1024-byte aligned): Q [BLOCK_M][HEAD_DIM], STAGES slots of K and V
+// BLOCK_M = 64 WGS. Shared memory (1024-byte aligned): Q [BLOCK_M][HEAD_DIM] (the persistent tile up to
+// HEAD_DIM 128: two Q buffers, then O's staging area, see SEP_O / QDB), STAGES slots of K and V
 // [BLOCK_N][HEAD_DIM], each stored as HEAD_DIM / 64 column panels of 128-byte rows with the 128-byte swizzle
 // (wgmma.cuh; TMA's SWIZZLE_128B writes exactly this), then the mbarriers. Loads: TMA (thread 0 issues a
 // tile, everyone waits on its mbarrier; packed varlen inputs also zero the V rows past a sequence's end) or
@@ -1139,8 +1140,9 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     }
   }
 
-  // Epilogue: normalize, LSE, stage this warpgroup's O rows in its own (swizzled) rows of Q's buffer (no other
-  // warpgroup reads them, and this one's wgmma are drained), then 16-byte coalesced stores.
+  // Epilogue: normalize, LSE, stage this warpgroup's O rows in its own (swizzled) rows of Q's buffer (SEP_O:
+  // of O's area; no other warpgroup reads them, and this one's wgmma are drained), then 16-byte coalesced
+  // stores (STORERS: by the warpgroup's storer warp, while the consumers go on to their next work tile).
   if (CTA_SH && cnt == 0) named_bar(6, NT);  // (no tile: no barrier since thread 0 wrote cta_sh; the consumers)
   const vbw_attn::Cta ce = CTA_SH ? cta_sh : PERSIST ? VBW_CTA_AT(work) : VBW_CTA_LEAN_AT(work);
   if constexpr (STORERS) named_bar(13 + wg, 160);  // O's area is free: the previous tile is sent
@@ -1204,7 +1206,8 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     // Persistent CTAs (the launcher starts at most one an SM): CTA c takes one work tile of each round of
     // gridDim.x tiles in cta_info's order (work_of below). The producer thread walks the same tiles and runs
     // ahead across them: a tile's first K / V slots are refilled as the previous tile's consumers release them,
-    // its Q as soon as both consumer warpgroups are done with the previous Q (q_empty), so the next tile's loads
+    // its Q as soon as both consumer warpgroups are done with that buffer's previous Q (q_free; QDB: the Q of
+    // the tile two back, one buffer: the previous tile's), so the next tile's loads
     // are in flight during this one's last P V and epilogue. Dense inputs only (the launcher never passes
     // varlen offsets or a block list here).
     auto produce = [&](const int work) {
@@ -1221,13 +1224,12 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
         if constexpr (FP8) tma_vt(i, m, c.h / group, c.b);
         else tma_rows(kslot(i) + KV_BYTES, &tm_v, vbar(i), BLOCK_N, c.h / group, m * BLOCK_N, c.b);
       };
-      // the first key tile's K / V, then Q (its buffer frees up after the previous tile's last S, when the first
-      // slots are free too), then the rest
       if constexpr (QDB) {  // Q first: its buffer was freed by the tile before the one in hand
         if (nq >= 2) mbar_wait(q_free(nq), (u32)((nq >> 1) - 1) & 1u);
         tma_rows(q_buf(nq), &tm_q, q_full(nq), BLOCK_M, c.h, c.m0, c.b);
         load_kv(0);
-      } else {
+      } else {  // the first key tile's K / V, then Q (its buffer frees up after the previous tile's last S, when
+                // the first slots are free too), then the rest
         load_kv(0);
         if (nq > 0) mbar_wait(q_empty, (u32)(nq - 1) & 1u);
         tma_rows(sQ, &tm_q, bar, BLOCK_M, c.h, c.m0, c.b);

@@ -6,8 +6,10 @@ the first two warpgroups; the SM id), compiles it with -DVBW_GTL, runs the publi
 and prints the medians and [p10, p90] of each phase and of the gap between consecutive CTAs on an SM (a
 persistent default, "wsp", is timed in its non-persistent form "ws" here). With --persistent, the persistent tile
 instead, stamped per work tile (-DVBW_GTW): each warpgroup's wait for Q and K(0), loop and epilogue, and how long
-the producer waits for Q's buffer. The stamp anchors follow the kernel as of 2026-11-27 (v12); a failed assert
-names the anchor that moved.
+the producer waits for Q's buffer. The stamp anchors follow the kernel as of 2026-11-27 (v14: Q is double-
+buffered, so "waits for Q's buffer" is the wait for the Q of the tile two back, and "epilogue" is normalize and
+stage, the storer warps sending O; with -DVBW_WSP_QDB=0 no Q stamps are recorded); a failed assert names the
+anchor that moved.
 
     PYTHONPATH=. python notes/attempts/attention-cta-timeline.py [--persistent]     (on a GPU machine, sm_90)
 """
