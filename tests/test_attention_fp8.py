@@ -63,6 +63,15 @@ def test_fp8_numpy_path_is_the_reference():
     assert vc.flash_attention_fp8(q, k, v, out_dtype=BF16).dtype == BF16
 
 
+def test_fp8_takes_ml_dtypes_float8_arrays():
+    """NumPy float8_e4m3fn arrays are read as their codes: the same results as the uint8 views."""
+    rng = np.random.default_rng(2)
+    _, (q, k, v), ds = _codes(rng, [(1, 5, 2, 32), (1, 7, 2, 32), (1, 7, 2, 32)])
+    f8 = [x.view(ml_dtypes.float8_e4m3fn) for x in (q, k, v)]
+    np.testing.assert_array_equal(vc.flash_attention_fp8(*f8, ds), vc.flash_attention_fp8(q, k, v, ds))
+    np.testing.assert_array_equal(F.dequantize_e4m3(f8[0], ds[:1]), F.dequantize_e4m3(q, ds[:1]))
+
+
 def test_fp8_reference_decodes_with_the_descales():
     rng = np.random.default_rng(2)
     xs, (q, k, v), ds = _codes(rng, [(1, 7, 2, 16)] * 3)

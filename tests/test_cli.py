@@ -87,10 +87,14 @@ def test_old_gpu_refused_with_one_line_before_any_compile(monkeypatch, capsys):
     assert "\n" not in msg and msg.startswith("vbw_cupy needs an sm_80 or newer GPU (Ampere+); this is sm_75 Tesla T4")
     with pytest.raises(RuntimeError, match="needs an sm_80"):
         _device.query_device()
-    # selftest and tune say why and check only the reference
+    # selftest and tune say why and check only the reference (tune: nothing measured, the same exit status)
     assert cli.main(["selftest"]) == 3
     assert "this is sm_75 Tesla T4" in capsys.readouterr().out
-    assert cli.main(["tune"]) == 1
+    assert cli.main(["tune"]) == 3
+    assert "this is sm_75 Tesla T4" in capsys.readouterr().out
+    assert cli.main(["tune", "no_such_kernel"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown kernel name(s) no_such_kernel" in err and "attention_fwd_d128" in err
     _device._device_arch.cache_clear()
 
 

@@ -123,6 +123,10 @@ def test_signed_zero():
     (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", 0.0), ValueError, "global_scale"),
     (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", float("nan")), ValueError, "global_scale"),
     (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", "a"), ValueError, "global_scale"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", "0.01"), ValueError, r"global_scale: .*\(a scalar\)"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", True), ValueError, r"global_scale: .*\(a scalar\)"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", np.array([0.01])), ValueError, "global_scale"),
+    (lambda: vc.quantize(np.ones((0, 32), np.float32)), ValueError, r"at least one row, K >= 1\), got shape \(0, 32\)"),
     (lambda: vc.quantize(np.ones((2, 4), np.float32), "mxfp4", 2.0), ValueError, "global_scale"),
     (lambda: vc.quantize(np.array([[1.0, np.nan]], np.float32), "nvfp4"), ValueError, "NaN or Inf"),
     (lambda: vc.quantize(np.array([[1.0, np.inf]], np.float32), "nvfp4", 1.0), ValueError, "NaN or Inf"),
@@ -141,6 +145,27 @@ def test_signed_zero():
 def test_bad_input(bad, exc, match):
     with pytest.raises(exc, match=match):
         bad()
+
+
+def test_global_scale_takes_numpy_scalars():
+    """A NumPy scalar or 0-d array is the same global_scale as the Python float."""
+    x = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
+    want = vc.quantize(x, "nvfp4", 0.01)
+    for gs in (np.float32(0.01), np.float64(0.01), np.array(0.01)):
+        got = vc.quantize(x, "nvfp4", gs)
+        assert got.global_scale == want.global_scale
+        np.testing.assert_array_equal(got.data, want.data)
+        np.testing.assert_array_equal(got.scales, want.scales)
+
+
+def test_reference_matmul_of_nonfinite_inputs_warns_nothing():
+    """NaN / Inf activations and an out-of-range float16 result follow docs/nan.md without NumPy warnings."""
+    w = vc.quantize(np.ones((2, 70), np.float32), "mxfp4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = vc.fp4_matmul(np.array([[np.nan] + [1.0] * 69], np.float16), w)
+        assert np.isnan(out).all()
+        assert np.isinf(vc.fp4_matmul(np.full((1, 70), 60000, np.float16), w)).all()
 
 
 # ---------------------------------------------------------------- GPU, bit-exact against the reference
@@ -512,3 +537,10 @@ def test_gpu_global_scale_too_small_is_flagged():
     vc.quantize(cp.asarray(x), "nvfp4", 1e-6)   # the fast path (a replayed plan) flags it too
     with pytest.raises(ValueError, match="global_scale"):
         vc.check_errors()
+
+
+
+def test_check_errors_rejects_an_unknown_op():
+    with pytest.raises(ValueError, match=r"op: expected one of .*'paged_attention'.* got 'nonsense'"):
+        vc.check_errors(op="nonsense")
+    vc.check_errors(op="paged_attention")  # (a known name: nothing flagged, no error)

@@ -426,6 +426,32 @@ def test_prompt_longer_than_seq_len(tmp_path, tok_bin):
         generate(model, tok, "日本 hi")
 
 
+def test_prompt_token_ids_outside_the_vocabulary(tmp_path, tok_bin):
+    """A token id outside [0, vocab) is a ValueError naming the prompt and the position (NumPy indexing would
+    have read a negative id as a row from the end), in generate_ids and in the model's own prefill; an empty
+    batch of prompts is refused by name too."""
+    w = random_weights(np.random.default_rng(11), 32, 48, 1, 4, 4, TOK_VOCAB, True)
+    model = load_model(write_llama2c(tmp_path / "m.bin", w, 8, True))
+    for bad in (-3, TOK_VOCAB, 10**9):
+        with pytest.raises(ValueError, match=rf"prompt 1: token 2 is {bad}, outside the vocabulary \[0, {TOK_VOCAB}\)"):
+            generate_ids(model, [[1, 5], [1, 5, bad]], max_new_tokens=2)
+    cache = model.new_cache(1, 8)
+    with pytest.raises(ValueError, match=rf"token ids: expected values in \[0, {TOK_VOCAB}\), got -1 at position 1"):
+        model.prefill([[1, -1]], cache, [0])
+    with pytest.raises(ValueError, match="prompts: expected at least one prompt"):
+        generate_ids(model, [], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompts: expected a string or a non-empty list"):
+        generate(model, load_tokenizer(tok_bin), [], max_new_tokens=2)
+
+
+def test_config_refuses_head_dims_past_256():
+    from vbw_cupy.models import LlamaConfig
+    with pytest.raises(ValueError, match=r"n_heads: expected head size dim / n_heads <= 256.*1024 / 2 = 512"):
+        LlamaConfig(dim=1024, hidden_dim=64, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=50, seq_len=8)
+    assert LlamaConfig(dim=512, hidden_dim=64, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=50,
+                       seq_len=8).head_dim == 256
+
+
 # ----------------------------------------------------------------------------------------------------- CLI
 
 def cli_ids(capsys, argv):

@@ -91,7 +91,12 @@ def test_bsr_from_mask_shared_and_per_head():
             assert np.array_equal(SP.bsr_from_mask(m4[b, h])[1], i4[b, h])
 
 
-def test_bsr_from_mask_rejects():
+def test_bsr_from_mask_rejects(monkeypatch):
+    for cupy in (rt.cupy, None):  # what is no array is a TypeError naming `mask`, CuPy installed or not
+        monkeypatch.setattr(rt, "cupy", cupy)
+        with pytest.raises(TypeError, match="mask"):
+            SP.bsr_from_mask([[True]])
+    monkeypatch.undo()
     with pytest.raises(TypeError, match="mask: expected a boolean"):
         SP.bsr_from_mask(np.ones((2, 2), np.int32))
     with pytest.raises(ValueError, match="mask: expected a 2-d"):

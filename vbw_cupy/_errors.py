@@ -105,6 +105,9 @@ def check_errors(device=None, op=None) -> None:
     Synchronizes each device that has run such a kernel; clears the flags it reports. `device`: a device id to
     check only that one (default: every device used); `op`: an operation's name ("paged_attention",
     "flash_attention_varlen", "quantize") to check only its flags (a ``check="host"`` call does this)."""
+    ops = sorted({o for o, _, _ in CODES.values()})
+    if op is not None and op not in ops:
+        raise ValueError(f"op: expected one of {', '.join(map(repr, ops))} or None, got {op!r}")
     msgs = pending(None if device is None else int(device), op)
     if msgs:
         raise ValueError("; ".join(msgs))

@@ -16,6 +16,7 @@ Not supported: varlen / paged inputs and per-head descales (one float per tensor
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from . import _checks
@@ -46,6 +47,12 @@ def _config(Sk: int) -> dict:
     return _CONFIGS[0] if Sk < _WSP_BELOW else _CONFIGS[1]
 
 _UINT8 = np.dtype(np.uint8)
+_E4M3FN = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _codes(x):
+    """A NumPy float8_e4m3fn array as its uint8 codes (the same bytes); anything else as it is."""
+    return x.view(np.uint8) if isinstance(x, np.ndarray) and x.dtype == _E4M3FN else x
 
 
 def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
@@ -100,7 +107,8 @@ def quantize_e4m3(x):
 def dequantize_e4m3(codes, descale=None, dtype=np.float32):
     """The values of E4M3 (fn) codes: E4M3(codes) * descale, computed in float32 and rounded to dtype (float16,
     bfloat16 or float32), so `dequantize_e4m3(*quantize_e4m3(x))` is x to E4M3's precision. codes: uint8 of any
-    shape; descale: None (1) or one float32 value, as quantize_e4m3 returns it ([1]). Codes 0x7F / 0xFF are NaN;
+    shape (or a NumPy ml_dtypes.float8_e4m3fn array, read as its codes); descale: None (1) or one float32
+    value, as quantize_e4m3 returns it ([1]). Codes 0x7F / 0xFF are NaN;
     values past the dtype's range become +-Inf.
     NumPy in, NumPy out; GPU codes (CuPy, or anything with __dlpack__) in, CuPy out, bit-identical, no
     synchronization (a GPU descale stays on the GPU).
@@ -108,6 +116,7 @@ def dequantize_e4m3(codes, descale=None, dtype=np.float32):
     >>> codes, ds = quantize_e4m3(x)
     >>> y = dequantize_e4m3(codes, ds, x.dtype)         # x to within E4M3's rounding
     """
+    codes = _codes(codes)
     _checks.check_array_like("codes", codes)
     if not isinstance(codes, np.ndarray):
         codes = rt.as_gpu_array(codes, "codes")
@@ -180,7 +189,8 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
                         return_lse=False, out_dtype=np.float16):
     """Attention on E4M3 (fn) inputs (docs/attention.md, "FP8 attention").
 
-    q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]: uint8 E4M3 codes (from `quantize_e4m3`, or any FP8 producer);
+    q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]: uint8 E4M3 codes (from `quantize_e4m3`, or any FP8 producer;
+    NumPy ml_dtypes.float8_e4m3fn arrays are read as their codes);
     descale: None (all 1) or 3 float32 values (q, k, v): the inputs are E4M3(code) * descale, a CuPy float32
     array [3] for GPU inputs (e.g. `cupy.concatenate([dq, dk, dv])` of quantize_e4m3's descales), a NumPy array
     or sequence for NumPy inputs. causal, softmax_scale (applied to the decoded values' scores), window,
@@ -200,6 +210,7 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
     """
     cp = rt.cupy
     key = None
+    q, k, v = _codes(q), _codes(k), _codes(v)
     if cp is not None and type(q) is cp.ndarray and type(k) is cp.ndarray and type(v) is cp.ndarray and \
             (descale is None or type(descale) is cp.ndarray):
         key = _fast_key(q, k, v, descale, causal, softmax_scale, window, softcap, return_lse, out_dtype)

@@ -250,18 +250,25 @@ def cmd_bench_model(args) -> int:
         return 1
     why = _gpu_unusable()
     if why:
-        print(f"vbw-cupy bench-model: {why.rstrip('.')}; the model benchmark needs a GPU.")
-        return 1
+        print(f"vbw-cupy bench-model: {why.rstrip('.')}; the model benchmark needs a GPU, nothing was measured "
+              f"(exit status {EXIT_REFERENCE_ONLY}).")
+        return EXIT_REFERENCE_ONLY
     return subprocess.call([sys.executable, str(script), *(["--quick"] if args.quick else [])])
 
 
 def cmd_tune(args) -> int:
     from . import autotune
+    mods = op_modules()  # importing the op modules registers their tunables
+    unknown = [n for n in args.kernels if n not in autotune.registered()]
+    if unknown:
+        print(f"vbw-cupy tune: unknown kernel name(s) {', '.join(unknown)}; expected some of: "
+              f"{', '.join(autotune.registered())}", file=sys.stderr)
+        return 2
     why = _gpu_unusable()
     if why:
-        print(f"vbw-cupy tune: {why.rstrip('.')}; tuning times kernels on a GPU, nothing to do.")
-        return 1
-    mods = op_modules()  # importing the op modules registers their tunables
+        print(f"vbw-cupy tune: {why.rstrip('.')}; tuning times kernels on a GPU, nothing was measured "
+              f"(exit status {EXIT_REFERENCE_ONLY}).")
+        return EXIT_REFERENCE_ONLY
     # every candidate of every kernel, compiled in parallel first, so tuning times kernels, not NVRTC
     rt.precompile([inst for m in mods for inst in m.kernel_instances()])
     rows = autotune.tune(names=args.kernels or None, progress=True)
@@ -325,7 +332,7 @@ def _generate(args) -> int:
     tok = load_tokenizer(args.tokenizer or _default_tokenizer(args.checkpoint), cfg.bos_id, cfg.eos_ids[0],
                          vocab_size=cfg.vocab_size)
     ids = tok.encode(args.prompt, bos=True)
-    check_prompt(ids, cfg.seq_len)   # before the prompt is echoed
+    check_prompt(ids, cfg.seq_len, 0, cfg.vocab_size)   # before the prompt is echoed
     print(args.prompt, end="", flush=True)
     stream = tok.stream(ids[-1])
     out = generate_ids(model, [ids], max_new_tokens=args.max_new_tokens,
@@ -376,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = add("tune", "autotune the standard shapes of every kernel and cache the choices",
             "Compile every tuning candidate in parallel, time the candidates of each kernel's standard shapes on "
             "this GPU and store the winners in $VBW_CUPY_CACHE_DIR/autotune.json; prints a table of the choices.")
-    t.add_argument("kernels", nargs="*", help="Tunable names (default: all)")
+    t.add_argument("kernels", nargs="*", help="Tunable names (default: all; an unknown name lists them)")
     w = add("warmup", "compile ahead of time the kernels that ops or a model will use on this GPU",
             "Compile on parallel threads, into the kernel cache ($VBW_CUPY_CACHE_DIR/kernels), every kernel "
             "instance that the given ops (default: every op) or a Llama of the given checkpoint can launch on this "

@@ -106,7 +106,7 @@ class FP4Tensor:
 
     @property
     def nbytes(self) -> int:
-        """True storage: packed elements + block scales + the 4-byte tensor scale."""
+        """True storage: packed elements + block scales + the 4-byte tensor scale (MXFP4's too: always 1.0)."""
         return int(self.data.nbytes + self.scales.nbytes + 4)
 
     @property
@@ -138,6 +138,8 @@ def _check_global_scale(global_scale, fmt):
         return None
     if fmt == "mxfp4":
         raise ValueError(f"global_scale: mxfp4 has no tensor scale, got {global_scale!r} (pass None)")
+    if isinstance(global_scale, (bool, np.bool_, str, bytes)) or np.ndim(global_scale) != 0:
+        raise ValueError(f"global_scale: expected a positive finite float (a scalar), got {global_scale!r}")
     try:
         gs = float(global_scale)
     except (TypeError, ValueError):
@@ -192,7 +194,8 @@ def quantize(x, format: str = "nvfp4", global_scale=None) -> FP4Tensor:
     if x.dtype not in _IN_DTYPE_SET and x.dtype.name not in _IN_DTYPES:
         raise TypeError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
     if x.ndim < 1 or x.size == 0:
-        raise ValueError(f"x: expected a non-empty array [..., K] with K >= 1, got shape {tuple(x.shape)}")
+        raise ValueError(f"x: expected a non-empty array [..., K] (at least one row, K >= 1), got shape "
+                         f"{tuple(x.shape)}")
     if isinstance(x, np.ndarray):
         return _quantize_reference(x, format, gs)
     # a plan is kept only for a CuPy input used as is (no copy) on the current device

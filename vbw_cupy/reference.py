@@ -245,7 +245,8 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None):
         a64 = np.asarray(a).astype(np.float64)
         default_dtype = np.asarray(a).dtype
     w64 = dequantize(w).astype(np.float64)
-    z = a64 @ w64.T
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN / Inf inputs give NaN / Inf outputs (docs/nan.md)
+        z = a64 @ w64.T
     if bias is not None:
         z = z + np.asarray(bias).astype(np.float64)
     return _round_from_f64(apply_activation(z, activation), np.dtype(out_dtype or default_dtype))
@@ -300,7 +301,8 @@ def _round_from_f64(x, dtype):
     """
     dtype = np.dtype(dtype)
     if dtype != np.dtype(_ml_dtypes.bfloat16):
-        return x.astype(dtype)
+        with np.errstate(over="ignore"):  # past the dtype's range: +-Inf, as the GPU kernels round
+            return x.astype(dtype)
     y = x.astype(np.float32)
     back = y.astype(np.float64)
     y = np.where(np.abs(back) > np.abs(x), np.nextafter(y, np.float32(0)), y)   # truncate toward zero

@@ -134,9 +134,9 @@ def bsr_from_mask(mask):
     >>> bsr_from_mask(np.array([[1, 0], [1, 1]], bool))
     (array([0, 1, 3], dtype=int32), array([0, 0, 1, 0], dtype=int32))
     """
-    xp = np if isinstance(mask, np.ndarray) else rt.require_cupy()
     if not isinstance(mask, np.ndarray):
-        mask = rt.as_gpu_array(mask, "mask")
+        mask = rt.as_gpu_array(mask, "mask")  # (a TypeError naming `mask` for what is no array, CuPy or not)
+    xp = np if isinstance(mask, np.ndarray) else rt.require_cupy()
     if mask.ndim not in (2, 4):
         raise ValueError(f"mask: expected a 2-d [n_q_blocks, n_k_blocks] or 4-d [B, Hkv, n_q_blocks, n_k_blocks] "
                          f"array, got shape {tuple(mask.shape)}")

@@ -42,12 +42,17 @@ class Generation:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 
-def check_prompt(ids, seq_len: int, index: int = 0) -> None:
-    """ValueError when a prompt of token ids is empty or longer than the model's seq_len."""
+def check_prompt(ids, seq_len: int, index: int = 0, vocab_size: int | None = None) -> None:
+    """ValueError when a prompt of token ids is empty, longer than the model's seq_len or (given vocab_size)
+    holds an id outside [0, vocab_size)."""
     if len(ids) < 1:
         raise ValueError(f"prompt {index}: expected at least one token (BOS), got none")
     if len(ids) > seq_len:
         raise ValueError(f"prompt {index}: {len(ids)} tokens, longer than the model's seq_len = {seq_len}")
+    if vocab_size is not None:
+        for pos, t in enumerate(ids):
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"prompt {index}: token {pos} is {t}, outside the vocabulary [0, {vocab_size})")
 
 
 def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: Sampler | None = None,
@@ -69,8 +74,10 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
     sampler = sampler or Sampler()
     stop = cfg.stop_ids if stop_ids is None else frozenset(stop_ids)
     prompts = [[int(t) for t in p] for p in prompts]
+    if not prompts:
+        raise ValueError("prompts: expected at least one prompt, got an empty list")
     for b, p in enumerate(prompts):
-        check_prompt(p, cfg.seq_len, b)
+        check_prompt(p, cfg.seq_len, b, cfg.vocab_size)
     seqs = [Sequence(p, []) for p in prompts]
     budget = [min(max_new_tokens, cfg.seq_len - len(p) + 1) for p in prompts]
     cache = model.new_cache(len(prompts), max(len(p) + max(n - 1, 0) for p, n in zip(prompts, budget)))
@@ -138,6 +145,8 @@ def generate(model: Llama, tokenizer, prompts, *, max_new_tokens: int = 256, tem
     >>> print(out.sequences[0].text)                                               # doctest: +SKIP
     """
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not texts:
+        raise ValueError("prompts: expected a string or a non-empty list of strings, got an empty list")
     ids = [tokenizer.encode(t, bos=True) for t in texts]
     streams = [tokenizer.stream(p[-1]) for p in ids]
 

@@ -46,6 +46,9 @@ class LlamaConfig:
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"n_heads: expected a divisor of dim = {self.dim} with an even head size, "
                              f"got {self.n_heads}")
+        if self.dim // self.n_heads > 256:  # the attention kernels' (and paged caches') head dims: 1..256
+            raise ValueError(f"n_heads: expected head size dim / n_heads <= 256 (the attention ops' limit), got "
+                             f"{self.dim} / {self.n_heads} = {self.dim // self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads: expected a divisor of n_heads = {self.n_heads}, got {self.n_kv_heads}")
         if self.rope_style not in ROPE_STYLES:

@@ -53,7 +53,13 @@ class ArrayOps:
 
     # -- the operations
     def embedding(self, table, ids):
-        """Rows `ids` (host int array [T]) of `table` [vocab, dim], as float32 [T, dim]."""
+        """Rows `ids` (host int array [T]) of `table` [vocab, dim], as float32 [T, dim]; ValueError for an id
+        outside [0, vocab) (NumPy indexing would wrap a negative one)."""
+        ids = np.asarray(ids)
+        bad = np.flatnonzero((ids < 0) | (ids >= table.shape[0]))
+        if bad.size:
+            raise ValueError(f"token ids: expected values in [0, {table.shape[0]}), got {int(ids[bad[0]])} at "
+                             f"position {int(bad[0])}")
         return table[self.xp.asarray(ids)].astype(np.float32)
 
     def rmsnorm(self, x, w, eps: float):
