@@ -906,7 +906,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
     q [total_q, Hq, D], k and v [total_k, Hkv, D]; sequence b holds q rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
     and k / v rows cu_seqlens_k[b]:cu_seqlens_k[b+1] (int32 [B + 1], starting at 0, non-decreasing, ending at
     total_q / total_k; on the GPU or the host). Masks are per sequence (causal aligned bottom-right within each
-    sequence); a sequence with no keys gives output 0 and lse -inf. max_seqlen_q / max_seqlen_k bound the
+    sequence); a sequence may have no queries or no keys (no keys: output 0 and lse -inf), but total_q and
+    total_k must be at least 1 (empty arrays are refused, as everywhere). max_seqlen_q / max_seqlen_k bound the
     sequence lengths.
 
     Checking the offsets, and when the call synchronizes:
