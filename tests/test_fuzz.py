@@ -693,7 +693,7 @@ def test_fuzz_paged_kv_cache(data):
     cache, err = _call(vc.PagedKVCache, args, broken, ())
     if err is not None:
         return
-    xp, (_, bs, Hkv, D), dt = cache.xp, cache.k_cache.shape, np.dtype(cache.k_cache.dtype)
+    (_, _, Hkv, D), dt = cache.k_cache.shape, np.dtype(cache.k_cache.dtype)
     hist = {s: ([], []) for s in range(cache.max_batch)}
     for _ in range(draw(st.integers(1, 5))):
         op = draw(st.sampled_from(["append", "append", "attention", "free", "reserve"]))
