@@ -398,8 +398,8 @@ def test_three_warpgroup_tile(Sq, Sk, causal, window):
 def test_persistent_tiles_walk_many_work_tiles(monkeypatch, sms, Sq, Sk, causal, window, softcap, D, dtype):
     """The persistent warp-specialized tile ("wsp") on a grid of `sms` CTAs, so each walks many work tiles: the
     K / V ring, Q's buffers and their barrier phases, the turn between the warpgroups and O's staging area (its
-    own up to D = 128, with two Q buffers and the storer warps' hand-off; Q's buffer above) carry over from tile to tile (forwards and backwards rounds), through tiles
-    with no key at all."""
+    own up to D = 128, with two Q buffers and the storer warps' hand-off; Q's buffer above) carry over from tile
+    to tile (forwards and backwards rounds), through tiles with no key at all."""
     if _device.device_arch() != 90:
         pytest.skip("the wgmma kernels run on sm_90 only")
     monkeypatch.setattr(A._device, "num_sms", lambda: sms)

@@ -471,3 +471,9 @@ def test_gpu_flash_fast_path_new_addresses_each_call(monkeypatch):
     assert len(plan[-1]) == attention._LAUNCHES_PER_PLAN
     kept = {p for p in plan[-1]}
     assert {tuple(x.data.ptr for x in c) for c in cases[:attention._LAUNCHES_PER_PLAN]} == kept  # the recent ones
+
+
+def test_check_errors_rejects_an_unknown_op():
+    with pytest.raises(ValueError, match=r"op: expected one of .*'paged_attention'.* got 'nonsense'"):
+        vc.check_errors(op="nonsense")
+    vc.check_errors(op="paged_attention")  # (a known name: nothing flagged, no error)

@@ -33,6 +33,7 @@ CODES = {
     9: ("block_sparse_attention", "indptr / indices",
         "indptr not starting at 0, decreasing or past the indices, or a block id outside [0, n_k_blocks)"),
 }
+OPS = frozenset(o for o, _, _ in CODES.values())  # the operation names check_errors(op=...) takes
 NVFP4_NONFINITE = 5
 _INDEXED = {1, 2, 3, 4, 6, 7, 9}  # codes that record the smallest bad sequence
 _WORDS = 16
@@ -105,9 +106,8 @@ def check_errors(device=None, op=None) -> None:
     Synchronizes each device that has run such a kernel; clears the flags it reports. `device`: a device id to
     check only that one (default: every device used); `op`: an operation's name ("paged_attention",
     "flash_attention_varlen", "quantize") to check only its flags (a ``check="host"`` call does this)."""
-    ops = sorted({o for o, _, _ in CODES.values()})
-    if op is not None and op not in ops:
-        raise ValueError(f"op: expected one of {', '.join(map(repr, ops))} or None, got {op!r}")
+    if op is not None and op not in OPS:
+        raise ValueError(f"op: expected one of {', '.join(map(repr, sorted(OPS)))} or None, got {op!r}")
     msgs = pending(None if device is None else int(device), op)
     if msgs:
         raise ValueError("; ".join(msgs))

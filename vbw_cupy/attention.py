@@ -20,7 +20,8 @@ one; a wgmma config is never launched off sm_90 or on unaligned inputs (``_runna
 depends on the head dim (``_WS_FROM``) the sm_90 default is the warp-specialized "ws" tile (a TMA producer
 warpgroup and two consumer warpgroups taking turns at the tensor cores, FlashAttention-3's schedule; three
 consumer warpgroups at D = 64), with a key tile that may also depend on the length; at D = 96 / 128 / 224 / 256
-below 8k keys its persistent form "wsp" (one CTA an SM walking work tiles, the next tile's loads under this one's epilogue).
+below 8k keys its persistent form "wsp" (one CTA an SM walking work tiles, the next tile's loads under this one's
+epilogue).
 
 Host cost: a `flash_attention` call whose shapes, dtypes, options, device, stream and tuning state match an
 earlier checked call replays its launch, re-checking only array types, contiguity, devices and alignment.
@@ -600,8 +601,8 @@ _TILE_OVERHEAD = 1.2
 def _persistent_schedule(num_m, pairs, sect_heads, sq, sk, left, right, block_m, block_n, ctas):
     """The persistent tile's schedule under a mask: int32 [rounds + 1, ctas], CTA c's work tile of round r at
     [r, c] (-1: none; the last row is all -1, the kernel's look-ahead); None where it would not help (one round,
-    or tiles that all cost the same: a decode step's single query row, a window inside every tile's keys). Round r holds the same work tiles as the
-    kernel's static rounds (tiles r * ctas ..., in cta_info's order: a section's heads together for L2, longest
+    or tiles that all cost the same: a decode step's single query row, a window inside every tile's keys).
+    Round r holds the same work tiles as the kernel's static rounds (tiles r * ctas ..., in cta_info's order: a section's heads together for L2, longest
     first), each given, longest first, to the CTA with the least work so far. A tile costs its key tiles plus
     _TILE_OVERHEAD (the key tiles by tile_range's rule, attention_mask.cuh). The static rounds alternate
     direction, which balances a causal mask only where a section spans several rounds: by this cost model they
