@@ -151,6 +151,13 @@ def _check_int32(name, x, ndim, layout):
         raise TypeError(f"{name}: expected an int32 array {layout}, got dtype {x.dtype}")
 
 
+def check_rows(x, name: str = "x") -> None:
+    """ValueError unless x is an [..., K] array with at least one row and K >= 1 (quantize, quantize_fp8)."""
+    if x.ndim < 1 or x.size == 0:
+        raise ValueError(f"{name}: expected a non-empty array [..., K] (at least one row, K >= 1), got shape "
+                         f"{tuple(x.shape)}")
+
+
 def _check_nonempty(name, shape, layout):
     if any(int(n) == 0 for n in shape):
         raise ValueError(f"{name}: expected a non-empty array {layout}, got shape {tuple(shape)}")

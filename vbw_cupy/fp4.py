@@ -193,9 +193,7 @@ def quantize(x, format: str = "nvfp4", global_scale=None) -> FP4Tensor:
     x = _as_input(x, "x")
     if x.dtype not in _IN_DTYPE_SET and x.dtype.name not in _IN_DTYPES:
         raise TypeError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
-    if x.ndim < 1 or x.size == 0:
-        raise ValueError(f"x: expected a non-empty array [..., K] (at least one row, K >= 1), got shape "
-                         f"{tuple(x.shape)}")
+    _checks.check_rows(x)
     if isinstance(x, np.ndarray):
         return _quantize_reference(x, format, gs)
     # a plan is kept only for a CuPy input used as is (no copy) on the current device

@@ -147,9 +147,7 @@ def quantize_fp8(x) -> FP8Tensor:
     x = x if isinstance(x, np.ndarray) else rt.as_gpu_array(x, "x")
     if np.dtype(x.dtype).name not in _checks.FLOAT_DTYPES:
         raise TypeError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
-    if x.ndim < 1 or x.size == 0:
-        raise ValueError(f"x: expected a non-empty array [..., K] (at least one row, K >= 1), got shape "
-                         f"{tuple(x.shape)}")
+    _checks.check_rows(x)
     shape = tuple(int(s) for s in x.shape)
     if isinstance(x, np.ndarray):
         data, scales = ref.quantize_fp8(x)
