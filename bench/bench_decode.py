@@ -69,7 +69,6 @@ def _copy_gbs(cp, nbytes, detail=None):
     res = {k: 2 * n / _timing.graph_time_ms([f], target_ms=20.0) / 1e6 for k, f in ways.items()}
     if detail is not None:
         detail.update(res)
-    del src, dst
     return max(res.values())
 
 

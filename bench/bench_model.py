@@ -195,7 +195,7 @@ def peer(cfg, B, weights, steps=NEW, prompt=PROMPT):
                 ids.cpu()
             res[f"decode_tok_s_{mode}"] = B * n / (time.perf_counter() - t0)
     res["decode_tok_s"] = res["decode_tok_s_graph"]
-    del m
+    m = None   # (the model's memory goes back to torch's pool before empty_cache; the closures above hold m too)
     torch.cuda.empty_cache()
     return res
 
