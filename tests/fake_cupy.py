@@ -66,6 +66,9 @@ class ndarray:
     def get(self):
         return self.a.copy()
 
+    def fill(self, value):
+        self.a[...] = value
+
     def copy(self):
         return ndarray(self.a.copy(), self._dev)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fake_cupy as fc
-from vbw_cupy import _checks
+from vbw_cupy import _checks, _errors
 from vbw_cupy import _runtime as rt
 from vbw_cupy import _plans, attention, autotune, fp4, paged
 from vbw_cupy import reference as ref
@@ -161,6 +161,22 @@ def test_paged_option_types_are_part_of_the_signature(kernels, good, bad, exc):
     with pytest.raises(exc):
         paged.paged_attention(*d, **bad)
     assert _launches(kernels) == []
+
+
+def test_check_errors_reports_every_device(kernels):
+    # flags of different ops on two devices: one check names both and clears both (the loop once reused the `op`
+    # argument's name, so the second device was filtered to the first one's op and stayed flagged)
+    w0, w1 = np.zeros(_errors._WORDS, np.int32), np.zeros(_errors._WORDS, np.int32)
+    w0[5] = 1
+    w1[1] = 0x7fffffff - 3
+    _errors._buffers.update({0: fc.ndarray(w0, 0), 1: fc.ndarray(w1, 1)})
+    with pytest.raises(ValueError) as e:
+        _errors.check_errors()
+    assert _errors.CODES[5][0] in str(e.value) and "(device 0)" in str(e.value)
+    msg = str(e.value)
+    assert "paged_attention: seq_lens" in msg and "sequence 3" in msg and "(device 1)" in msg
+    assert not w0.any() and not w1.any()
+    _errors.check_errors()  # nothing left
 
 
 def test_paged_structural_errors_after_a_good_call(kernels):

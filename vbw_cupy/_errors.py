@@ -92,11 +92,11 @@ def pending(device_id: int | None = None, op: str | None = None) -> list[str]:
             else:
                 buf[np.flatnonzero(words)] = 0
         for code in np.flatnonzero(words):
-            op, arg, what = CODES.get(int(code), ("a vbw_cupy kernel", "?", f"unknown error code {int(code)}"))
+            name, arg, what = CODES.get(int(code), ("a vbw_cupy kernel", "?", f"unknown error code {int(code)}"))
             noun = "sequence" if code <= 4 else "query block" if code == 9 else "row"
             where = (f" (first in {noun} {0x7fffffff - int(words[code])}); the rows of those {noun}s are NaN"
                      if code in _INDEXED else "")
-            msgs.append(f"{op}: {arg}: {what}{where} (device {dev})")
+            msgs.append(f"{name}: {arg}: {what}{where} (device {dev})")
     return msgs
 
 
