@@ -60,7 +60,7 @@ def to_halves(m, n_heads):
     return m.reshape(n_heads, out // n_heads // 2, 2, dim).transpose(0, 2, 1, 3).reshape(out, dim)
 
 
-def write_hf(folder, w, seq_len, shared, rope_theta, dtype):
+def write_hf(folder, w, seq_len, shared, rope_theta, dtype, **config):
     from safetensors.numpy import save_file
     s = w["sizes"]
     folder.mkdir()
@@ -68,7 +68,7 @@ def write_hf(folder, w, seq_len, shared, rope_theta, dtype):
            "num_hidden_layers": s["n_layers"], "num_attention_heads": s["n_heads"],
            "num_key_value_heads": s["n_kv_heads"], "vocab_size": s["vocab"], "max_position_embeddings": seq_len,
            "rms_norm_eps": 1e-5, "rope_theta": rope_theta, "tie_word_embeddings": shared, "bos_token_id": 1,
-           "eos_token_id": 2}
+           "eos_token_id": 2, **config}
     (folder / "config.json").write_text(json.dumps(cfg))
     t = {"model.embed_tokens.weight": w["token_embedding"], "model.norm.weight": w["rms_final"]}
     if not shared:
@@ -90,8 +90,9 @@ def write_hf(folder, w, seq_len, shared, rope_theta, dtype):
 
 # ---------------------------------------------------------------------- the independent float64 forward pass
 
-def run_c_forward(w, token, pos, key_cache, value_cache, theta=10000.0):
-    """llama2.c's forward(transformer, token, pos) in float64: logits of one token; fills the caches at pos."""
+def run_c_forward(w, token, pos, key_cache, value_cache, theta=10000.0, scaled=None):
+    """llama2.c's forward(transformer, token, pos) in float64: logits of one token; fills the caches at pos.
+    `scaled(freq)`: the frequency a RoPE scaling puts in freq's place."""
     s = w["sizes"]
     dim, n_heads, n_kv = s["dim"], s["n_heads"], s["n_kv_heads"]
     head_size = dim // n_heads
@@ -110,6 +111,7 @@ def run_c_forward(w, token, pos, key_cache, value_cache, theta=10000.0):
         v = f("wv")[l] @ xb
         for i in range(0, dim, 2):
             freq = 1.0 / theta ** ((i % head_size) / head_size)
+            freq = scaled(freq) if scaled else freq
             fcr, fci = np.cos(pos * freq), np.sin(pos * freq)
             for vec in (q, k) if i < kv_dim else (q,):
                 v0, v1 = vec[i], vec[i + 1]
@@ -130,7 +132,7 @@ def run_c_forward(w, token, pos, key_cache, value_cache, theta=10000.0):
     return f("wcls") @ rmsnorm(x, f("rms_final"))
 
 
-def run_c_greedy(w, prompt, steps, seq_len, theta=10000.0):
+def run_c_greedy(w, prompt, steps, seq_len, theta=10000.0, scaled=None):
     """run.c's generate loop, greedy: feed the prompt, then argmax, until BOS / EOS or `steps` new tokens or
     seq_len positions; returns (generated ids, logits of every fed position)."""
     s = w["sizes"]
@@ -138,7 +140,7 @@ def run_c_greedy(w, prompt, steps, seq_len, theta=10000.0):
     kc, vc = np.zeros((2, s["n_layers"], seq_len, kv_dim))
     out, all_logits, token = [], [], prompt[0]
     for pos in range(seq_len):
-        logits = run_c_forward(w, token, pos, kc, vc, theta)
+        logits = run_c_forward(w, token, pos, kc, vc, theta, scaled)
         all_logits.append(logits)
         if pos + 1 < len(prompt):
             token = prompt[pos + 1]
@@ -209,6 +211,82 @@ def test_hf_halves_rope_matches_run_c(tmp_path, shape):
         assert seq.ids == run_c_greedy(w, p, 12, seq_len, theta)[0]
 
 
+def llama3_frequency(freq, factor, low, high, old_len):
+    """Llama 3.1's RoPE scaling of one frequency, as Hugging Face's _compute_llama3_parameters describes it:
+    wavelengths below old_len / high kept, above old_len / low divided by factor, smoothed in between."""
+    wavelen = 2 * np.pi / freq
+    if wavelen < old_len / high:
+        return freq
+    if wavelen > old_len / low:
+        return freq / factor
+    smooth = (old_len / wavelen - low) / (high - low)
+    return (1 - smooth) * freq / factor + smooth * freq
+
+
+@pytest.mark.parametrize("kind", ["llama3", "linear"])
+def test_hf_rope_scaling_matches_run_c(tmp_path, kind):
+    pytest.importorskip("safetensors")
+    rng = np.random.default_rng(9)
+    w = random_weights(rng, 64, 48, 2, 4, 2, 101, False)   # head size 16: 8 frequencies
+    seq_len, theta = 40, 10000.0
+    # original length 32, high 4 / low 1: wavelength < 8 kept (pair 0), > 32 scaled (pairs 2-7), pair 1 smoothed
+    rs = ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 32} if kind == "llama3" else {"type": "linear", "factor": 2.5})
+    scaled = ((lambda f: llama3_frequency(f, 8.0, 1.0, 4.0, 32)) if kind == "llama3" else (lambda f: f / 2.5))
+    model = load_model(write_hf(tmp_path / "hf", w, seq_len, False, theta, np.float32, rope_scaling=rs))
+    assert model.config.rope_scaling[0] == kind
+    prompt = random_prompts(rng, (38,), 101)[0]
+    got = model.prefill([prompt], model.new_cache(1, seq_len), [0], all_logits=True)
+    want = run_c_greedy(w, prompt, 0, len(prompt), theta, scaled)[1]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    unscaled = run_c_greedy(w, prompt, 0, len(prompt), theta)[1]
+    assert np.abs(unscaled - want).max() > 1e-2   # (the scaling changes the logits: the comparison can fail)
+
+
+def test_hf_config_rope_scaling_and_head_dim_errors(tmp_path):
+    from vbw_cupy.models import load_config
+    w = random_weights(np.random.default_rng(10), 32, 48, 1, 4, 2, 50, False)
+    folder = write_hf(tmp_path / "a", w, 16, False, 10000.0, np.float32, rope_scaling={"rope_type": "default"})
+    assert load_config(folder).rope_scaling == ()
+    for i, (extra, match) in enumerate((
+            ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling .*'dynamic'.* not supported"),
+            ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling .*KeyError 'low_freq_factor'"),
+            ({"rope_scaling": {"rope_type": "linear", "factor": -1.0}}, "rope_scaling: expected"),
+            ({"head_dim": 16}, "head_dim 16 \\* num_attention_heads 4 != hidden_size 32"),
+            ({"num_attention_heads": 3}, "hidden_size 32 is not a multiple of num_attention_heads 3"))):
+        folder = write_hf(tmp_path / f"b{i}", w, 16, False, 10000.0, np.float32, **extra)
+        with pytest.raises(ValueError, match=match):
+            load_config(folder)
+
+
+def test_hf_shards_by_index_and_duplicates(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    rng = np.random.default_rng(11)
+    w = random_weights(rng, 32, 48, 1, 4, 2, 50, False)
+    folder = write_hf(tmp_path / "hf", w, 16, False, 10000.0, np.float32)
+    want = load_model(folder).prefill([[1, 7, 9]], load_model(folder).new_cache(1, 16), [0])
+    # a stray file beside the shards holding a tensor again, with other values
+    emb = load_file(str(folder / "a.safetensors"))["model.embed_tokens.weight"]
+    save_file({"model.embed_tokens.weight": emb + 1}, str(folder / "stray.safetensors"))
+    with pytest.raises(ValueError, match="'model.embed_tokens.weight' is in two files"):
+        load_model(folder)
+    names = {f: list(load_file(str(folder / f))) for f in ("a.safetensors", "b.safetensors")}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, ns in names.items() for n in ns}}))
+    model = load_model(folder)   # the index's shards only
+    np.testing.assert_array_equal(model.prefill([[1, 7, 9]], model.new_cache(1, 16), [0]), want)
+
+
+def test_llama2c_cannot_store_other_rope(tmp_path):
+    from vbw_cupy.models import LlamaConfig, save_llama2c
+    from vbw_cupy.models.llama import random_weights as model_weights
+    for extra in ({"rope_theta": 500000.0}, {"rope_scaling": ("linear", 2.0)}):
+        cfg = LlamaConfig(dim=32, hidden_dim=48, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=50, seq_len=8,
+                          **extra)
+        with pytest.raises(ValueError, match="llama2.c files .*theta = 10000"):
+            save_llama2c(tmp_path / "never-written.bin", cfg, model_weights(cfg))
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "nvfp4", "mxfp4"])
 def test_stored_weights_match_run_c_on_the_same_values(tmp_path, fmt):
     rng = np.random.default_rng(4)
@@ -241,6 +319,29 @@ def test_prefill_then_decode_equals_full_recompute(tmp_path, fmt):
         np.testing.assert_allclose(incremental, full[len(p) - 1:], rtol=1e-4, atol=1e-4)
         if fmt == "fp32":  # and both are run.c's logits
             np.testing.assert_allclose(full, run_c_greedy(w, p + f, 0, len(p + f))[1], rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_checks_before_writing_and_overwrites_a_used_slot(tmp_path):
+    rng = np.random.default_rng(8)
+    w = random_weights(rng, 32, 48, 2, 4, 2, 97, False)
+    model = load_model(write_llama2c(tmp_path / "m.bin", w, 64, False))
+    cache = model.new_cache(2, 16)
+    short, long_ = random_prompts(rng, (3, 20), 97)
+    for bad, match in (([[short, long_], cache, [0, 1]], "prompts: 20 tokens, more than the cache's 16"),
+                       ([[short, short], cache, [0, 0]], "slots: expected 2 distinct slots"),
+                       ([[short], cache, [2]], r"slots: .* in \[0, 2\), got \[2\]"),
+                       ([[short, [1, 97]], cache, [0, 1]], "token ids: expected values in \\[0, 97\\)")):
+        with pytest.raises(ValueError, match=match):
+            model.prefill(*bad)
+        assert [layer.lengths().tolist() for layer in cache.layers] == [[0, 0], [0, 0]]   # nothing written
+    # a slot that held a sequence starts again at position 0, as on the GPU (it used to append)
+    model.prefill([long_[:9]], cache, [0])
+    model.decode([5], cache, [0])
+    again = model.prefill([short], cache, [0])
+    assert cache.lengths([0]).tolist() == [3]
+    fresh_cache = model.new_cache(2, 16)
+    np.testing.assert_array_equal(again, model.prefill([short], fresh_cache, [0]))
+    np.testing.assert_array_equal(model.decode([7], cache, [0]), model.decode([7], fresh_cache, [0]))
 
 
 def test_generation_is_limited_by_seq_len(tmp_path):
@@ -385,6 +486,66 @@ def test_top_k_and_top_p_restrict_the_support():
     np.testing.assert_allclose(sampling_probs(logits, 1.0), np.exp(logits))
     sampler = Sampler(1.0, top_k=3, seed=0)
     assert {sampler(logits) for _ in range(300)} == set(order[:3])
+
+
+def test_top_p_after_top_k_and_tiny_temperatures():
+    # top_p applies to the top_k tokens renormalized (Hugging Face's and vLLM's order): 10 equal tokens, half
+    assert np.count_nonzero(sampling_probs(np.zeros(100), 1.0, top_k=10, top_p=0.5)) == 5
+    assert set(np.flatnonzero(sampling_probs(np.log([.3, .3, .2, .2]), 1.0, top_k=2, top_p=0.5))) == {0}
+    # logits / 1e-310 overflowed to NaN probabilities, and the draw always gave token 0
+    assert Sampler(temperature=1e-310, seed=0)(np.array([1.0, 3.0, 2.0])) == 1
+    np.testing.assert_array_equal(sampling_probs(np.array([1.0, 3.0, 2.0]), 1e-310), [0.0, 1.0, 0.0])
+
+
+def test_sampler_and_generate_argument_errors():
+    for kw, match in (({"temperature": "hot"}, "temperature: expected a finite number"),
+                      ({"temperature": float("inf")}, "temperature: expected a finite number"),
+                      ({"top_k": 1.5}, "top_k: expected an int"), ({"top_k": True}, "top_k: expected an int"),
+                      ({"top_p": "0.5"}, "top_p: expected a number"), ({"seed": -1}, "seed: expected None or an int")):
+        with pytest.raises(ValueError, match=match):
+            Sampler(**kw)
+    model = OneTokenModel()
+    with pytest.raises(TypeError, match="prompts: expected a list of lists"):
+        generate_ids(model, "123", max_new_tokens=2)
+    with pytest.raises(TypeError, match="prompt 1: expected a list of int token ids"):
+        generate_ids(model, [[1, 2], [1, 2.7]], max_new_tokens=2)
+    with pytest.raises(TypeError, match="stop_ids: expected None or a collection"):
+        generate_ids(model, [[1, 2]], max_new_tokens=2, stop_ids=5)
+    with pytest.raises(ValueError, match="max_new_tokens: expected an int >= 0, got 2.5"):
+        generate_ids(model, [[1, 2]], max_new_tokens=2.5)
+
+
+class OneTokenModel:
+    """A stand-in model with decode_steps (as a GPU model has) whose every next token is 5: records the seeds."""
+
+    def __init__(self):
+        from vbw_cupy.models import LlamaConfig
+        from vbw_cupy.models.llama import numpy_ops
+        self.config = LlamaConfig(dim=8, hidden_dim=8, n_layers=1, n_heads=1, n_kv_heads=1, vocab_size=9,
+                                  seq_len=32)
+        self.ops, self.seeds = numpy_ops(), []
+
+    def new_cache(self, B, T):
+        return type("Cache", (), {"free": lambda self, b: None})()
+
+    def prefill(self, prompts, cache, slots):
+        return np.tile(np.eye(9)[5], (len(prompts), 1))
+
+    def decode_steps(self, last, cache, slots, n, temperature, seed):
+        self.seeds.append(seed)
+        return np.full((n, len(slots)), 5)
+
+
+def test_unseeded_device_sampling_draws_a_new_seed():
+    # a GPU model samples plain temperature draws on the device: seed=None used to mean seed 0 there (every run
+    # the same tokens, unlike the host sampler); a given seed is passed as it is
+    seeds = []
+    for seed in (None, None, 7, 7):
+        model = OneTokenModel()
+        generate_ids(model, [[1, 2]], max_new_tokens=4, sampler=Sampler(0.8, seed=seed))
+        assert model.seeds and len(set(model.seeds)) == 1
+        seeds.append(model.seeds[0])
+    assert seeds[0] != seeds[1] and seeds[2:] == [7, 7]
 
 
 # ------------------------------------------------------------------------------------------------- errors

@@ -10,12 +10,13 @@ from vbw_cupy.models.llama import random_weights
 pytestmark = pytest.mark.gpu
 
 BOUND = 2e-2
-CONFIGS = {  # head dims 32, 64 and 128; GQA and MHA; shared and separate classifier; both RoPE styles
+CONFIGS = {  # head dims 32, 64 and 128; GQA and MHA; shared and separate classifier; both RoPE styles; Llama 3.1's
+    # RoPE scaling (its table is built on the host: the GPU must read the same angles as the reference)
     "gqa-adjacent": LlamaConfig(dim=256, hidden_dim=768, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000,
                                 seq_len=160),
     "mha-halves-separate": LlamaConfig(dim=256, hidden_dim=640, n_layers=3, n_heads=4, n_kv_heads=4,
                                        vocab_size=517, seq_len=200, rope_style="halves", rope_theta=500000.0,
-                                       shared_classifier=False),
+                                       rope_scaling=("llama3", 8.0, 1.0, 4.0, 64.0), shared_classifier=False),
     "d128": LlamaConfig(dim=512, hidden_dim=1024, n_layers=2, n_heads=4, n_kv_heads=1, vocab_size=2048,
                         seq_len=300),
 }

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
+
 from .llama import Llama
 from .sampling import Sampler
 
@@ -42,6 +44,10 @@ class Generation:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def check_prompt(ids, seq_len: int, index: int = 0, vocab_size: int | None = None) -> None:
     """ValueError when a prompt of token ids is empty, longer than the model's seq_len or (given vocab_size)
     holds an id outside [0, vocab_size)."""
@@ -69,10 +75,19 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
     `generate`).
     """
     cfg, ops = model.config, model.ops
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens: expected a value >= 0, got {max_new_tokens}")
+    if not (_is_int(max_new_tokens) and max_new_tokens >= 0):
+        raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
     sampler = sampler or Sampler()
-    stop = cfg.stop_ids if stop_ids is None else frozenset(stop_ids)
+    if stop_ids is not None and (isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__") or
+                                 not all(map(_is_int, stop_ids))):
+        raise TypeError(f"stop_ids: expected None or a collection of int token ids, got {stop_ids!r}")
+    stop = cfg.stop_ids if stop_ids is None else frozenset(int(t) for t in stop_ids)
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+        raise TypeError(f"prompts: expected a list of lists of int token ids, got {type(prompts).__name__}")
+    prompts = list(prompts)
+    for b, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__") or not all(map(_is_int, p)):
+            raise TypeError(f"prompt {b}: expected a list of int token ids, got {p!r:.80}")
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts:
         raise ValueError("prompts: expected at least one prompt, got an empty list")
@@ -105,7 +120,8 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
         result.prefill_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
         on_gpu = sampler.on_gpu and hasattr(model, "decode_steps")  # only the token ids come back
-        gpu_seed = 0 if sampler.seed is None else sampler.seed
+        # (an unseeded sampler draws the device's seed from its own fresh generator: a new stream every run)
+        gpu_seed = int(sampler.rng.integers(2**63)) if sampler.seed is None else sampler.seed
         while active:
             last = [seqs[b].ids[-1] for b in active]
             if on_gpu:   # a power of two steps (few graphs), none past any sequence's budget

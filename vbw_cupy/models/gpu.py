@@ -65,11 +65,9 @@ def _kernel(name: str):
 
 
 def rope_table(config: LlamaConfig) -> np.ndarray:
-    """float32 [seq_len, head_dim]: per position the head_dim / 2 cosines then sines of pos * theta^(-2j / D),
-    computed in float64 (as the reference's `ArrayOps.rope`)."""
-    D = config.head_dim
-    inv_freq = config.rope_theta ** (-np.arange(0, D, 2, dtype=np.float64) / D)
-    ang = np.arange(config.seq_len, dtype=np.float64)[:, None] * inv_freq[None, :]
+    """float32 [seq_len, head_dim]: per position the head_dim / 2 cosines then sines of pos * inv_freq[j]
+    (config.rope_inv_freq()), computed in float64 (as the reference's `ArrayOps.rope`)."""
+    ang = np.arange(config.seq_len, dtype=np.float64)[:, None] * config.rope_inv_freq()[None, :]
     return np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
 
 

@@ -21,8 +21,11 @@ class LlamaConfig:
     dim: model width; hidden_dim: FFN width; n_heads query heads and n_kv_heads key/value heads (grouped
     query attention: query head h reads KV head h // (n_heads // n_kv_heads)); seq_len: the longest sequence
     (prompt plus generated tokens, less the last one, which is never fed back). rope_style "adjacent" rotates
-    pairs (2j, 2j + 1) of a head (llama2.c), "halves" pairs (j, j + head_dim / 2) (Hugging Face).
-    shared_classifier: the logits use the token embedding. Generation stops at BOS or any of `eos_ids`.
+    pairs (2j, 2j + 1) of a head (llama2.c), "halves" pairs (j, j + head_dim / 2) (Hugging Face); pair j turns
+    by pos * rope_theta^(-2j / head_dim), changed by `rope_scaling` when it is not empty: ("linear", factor)
+    divides every frequency by factor; ("llama3", factor, low_freq_factor, high_freq_factor, original_max_len)
+    is Llama 3.1's (see `rope_inv_freq`). shared_classifier: the logits use the token embedding. Generation
+    stops at BOS or any of `eos_ids`.
     """
     dim: int
     hidden_dim: int
@@ -34,6 +37,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_style: str = "adjacent"
+    rope_scaling: tuple = ()
     shared_classifier: bool = True
     bos_id: int = 1
     eos_ids: tuple = (2,)
@@ -53,6 +57,13 @@ class LlamaConfig:
             raise ValueError(f"n_kv_heads: expected a divisor of n_heads = {self.n_heads}, got {self.n_kv_heads}")
         if self.rope_style not in ROPE_STYLES:
             raise ValueError(f"rope_style: expected one of {ROPE_STYLES}, got {self.rope_style!r}")
+        rs = self.rope_scaling
+        numbers = type(rs) is tuple and all(type(v) in (int, float) and 0 < v < np.inf for v in rs[1:])
+        if rs != () and not (numbers and ((len(rs) == 2 and rs[0] == "linear") or
+                                          (len(rs) == 5 and rs[0] == "llama3" and rs[2] < rs[3]))):
+            raise ValueError("rope_scaling: expected (), ('linear', factor) or ('llama3', factor, low_freq_factor, "
+                             f"high_freq_factor, original_max_len) with positive finite numbers and low < high, "
+                             f"got {rs!r}")
 
     @property
     def head_dim(self) -> int:
@@ -61,6 +72,23 @@ class LlamaConfig:
     @property
     def kv_dim(self) -> int:
         return self.head_dim * self.n_kv_heads
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """float64 [head_dim / 2]: the angle a position turns pair j by (the model's, the reference's and the
+        GPU table's one definition). Llama 3.1's scaling keeps the frequencies whose wavelength 2 pi / f is below
+        original_max_len / high_freq_factor, divides those above original_max_len / low_freq_factor by factor,
+        and in between blends f / factor and f by (original_max_len / wavelength - low) / (high - low)."""
+        D = self.head_dim
+        f = float(self.rope_theta) ** (-np.arange(0, D, 2, dtype=np.float64) / D)
+        if not self.rope_scaling:
+            return f
+        kind, factor = self.rope_scaling[0], float(self.rope_scaling[1])
+        if kind == "linear":
+            return f / factor
+        low, high, old_len = (float(v) for v in self.rope_scaling[2:])
+        ratio = old_len * f / (2 * np.pi)  # original_max_len / wavelength
+        blend = np.clip((ratio - low) / (high - low), 0.0, 1.0)  # 0: long wavelengths (scaled), 1: short (kept)
+        return (1.0 - blend) * f / factor + blend * f
 
     @property
     def stop_ids(self) -> frozenset:
@@ -163,11 +191,22 @@ class Llama:
 
     def prefill(self, prompts, cache: LlamaKVCache, slots, all_logits: bool = False):
         """Run the prompts (lists of token ids) at positions 0.., writing their K and V into cache slots `slots`
-        (empty). Returns float32 logits of each prompt's last token [B, vocab], or with all_logits=True of every
-        token [sum of lengths, vocab] (packed in prompt order), as a backend array."""
+        (what they held before is dropped, as on the GPU). Returns float32 logits of each prompt's last token
+        [B, vocab], or with all_logits=True of every token [sum of lengths, vocab] (packed in prompt order), as a
+        backend array. Every argument is checked before any slot changes."""
         lens = np.array([len(p) for p in prompts], dtype=np.int64)
+        kv0 = cache.layers[0]
+        slots = [int(x) for x in np.asarray(slots, dtype=np.int64).reshape(-1)]
+        if len(slots) != lens.size or not slots or min(slots) < 0 or max(slots) >= kv0.max_batch or \
+                len(set(slots)) != len(slots):
+            raise ValueError(f"slots: expected {lens.size} distinct slots (one a prompt, at least one) in "
+                             f"[0, {kv0.max_batch}), got {slots}")
         if (lens < 1).any():
             raise ValueError("prompts: every prompt needs at least one token")
+        capacity = kv0.block_table.shape[1] * kv0.block_size
+        if (lens > capacity).any() or (lens > self.config.seq_len).any():
+            raise ValueError(f"prompts: {int(lens.max())} tokens, more than the cache's {capacity} or the "
+                             f"model's seq_len = {self.config.seq_len}")
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
         positions = np.concatenate([np.arange(n) for n in lens])
@@ -179,7 +218,10 @@ class Llama:
                 kv_cache.append(k[None, cu[b]:cu[b + 1]], v[None, cu[b]:cu[b + 1]], seqs=[slot])
             return ops.attention_prefill(q, k, v, cu, max_len)
 
-        x = self._blocks(ops.embedding(self.weights.token_embedding, ids), positions, attend)
+        x = ops.embedding(self.weights.token_embedding, ids)  # (checks the ids before a slot changes)
+        for slot in slots:
+            cache.free(slot)
+        x = self._blocks(x, positions, attend)
         return self._logits(x if all_logits else x[ops.xp.asarray(cu[1:] - 1)])
 
     def decode(self, tokens, cache: LlamaKVCache, slots):
@@ -206,7 +248,7 @@ class Llama:
             q = ops.matmul(h, lw.wq).reshape(T, -1, hd)
             k = ops.matmul(h, lw.wk).reshape(T, -1, hd)
             v = ops.matmul(h, lw.wv).reshape(T, -1, hd)
-            q, k = ops.rope(q, k, positions, c.rope_style, c.rope_theta)
+            q, k = ops.rope(q, k, positions, c.rope_style, c.rope_inv_freq())
             o = attend(i, q.astype(adt), k.astype(adt), v.astype(adt))
             x = x + self._reduce(ops.matmul(o.reshape(T, -1), lw.wo))
             h = ops.rmsnorm(x, lw.rms_ffn, c.norm_eps)

@@ -100,6 +100,9 @@ def save_llama2c(path, config: LlamaConfig, weights: LlamaWeights) -> Path:
     if config.rope_style != "adjacent":
         raise ValueError(f"config: llama2.c files rotate adjacent pairs; rope_style {config.rope_style!r} cannot be "
                          "stored in one")
+    if config.rope_theta != 10000.0 or config.rope_scaling:
+        raise ValueError(f"config: llama2.c files (run.c) turn pairs by theta = 10000 unscaled; rope_theta "
+                         f"{config.rope_theta} / rope_scaling {config.rope_scaling!r} cannot be stored in one")
     f32 = lambda a: np.ascontiguousarray(np.asarray(a, dtype="<f4"))  # noqa: E731
     head = (config.dim, config.hidden_dim, config.n_layers, config.n_heads, config.n_kv_heads,
             config.vocab_size if shared else -config.vocab_size, config.seq_len)
@@ -121,20 +124,41 @@ def _hf_config(folder: Path) -> LlamaConfig:
     c = json.loads(path.read_text())
     if c.get("model_type", "llama") != "llama":
         raise ValueError(f"{path}: model_type {c['model_type']!r} is not supported (only 'llama')")
-    if c.get("rope_scaling"):
-        raise ValueError(f"{path}: rope_scaling {c['rope_scaling']!r} is not supported")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise ValueError(f"{path}: linear biases (attention_bias / mlp_bias) are not supported")
-    n_heads = c["num_attention_heads"]
-    if c.get("head_dim", c["hidden_size"] // n_heads) * n_heads != c["hidden_size"]:
-        raise ValueError(f"{path}: head_dim {c['head_dim']} * num_attention_heads != hidden_size is not supported")
+    n_heads, width = c["num_attention_heads"], c["hidden_size"]
+    if "head_dim" in c and c["head_dim"] * n_heads != width:
+        raise ValueError(f"{path}: head_dim {c['head_dim']} * num_attention_heads {n_heads} != hidden_size {width} "
+                         "is not supported")
+    if width % n_heads:
+        raise ValueError(f"{path}: hidden_size {width} is not a multiple of num_attention_heads {n_heads}")
     eos = c.get("eos_token_id", 2)
     return LlamaConfig(dim=c["hidden_size"], hidden_dim=c["intermediate_size"], n_layers=c["num_hidden_layers"],
                        n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
                        vocab_size=c["vocab_size"], seq_len=c.get("max_position_embeddings", 2048),
                        norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=float(c.get("rope_theta", 10000.0)),
-                       rope_style="halves", shared_classifier=bool(c.get("tie_word_embeddings", False)),
+                       rope_style="halves", rope_scaling=_rope_scaling(path, c.get("rope_scaling")),
+                       shared_classifier=bool(c.get("tie_word_embeddings", False)),
                        bos_id=c.get("bos_token_id", 1), eos_ids=tuple(eos) if isinstance(eos, list) else (eos,))
+
+
+def _rope_scaling(path, rs) -> tuple:
+    """config.json's rope_scaling as LlamaConfig.rope_scaling: none / "default" (), "linear", "llama3" (Llama
+    3.1 / 3.2); the others (dynamic NTK, YaRN, ...) are refused by name."""
+    if not rs:
+        return ()
+    kind = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else None
+    try:
+        if kind == "default":
+            return ()
+        if kind == "linear":
+            return ("linear", float(rs["factor"]))
+        if kind == "llama3":
+            return ("llama3", float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"]),
+                    float(rs["original_max_position_embeddings"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: rope_scaling {rs!r}: {type(e).__name__} {e}") from None
+    raise ValueError(f"{path}: rope_scaling {rs!r} is not supported (rope_type 'default', 'linear' or 'llama3')")
 
 
 def load_hf(folder) -> tuple[LlamaConfig, LlamaWeights]:
@@ -143,13 +167,29 @@ def load_hf(folder) -> tuple[LlamaConfig, LlamaWeights]:
     tensor; ValueError naming a tensor of the wrong shape."""
     folder = _existing(folder, "checkpoint")
     config = _hf_config(folder)
-    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # the shards it names (a stray file beside them is not read)
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: expected a non-empty weight_map")
+        files = [_existing(folder / f, "shard") for f in sorted(set(weight_map.values()))]
+    else:
+        weight_map, files = None, sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"checkpoint: no *.safetensors file in {folder}")
     safetensors = require_extra("safetensors")
     with contextlib.ExitStack() as stack:
-        shards = [stack.enter_context(safetensors.safe_open(str(f), framework="np")) for f in files]
-        where = {name: shard for shard in shards for name in shard.keys()}
+        shards = {f.name: stack.enter_context(safetensors.safe_open(str(f), framework="np")) for f in files}
+        if weight_map is not None:
+            where = {name: shards[f] for name, f in weight_map.items()}
+        else:
+            where = {}
+            for f, shard in shards.items():
+                for name in shard.keys():
+                    if name in where:
+                        raise ValueError(f"{folder}: tensor {name!r} is in two files ({f} and another); a "
+                                         "model.safetensors.index.json says which shard to read")
+                    where[name] = shard
 
         def get(name):
             if name not in where:

@@ -86,13 +86,11 @@ class ArrayOps:
         """silu(a) * b, elementwise (the SwiGLU gate)."""
         return a / (1.0 + self.xp.exp(-a)) * b
 
-    def rope(self, q, k, positions, style: str, theta: float):
+    def rope(self, q, k, positions, style: str, inv_freq: np.ndarray):
         """Rotary embedding of q [T, Hq, D] and k [T, Hkv, D] at host int positions [T]: pair j of a head
-        turns by angle pos * theta^(-2j / D). style "adjacent" pairs elements (2j, 2j + 1) (llama2.c);
-        "halves" pairs (j, j + D / 2) (Hugging Face)."""
-        D = q.shape[-1]
-        inv_freq = theta ** (-np.arange(0, D, 2, dtype=np.float64) / D)
-        ang = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+        turns by angle pos * inv_freq[j] (float64 [D / 2], LlamaConfig.rope_inv_freq). style "adjacent" pairs
+        elements (2j, 2j + 1) (llama2.c); "halves" pairs (j, j + D / 2) (Hugging Face)."""
+        ang = np.asarray(positions, dtype=np.float64)[:, None] * np.asarray(inv_freq, dtype=np.float64)[None, :]
         cos = self.xp.asarray(np.cos(ang)[:, None, :], dtype=np.float32)
         sin = self.xp.asarray(np.sin(ang)[:, None, :], dtype=np.float32)
         return _rotate(self.xp, q, cos, sin, style), _rotate(self.xp, k, cos, sin, style)

@@ -6,15 +6,17 @@ import numpy as np
 
 def sampling_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """The distribution a token is drawn from, float64 [vocab]: softmax(logits / temperature), restricted to the
-    `top_k` most likely tokens (0: all) and then to the smallest set of most likely tokens whose probability
-    reaches `top_p` (1.0: all), renormalized. Ties in probability keep the lower id first."""
-    z = np.asarray(logits, dtype=np.float64) / temperature
-    p = np.exp(z - z.max())
+    `top_k` most likely tokens (0: all), renormalized, then to the smallest set of most likely tokens whose
+    probability reaches `top_p` (1.0: all), renormalized (the order Hugging Face and vLLM apply them in). Ties in
+    probability keep the lower id first."""
+    z = np.asarray(logits, dtype=np.float64)
+    with np.errstate(over="ignore"):  # (shifted first: logits / a tiny temperature overflowed to inf - inf)
+        p = np.exp((z - z.max()) / temperature)
     order = np.argsort(-p, kind="stable")
     keep = len(p) if top_k <= 0 else min(top_k, len(p))
     if top_p < 1.0:
-        cum = np.cumsum(p[order[:keep]]) / p.sum()
-        keep = min(keep, int(np.searchsorted(cum, top_p)) + 1)
+        cum = np.cumsum(p[order[:keep]])
+        keep = min(keep, int(np.searchsorted(cum / cum[-1], top_p)) + 1)
     out = np.zeros_like(p)
     out[order[:keep]] = p[order[:keep]]
     return out / out.sum()
@@ -29,12 +31,16 @@ class Sampler:
     """
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
-        if not temperature >= 0.0:
-            raise ValueError(f"temperature: expected a value >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p: expected a value in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k: expected a value >= 0 (0: off), got {top_k}")
+        real = lambda v: isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+        whole = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+        if not (real(temperature) and 0.0 <= temperature < np.inf):
+            raise ValueError(f"temperature: expected a finite number >= 0, got {temperature!r}")
+        if not (real(top_p) and 0.0 < top_p <= 1.0):
+            raise ValueError(f"top_p: expected a number in (0, 1], got {top_p!r}")
+        if not (whole(top_k) and top_k >= 0):
+            raise ValueError(f"top_k: expected an int >= 0 (0: off), got {top_k!r}")
+        if not (seed is None or (whole(seed) and seed >= 0)):
+            raise ValueError(f"seed: expected None or an int >= 0, got {seed!r}")
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self.seed = seed
         self.rng = np.random.default_rng(seed)
