@@ -149,6 +149,30 @@ def test_full_pattern_is_dense_attention(causal):
     assert np.allclose(o, o2, rtol=0, atol=1e-6) and np.allclose(lse, lse2, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_and_inf_reach_exactly_the_rows_that_see_them(causal):
+    # docs/nan.md rule 1 on the reference: a NaN key / query or an Inf value reaches the rows that see it, and
+    # only those, as in flash_attention (the block-sparse reference once turned a NaN row into 0 / -inf and
+    # spread 0 * Inf to rows that cannot see the key)
+    rng = np.random.default_rng(6)
+    B, S, Hq, Hkv, D = 1, 96, 2, 1, 16
+    q, k, v = _rand(rng, (B, S, Hq, D)), _rand(rng, (B, S, Hkv, D)), _rand(rng, (B, S, Hkv, D))
+    k[0, 40, 0, 3], q[0, 7, 1, 0], v[0, 70, 0, 5] = np.nan, np.nan, np.inf
+    indptr, indices = SP.bsr_from_mask(np.ones((S // 16, S // 16), bool))
+    with np.errstate(all="raise"):  # (and quietly: no RuntimeWarning)
+        o, lse = vbw_cupy.block_sparse_attention(q, k, v, indptr, indices, block_q=16, block_k=16, causal=causal,
+                                                 return_lse=True)
+    o2, lse2 = ref.flash_attention(q, k, v, causal=causal, return_lse=True)
+    for f in (np.isnan, np.isinf):
+        np.testing.assert_array_equal(f(o), f(o2))
+        np.testing.assert_array_equal(f(lse), f(lse2))
+    assert np.isnan(o[0, 7, 1]).all() and np.isnan(lse[0, 1, 7])
+    if causal:   # rows before key 40 see no bad key (but row 7's NaN query)
+        assert np.isfinite(np.delete(o[0, :40], 7, axis=0)).all()
+    ok = np.isfinite(o2)
+    assert np.allclose(o[ok], o2[ok], rtol=0, atol=1e-6)
+
+
 def test_lowp_baseline_is_close():
     rng = np.random.default_rng(9)
     q, k, v = (_rand(rng, (1, 256, 2, 64), np.float16) for _ in range(3))

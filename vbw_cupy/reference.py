@@ -487,22 +487,24 @@ def block_sparse_attention(q, k, v, indptr, indices, *, block_q, block_k, causal
                 keys = (blocks[:, None] * block_k + np.arange(block_k)[None, :]).reshape(-1)
                 keys = keys[keys < Sk]
                 qq = q[b, i0:i1, heads, :].astype(ft).transpose(1, 0, 2)          # [group, rows, D]
-                s = (qq @ kh[keys].T) * scale                                    # [group, rows, keys]
-                if cap > 0:
-                    s = cap * np.tanh(s / cap)
-                if causal:
-                    s = np.where(keys[None, :] <= np.arange(i0, i1)[:, None], s, ft(-np.inf))
-                m = s.max(axis=-1, keepdims=True, initial=ft(-np.inf))
-                m = np.where(np.isfinite(m), m, ft(0))
-                e = np.exp(s - m)
-                l = e.sum(axis=-1, keepdims=True, dtype=ft)
-                if lowp:
-                    e = e.astype(q.dtype).astype(ft)
-                o = np.divide(e @ vh[keys], l, out=np.zeros(qq.shape, dtype=ft), where=l > 0)
+                mask = (keys[None, :] <= np.arange(i0, i1)[:, None] if causal else
+                        np.ones((i1 - i0, keys.size), dtype=bool))                 # [rows, keys]
+                with np.errstate(invalid="ignore", over="ignore"):  # NaN / Inf propagate as in _attend
+                    s = (qq @ kh[keys].T) * scale                                # [group, rows, keys]
+                    if cap > 0:
+                        s = cap * np.tanh(s / cap)
+                    s = np.where(mask, s, ft(-np.inf))
+                    m = s.max(axis=-1, keepdims=True, initial=ft(-np.inf))      # NaN if a seen score is NaN
+                    e = np.exp(s - np.where(m == -np.inf, ft(0), m))             # 0 where masked
+                    l = e.sum(axis=-1, keepdims=True, dtype=ft)
+                    if lowp:
+                        e = e.astype(q.dtype).astype(ft)
+                    seen = np.broadcast_to(mask.any(axis=-1)[:, None], l.shape)
+                    o = np.divide(_masked_pv(e, vh[keys], mask), l, out=np.zeros(qq.shape, dtype=ft), where=seen)
                 out[b, i0:i1, heads, :] = (o.astype(q.dtype) if lowp else _round_from_f64(o, q.dtype)).transpose(1, 0, 2)
                 if lse is not None:
-                    seen = l > 0
-                    lse[b, heads, i0:i1] = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)[..., 0]
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        lse[b, heads, i0:i1] = np.where(seen, m + np.log(l), -np.inf)[..., 0]
     return (out, lse) if return_lse else out
 
 
