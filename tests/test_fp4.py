@@ -141,10 +141,27 @@ def test_signed_zero():
     (lambda: vc.dequantize(vc.quantize(np.ones((1, 4), np.float32)), np.int8), TypeError, "dtype"),
     (lambda: vc.FP4Tensor(np.zeros((2, 7), np.uint8), np.zeros((2, 1), np.uint8), 1.0, "nvfp4", (2, 15)),
      ValueError, "data: expected shape"),
+    # an mxfp4 tensor with a tensor scale: fp4_matmul on the GPU applied it, dequantize and NumPy did not
+    (lambda: vc.FP4Tensor(np.zeros((2, 16), np.uint8), np.zeros((2, 1), np.uint8), 2.0, "mxfp4", (2, 32)),
+     ValueError, r"global_scale: mxfp4 has no tensor scale \(expected 1.0\), got 2.0"),
+    (lambda: vc.FP4Tensor(np.zeros((2, 8), np.uint8), np.zeros((2, 1), np.uint8), "2.0", "nvfp4", (2, 16)),
+     TypeError, "global_scale: expected a real number, got str"),
+    (lambda: vc.FP4Tensor(np.zeros((2, 8), np.uint8), np.zeros((2, 1), np.uint8), 1j, "nvfp4", (2, 16)),
+     TypeError, "global_scale: expected a real number, got complex"),
+    (lambda: vc.FP4Tensor(np.zeros((2, 8), np.uint8), np.zeros((2, 1), np.uint8), 1e39, "nvfp4", (2, 16)),
+     ValueError, "global_scale: expected a positive finite float32, got 1e[+]39"),
+    (lambda: vc.FP4Tensor(np.zeros((2, 8), np.uint8), np.zeros((2, 1), np.uint8), 1.0, "nvfp4", None),
+     TypeError, "shape: expected a tuple of ints, got None"),
+    (lambda: vc.FP4Tensor(np.zeros((2, 8), np.uint8), np.zeros((2, 1), np.uint8), 1.0, "nvfp4", (2, 15.9)),
+     TypeError, r"shape: expected a tuple of ints, got \(2, 15.9\)"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", 10**400), ValueError, "global_scale: expected a pos"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", 1e300), ValueError, "global_scale: expected a pos"),
 ])
 def test_bad_input(bad, exc, match):
-    with pytest.raises(exc, match=match):
-        bad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no overflow warning before the error)
+        with pytest.raises(exc, match=match):
+            bad()
 
 
 def test_global_scale_takes_numpy_scalars():

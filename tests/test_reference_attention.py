@@ -504,6 +504,8 @@ BAD = [
     (_dense(softcap="big"), TypeError, "softcap: expected a float >= 0, got str"),
     (_dense(softmax_scale=float("inf")), ValueError, "softmax_scale: expected a finite float .*, got inf"),
     (_dense(softmax_scale="x"), TypeError, "softmax_scale: expected None or a float, got str"),
+    (_dense(softmax_scale=-10**400), ValueError, "softmax_scale: expected a finite float .*, got -inf"),
+    (_dense(softcap=10**400), ValueError, "softcap: expected a finite float >= 0 .*, got inf"),
     (_dense(causal="yes"), TypeError, "causal: expected a bool, got str"),
     (_dense(return_lse=1), TypeError, "return_lse: expected a bool, got int"),
     # varlen
@@ -643,6 +645,15 @@ def test_window_inf_value_reaches_only_rows_that_see_it():
     assert _bad_rows(o).tolist() == list(range(892, 909))  # the 17 rows that see key 900
     rest = np.r_[0:892, 909:1024]
     np.testing.assert_array_equal(o[:, rest], clean[:, rest])
+
+
+def test_windows_wider_than_any_distance_are_unbounded():
+    # (0, 2^63) used to overflow int64 in the reference's masks
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal((1, 40, 2, 16)).astype(np.float16) for _ in range(3))
+    for wide, same in (((0, 2**63), (0, -1)), ((2**40, 3), (-1, 3)), ((10**30, 10**30), (-1, -1))):
+        np.testing.assert_array_equal(vbw_cupy.flash_attention(q, k, v, window=wide),
+                                      vbw_cupy.flash_attention(q, k, v, window=same))
 
 
 def test_varlen_and_paged_bad_values_stay_in_their_rows():

@@ -178,6 +178,15 @@ def _is_int(x):
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
+def _float_or_inf(x) -> float:
+    """float(x), or +-inf for an int past float's range (float() raises OverflowError): the range checks that
+    follow then name the argument."""
+    try:
+        return float(x)
+    except OverflowError:
+        return _math.inf if x > 0 else -_math.inf
+
+
 def _is_real(x):
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
@@ -204,7 +213,7 @@ def check_softcap(softcap):
     """Validate `softcap`: 0 (off) or a float in SOFTCAP_RANGE (2^-32 to 2^64). Returns it as a float."""
     if not _is_real(softcap):
         raise TypeError(f"softcap: expected a float >= 0, got {type(softcap).__name__} {softcap!r}")
-    softcap = float(softcap)
+    softcap = _float_or_inf(softcap)
     if not (_math.isfinite(softcap) and softcap >= 0.0):
         raise ValueError(f"softcap: expected a finite float >= 0 (0 is off), got {softcap}")
     if softcap != 0.0 and not SOFTCAP_RANGE[0] <= softcap <= SOFTCAP_RANGE[1]:
@@ -228,7 +237,7 @@ def effective_scale(softmax_scale, D):
     if not _is_real(softmax_scale):
         raise TypeError(f"softmax_scale: expected None or a float, got {type(softmax_scale).__name__} "
                         f"{softmax_scale!r}")
-    scale = float(softmax_scale)
+    scale = _float_or_inf(softmax_scale)
     if not abs(scale) <= MAX_SOFTMAX_SCALE:  # NaN fails too
         raise ValueError(f"softmax_scale: expected a finite float with |softmax_scale| <= 2^64 (larger scales "
                          f"overflow float32 scores), got {scale}")

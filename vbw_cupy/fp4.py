@@ -51,14 +51,21 @@ class FP4Tensor:
     def __post_init__(self):
         if not isinstance(self.format, str) or self.format not in FORMATS:
             raise ValueError(f"format: expected one of {sorted(FORMATS)}, got {self.format!r}")
+        if not isinstance(self.shape, (tuple, list)) or not all(
+                isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_)) for s in self.shape):
+            raise TypeError(f"shape: expected a tuple of ints, got {self.shape!r}")
         shape = tuple(int(s) for s in self.shape)
         object.__setattr__(self, "shape", shape)
         gs = self.global_scale
-        if isinstance(gs, bool) or not np.isscalar(gs) and np.ndim(gs) != 0:
-            raise TypeError(f"global_scale: expected a float, got {gs!r}")
-        gs = np.float32(gs)
+        kind = np.asarray(gs).dtype.kind if np.isscalar(gs) or np.ndim(gs) == 0 else None
+        if isinstance(gs, (bool, np.bool_)) or kind not in ("i", "u", "f"):
+            raise TypeError(f"global_scale: expected a real number, got {type(gs).__name__} {gs!r}")
+        with np.errstate(over="ignore"):  # (past float32's range: inf, refused below)
+            gs = np.float32(gs)
         if not (np.isfinite(gs) and gs > 0):
             raise ValueError(f"global_scale: expected a positive finite float32, got {self.global_scale!r}")
+        if self.format == "mxfp4" and gs != 1:
+            raise ValueError(f"global_scale: mxfp4 has no tensor scale (expected 1.0), got {self.global_scale!r}")
         object.__setattr__(self, "global_scale", gs)
         block = FORMATS[self.format]
         if len(shape) < 1 or shape[-1] < 1:
@@ -142,9 +149,11 @@ def _check_global_scale(global_scale, fmt):
         raise ValueError(f"global_scale: expected a positive finite float (a scalar), got {global_scale!r}")
     try:
         gs = float(global_scale)
-    except (TypeError, ValueError):
-        raise ValueError(f"global_scale: expected a positive finite float, got {global_scale!r}") from None
-    if not (math.isfinite(gs) and gs > 0) or not (np.isfinite(np.float32(gs)) and np.float32(gs) > 0):
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"global_scale: expected a positive finite float32, got {global_scale!r}") from None
+    with np.errstate(over="ignore"):
+        g32 = np.float32(gs)
+    if not (math.isfinite(gs) and gs > 0) or not (np.isfinite(g32) and g32 > 0):
         raise ValueError(f"global_scale: expected a positive finite float32, got {global_scale!r}")
     return np.float32(gs)
 

@@ -314,6 +314,7 @@ def _query_blocks(Sq, Sk, group, left, right):
     """Yield (i0, i1, j0, j1, mask): query rows [i0, i1), the keys [j0, j1) any of them may see, and
     mask[r, c] True iff query i0 + r sees key j0 + c (bottom-right aligned, docs/attention.md)."""
     offset = Sk - Sq
+    left, right = (-1 if w > Sq + Sk else w for w in (left, right))  # wider than any distance: unbounded
     rows = max(1, min(_BLOCK_ROWS, _BLOCK_ELEMS // (group * max(Sk, 1))))
     for i0 in range(0, Sq, rows):
         i1 = min(Sq, i0 + rows)
