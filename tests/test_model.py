@@ -277,6 +277,30 @@ def test_hf_shards_by_index_and_duplicates(tmp_path):
     np.testing.assert_array_equal(model.prefill([[1, 7, 9]], model.new_cache(1, 16), [0]), want)
 
 
+def test_hf_folder_errors_name_the_file(tmp_path):
+    w = random_weights(np.random.default_rng(13), 32, 48, 1, 4, 2, 50, False)
+    for i, (extra, match) in enumerate((
+            ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+            ({"bos_token_id": None}, "config.json: bos_id: expected an int token id >= 0, got None"),
+            ({"rms_norm_eps": -1e-5}, "config.json: norm_eps: expected a positive finite number")),):
+        folder = write_hf(tmp_path / f"a{i}", w, 16, False, 10000.0, np.float32, **extra)
+        with pytest.raises(ValueError, match=match):
+            load_model(folder)
+    folder = write_hf(tmp_path / "b", w, 16, False, 10000.0, np.float32)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "hidden_size"}))
+    with pytest.raises(ValueError, match="config.json: missing hidden_size"):
+        load_model(folder)
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json: not a JSON file"):
+        load_model(folder)
+    folder = write_hf(tmp_path / "c", w, 16, False, 10000.0, np.float32)
+    data = (folder / "a.safetensors").read_bytes()
+    (folder / "a.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match="a.safetensors: not a readable safetensors file"):
+        load_model(folder)
+
+
 def test_llama2c_cannot_store_other_rope(tmp_path):
     from vbw_cupy.models import LlamaConfig, save_llama2c
     from vbw_cupy.models.llama import random_weights as model_weights
@@ -413,6 +437,13 @@ def test_tokenizer_merges_by_best_score(tok_bin):
     assert tok.decode([piece[b"hi"], piece[b" "], piece[b"abc"]]) == "hi abc"
 
 
+def test_tokenizer_refuses_ids_past_its_pieces():
+    tok = Llama2cTokenizer.byte_level()
+    assert tok.decode([1, 3 + ord("h")]) == "h"
+    with pytest.raises(ValueError, match="token 300: outside this tokenizer's 259 pieces"):
+        tok.decode([1, 300])
+
+
 @pytest.mark.parametrize("text", ["hi abc", "é and 日本 \U0001F600!", "a\nb\tc", "ça"])
 def test_tokenizer_round_trip_with_byte_fallback(tok_bin, text):
     tok = load_tokenizer(tok_bin)
@@ -529,7 +560,7 @@ class OneTokenModel:
         return type("Cache", (), {"free": lambda self, b: None})()
 
     def prefill(self, prompts, cache, slots):
-        return np.tile(np.eye(9)[5], (len(prompts), 1))
+        return np.tile(1e3 * np.eye(9)[5], (len(prompts), 1))   # (5 whatever the host sampler draws)
 
     def decode_steps(self, last, cache, slots, n, temperature, seed):
         self.seeds.append(seed)
@@ -603,6 +634,27 @@ def test_prompt_token_ids_outside_the_vocabulary(tmp_path, tok_bin):
         generate_ids(model, [], max_new_tokens=2)
     with pytest.raises(ValueError, match="prompts: expected a string or a non-empty list"):
         generate(model, load_tokenizer(tok_bin), [], max_new_tokens=2)
+
+
+def test_model_checks_weights_against_the_config(tmp_path):
+    from vbw_cupy.models import Llama, LlamaConfig
+    from vbw_cupy.models.llama import random_weights as model_weights
+    sizes = dict(dim=32, hidden_dim=48, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=8)
+    cfg = LlamaConfig(vocab_size=40, **sizes)
+    with pytest.raises(ValueError, match=r"weights: token_embedding: expected shape \(40, 32\), got \(50, 32\)"):
+        Llama(cfg, model_weights(LlamaConfig(vocab_size=50, **sizes)))
+    with pytest.raises(ValueError, match="weights: expected 2 layers, got 3"):
+        Llama(cfg, model_weights(LlamaConfig(vocab_size=40, **dict(sizes, n_layers=3))))
+    with pytest.raises(TypeError, match="weights: expected LlamaWeights, got NoneType"):
+        Llama(cfg, None)
+    with pytest.raises(TypeError, match="config: expected a LlamaConfig, got dict"):
+        Llama(sizes, model_weights(cfg))
+    with pytest.raises(ValueError, match="weight_format: expected one of"):
+        Llama(cfg, model_weights(cfg), weight_format="int4")
+    w = random_weights(np.random.default_rng(1), 32, 48, 1, 4, 2, 50, True)
+    path = write_llama2c(tmp_path / "m.bin", w, 8, True)
+    with pytest.raises(ValueError, match=r"weights: expected one of .* on device 'cpu', got 'int4'"):
+        load_model(path, weights="int4")
 
 
 def test_config_refuses_head_dims_past_256():

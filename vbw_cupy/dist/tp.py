@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 
 from ..models.gpu import LlamaGPU
-from ..models.llama import Llama, LlamaConfig, LlamaKVCache, LlamaWeights
+from ..models.llama import Llama, LlamaConfig, LlamaKVCache, LlamaWeights, check_model_args
 from ..models.ops import ArrayOps, numpy_ops
 from .comm import Comm, NcclComm, RankThreads, SimGroup
 
@@ -54,6 +54,7 @@ def shard_weights(config: LlamaConfig, weights: LlamaWeights, rank: int, size: i
     (cfg.dim // 2, cfg.dim)
     """
     check_tp(config, size)
+    check_model_args(config, weights)
     if not 0 <= rank < size:
         raise ValueError(f"rank: expected 0 <= rank < {size}, got {rank}")
     hd = config.head_dim
@@ -75,6 +76,8 @@ class TPLlama(Llama):
     >>> logits = group.run(lambda comm: TPLlama(cfg, w, comm).prefill(...))          # doctest: +SKIP
     """
 
+    _SHARDED = True
+
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, comm: Comm, ops: ArrayOps | None = None,
                  weight_format: str = "fp32"):
         super().__init__(config, shard_weights(config, weights, comm.rank, comm.size), ops, weight_format)
@@ -93,6 +96,8 @@ class TPLlamaGPU(LlamaGPU):
     rank: its wq rows, then its wk rows, then its wv rows; gate / up likewise), an all-reduce over `comm` (an
     `NcclComm`, on the current stream, so the decode graph captures it) after the O and down projections.
     Every rank computes the same logits; its KV cache holds n_kv_heads / N heads."""
+
+    _SHARDED = True
 
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, comm: Comm, weight_format: str = "fp16", *,
                  act_dtype=np.float16):

@@ -37,7 +37,7 @@ from ..attention import flash_attention_varlen
 from ..fp4 import FP4Tensor, dequantize, quantize
 from ..gemm import fp4_matmul, swiglu_gemv
 from ..paged import paged_attention
-from .llama import LayerWeights, LlamaConfig, LlamaWeights
+from .llama import LayerWeights, LlamaConfig, LlamaWeights, check_model_args
 from .ops import ArrayOps
 
 _SOURCE = "model.cu"
@@ -201,11 +201,14 @@ class LlamaGPU:
     outputs of the O and down projections.
     """
 
+    _SHARDED = False  # (dist.TPLlamaGPU holds a shard: dist.tp checked the full weights)
+
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, weight_format: str = "fp16", *,
                  act_dtype=np.float16):
         cp = rt.require_cupy()
         if weight_format not in GPU_WEIGHT_FORMATS:
-            raise ValueError(f"weights: expected one of {GPU_WEIGHT_FORMATS} on the GPU, got {weight_format!r}")
+            raise ValueError(f"weight_format: expected one of {GPU_WEIGHT_FORMATS} on the GPU, got {weight_format!r}")
+        check_model_args(config, weights, self._SHARDED)
         act_dtype = np.dtype(act_dtype)
         if act_dtype.name not in _ACT:
             raise TypeError(f"act_dtype: expected float16 or bfloat16, got {act_dtype}")

@@ -43,10 +43,22 @@ class LlamaConfig:
     eos_ids: tuple = (2,)
 
     def __post_init__(self):
+        whole = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))  # noqa: E731
         for name in ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len"):
             v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or v < 1:
+            if not whole(v) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        for name in ("norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) or \
+                    not 0 < v < np.inf:
+                raise ValueError(f"{name}: expected a positive finite number, got {v!r}")
+        if not whole(self.bos_id) or self.bos_id < 0:
+            raise ValueError(f"bos_id: expected an int token id >= 0, got {self.bos_id!r}")
+        if type(self.eos_ids) is not tuple or not all(whole(t) and t >= 0 for t in self.eos_ids):
+            raise ValueError(f"eos_ids: expected a tuple of int token ids >= 0, got {self.eos_ids!r}")
+        if not isinstance(self.shared_classifier, (bool, np.bool_)):
+            raise ValueError(f"shared_classifier: expected a bool, got {self.shared_classifier!r}")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"n_heads: expected a divisor of dim = {self.dim} with an even head size, "
                              f"got {self.n_heads}")
@@ -138,6 +150,17 @@ class LlamaWeights:
                 raise ValueError(f"{source}: {n}: expected shape {shape}, got {tuple(got[n].shape)}")
 
 
+def check_model_args(config, weights, sharded: bool = False) -> None:
+    """TypeError unless config is a LlamaConfig and weights LlamaWeights; ValueError when a weight's shape
+    disagrees with config (not for a rank's shard)."""
+    if not isinstance(config, LlamaConfig):
+        raise TypeError(f"config: expected a LlamaConfig, got {type(config).__name__}")
+    if not isinstance(weights, LlamaWeights):
+        raise TypeError(f"weights: expected LlamaWeights, got {type(weights).__name__}")
+    if not sharded:
+        weights.check(config, "weights")
+
+
 class LlamaKVCache:
     """The KV cache of every layer: one `PagedKVCache` per layer, all allocating the same blocks in step.
 
@@ -168,10 +191,13 @@ class Llama:
     `weight_format` ("fp32", "fp16", "nvfp4", "mxfp4"); norms, embedding and classifier stay float32.
     """
 
+    _SHARDED = False  # (a tensor-parallel rank's class holds a shard: dist.tp checked the full weights)
+
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, ops: ArrayOps | None = None,
                  weight_format: str = "fp32"):
         if weight_format not in WEIGHT_FORMATS:
-            raise ValueError(f"weights: expected one of {WEIGHT_FORMATS}, got {weight_format!r}")
+            raise ValueError(f"weight_format: expected one of {WEIGHT_FORMATS}, got {weight_format!r}")
+        check_model_args(config, weights, self._SHARDED)
         self.config = config
         self.ops = ops = ops or numpy_ops()
         self.weight_format = weight_format

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .llama import LayerWeights, Llama, LlamaConfig, LlamaWeights
-from .ops import numpy_ops
+from .ops import WEIGHT_FORMATS, numpy_ops
 
 _HEADER = 7 * 4
 _MAGIC = 0x616B3432  # "ak42": the versioned llama2.c export format
@@ -121,7 +121,18 @@ def save_llama2c(path, config: LlamaConfig, weights: LlamaWeights) -> Path:
 
 def _hf_config(folder: Path) -> LlamaConfig:
     path = _existing(folder / "config.json", "checkpoint")
-    c = json.loads(path.read_text())
+    try:
+        c = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON file ({e})") from None
+    if not isinstance(c, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(c).__name__}")
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                           "vocab_size") if k not in c]
+    if missing:
+        raise ValueError(f"{path}: missing {', '.join(missing)}")
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{path}: hidden_act {c['hidden_act']!r} is not supported (only 'silu', Llama's SwiGLU)")
     if c.get("model_type", "llama") != "llama":
         raise ValueError(f"{path}: model_type {c['model_type']!r} is not supported (only 'llama')")
     if c.get("attention_bias") or c.get("mlp_bias"):
@@ -133,13 +144,17 @@ def _hf_config(folder: Path) -> LlamaConfig:
     if width % n_heads:
         raise ValueError(f"{path}: hidden_size {width} is not a multiple of num_attention_heads {n_heads}")
     eos = c.get("eos_token_id", 2)
-    return LlamaConfig(dim=c["hidden_size"], hidden_dim=c["intermediate_size"], n_layers=c["num_hidden_layers"],
-                       n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
-                       vocab_size=c["vocab_size"], seq_len=c.get("max_position_embeddings", 2048),
-                       norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=float(c.get("rope_theta", 10000.0)),
-                       rope_style="halves", rope_scaling=_rope_scaling(path, c.get("rope_scaling")),
-                       shared_classifier=bool(c.get("tie_word_embeddings", False)),
-                       bos_id=c.get("bos_token_id", 1), eos_ids=tuple(eos) if isinstance(eos, list) else (eos,))
+    try:
+        return LlamaConfig(
+            dim=width, hidden_dim=c["intermediate_size"], n_layers=c["num_hidden_layers"], n_heads=n_heads,
+            n_kv_heads=c.get("num_key_value_heads") or n_heads, vocab_size=c["vocab_size"],
+            seq_len=c.get("max_position_embeddings", 2048), norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=c.get("rope_theta", 10000.0), rope_style="halves",
+            rope_scaling=_rope_scaling(path, c.get("rope_scaling")),
+            shared_classifier=bool(c.get("tie_word_embeddings", False)), bos_id=c.get("bos_token_id", 1),
+            eos_ids=tuple(eos) if isinstance(eos, list) else (eos,))
+    except ValueError as e:  # (a field's check, named as config.json's file)
+        raise ValueError(f"{path}: {e}") from None
 
 
 def _rope_scaling(path, rs) -> tuple:
@@ -179,7 +194,12 @@ def load_hf(folder) -> tuple[LlamaConfig, LlamaWeights]:
         raise FileNotFoundError(f"checkpoint: no *.safetensors file in {folder}")
     safetensors = require_extra("safetensors")
     with contextlib.ExitStack() as stack:
-        shards = {f.name: stack.enter_context(safetensors.safe_open(str(f), framework="np")) for f in files}
+        shards = {}
+        for f in files:
+            try:
+                shards[f.name] = stack.enter_context(safetensors.safe_open(str(f), framework="np"))
+            except Exception as e:  # (safetensors' own error type: a truncated or corrupt file)
+                raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
         if weight_map is not None:
             where = {name: shards[f] for name, f in weight_map.items()}
         else:
@@ -235,6 +255,12 @@ def load_model(path, weights: str | None = None, device: str = "cpu"):
     """
     if device not in ("cpu", "gpu"):
         raise ValueError(f"device: expected 'cpu' or 'gpu', got {device!r}")
+    if device == "gpu":
+        from .gpu import GPU_WEIGHT_FORMATS as formats
+    else:
+        formats = WEIGHT_FORMATS
+    if weights is not None and weights not in formats:
+        raise ValueError(f"weights: expected one of {formats} on device {device!r}, got {weights!r}")
     if device == "gpu":
         from .gpu import LlamaGPU, require_gpu
         require_gpu()

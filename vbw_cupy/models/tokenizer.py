@@ -117,6 +117,9 @@ class Llama2cTokenizer:
         """The bytes token `token` stands for after token `prev` (BOS and EOS stand for nothing)."""
         if token in (self.bos_id, self.eos_id):
             return b""
+        if not 0 <= token < len(self.pieces):
+            raise ValueError(f"token {token}: outside this tokenizer's {len(self.pieces)} pieces (a model with a "
+                             "larger vocabulary than its tokenizer sampled it)")
         piece = self.pieces[token]
         if prev == self.bos_id and piece.startswith(b" "):
             piece = piece[1:]
