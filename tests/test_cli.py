@@ -113,6 +113,19 @@ def test_bench_without_a_gpu_says_nothing_was_measured(monkeypatch, capsys):
     assert cli.main(["bench", "--", "-h"]) == 0   # pytest's help is not a benchmark run
 
 
+def test_bench_report_without_a_gpu_and_bad_json_files(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, cwd=None: 0)   # (pytest ran, wrote no results)
+    monkeypatch.setattr(cli, "_gpu_unusable", lambda: "no CUDA device is visible")
+    assert cli.main(["bench", "--report", str(tmp_path / "r")]) == cli.EXIT_REFERENCE_ONLY
+    assert "nothing was measured" in capsys.readouterr().err
+    (tmp_path / "notjson.json").write_text("{oops")
+    (tmp_path / "other.json").write_text('{"machine_info": {}}')
+    for name, match in (("missing.json", "No such file"), ("notjson.json", "not a JSON file"),
+                        ("other.json", "no 'benchmarks' list")):
+        assert cli.main(["bench", "--report", str(tmp_path / "r"), "--json", str(tmp_path / name)]) == 2
+        assert match in capsys.readouterr().err
+
+
 def test_cold_start_scripts_name_real_ops():
     """selftest --cold: every op's first-call script is valid Python calling public API that exists."""
     import ast

@@ -25,7 +25,10 @@ def load(paths) -> list[dict]:
     """Every benchmark of the given pytest-benchmark JSON files, in order."""
     out = []
     for p in paths:
-        data = json.loads(pathlib.Path(p).read_text())
+        try:
+            data = json.loads(pathlib.Path(p).read_text())
+        except ValueError as e:
+            raise ValueError(f"{p}: not a JSON file ({e})") from None
         if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
             raise ValueError(f"{p}: not a pytest-benchmark JSON file (no 'benchmarks' list)")
         out += data["benchmarks"]

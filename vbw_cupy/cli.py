@@ -216,7 +216,12 @@ def cmd_bench(args) -> int:
         if not args.report:
             print("vbw-cupy bench: --json needs --report DIR", file=sys.stderr)
             return 2
-        print(_report.write(_report.load(args.json), args.report))
+        try:
+            results = _report.load(args.json)
+        except (OSError, ValueError) as e:  # (a missing file, not JSON, no 'benchmarks' list)
+            print(f"vbw-cupy bench: --json: {e}", file=sys.stderr)
+            return 2
+        print(_report.write(results, args.report))
         return 0
     if importlib.util.find_spec("pytest") is None or importlib.util.find_spec("pytest_benchmark") is None:
         print("vbw-cupy bench: needs pytest and pytest-benchmark: pip install -e '.[test]'", file=sys.stderr)
@@ -229,12 +234,16 @@ def cmd_bench(args) -> int:
     cmd = [sys.executable, "-m", "pytest", str(bench_dir), "--benchmark-only", "-q", *extra, *args.pytest_args]
     print("running: " + " ".join(cmd), file=sys.stderr, flush=True)
     rc = subprocess.call(cmd, cwd=str(bench_dir.parent))
+    why = _gpu_unusable()
     if args.report:
         if not json_path.is_file():
             print(f"vbw-cupy bench: pytest wrote no {json_path}; no report", file=sys.stderr)
+            if rc == 0 and why:
+                print(f"vbw-cupy bench: {why.rstrip('.')}: nothing was measured (exit status "
+                      f"{EXIT_REFERENCE_ONLY})", file=sys.stderr)
+                return EXIT_REFERENCE_ONLY
             return rc or 1
         print(_report.write(_report.load([json_path]), args.report))
-    why = _gpu_unusable()
     if rc == 0 and why and "-h" not in args.pytest_args and "--help" not in args.pytest_args:
         print(f"vbw-cupy bench: {why.rstrip('.')}: every benchmark was skipped, nothing was measured "
               f"(exit status {EXIT_REFERENCE_ONLY})", file=sys.stderr)
