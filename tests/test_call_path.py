@@ -477,3 +477,8 @@ def test_check_errors_rejects_an_unknown_op():
     with pytest.raises(ValueError, match=r"op: expected one of .*'paged_attention'.* got 'nonsense'"):
         vc.check_errors(op="nonsense")
     vc.check_errors(op="paged_attention")  # (a known name: nothing flagged, no error)
+    with pytest.raises(ValueError, match=r"op: expected one of .* got \['quantize'\]"):
+        vc.check_errors(op=["quantize"])
+    for bad in ("abc", [0], 1.5, True, -1):
+        with pytest.raises(ValueError, match="device: expected None or a device id"):
+            vc.check_errors(device=bad)

@@ -181,6 +181,10 @@ def test_cache_bookkeeping_numpy():
     assert list(c.lengths()) == [11, 11, 5]
     assert list(c.seq_lens) == [11, 11, 5]
     assert c.num_free_blocks == 12 - 3 - 3 - 2
+    for huge in (21, 2**63):  # past every sequence's capacity: MemoryError, nothing allocated (2^63 overflowed)
+        with pytest.raises(MemoryError, match=f"reserve: {huge} more tokens pass"):
+            c.reserve(huge)
+    assert c.num_free_blocks == 12 - 3 - 3 - 2
     # every stored token is where the table says
     for s in range(3):
         for t, (k, v) in enumerate(toks[s]):

@@ -106,8 +106,11 @@ def check_errors(device=None, op=None) -> None:
     Synchronizes each device that has run such a kernel; clears the flags it reports. `device`: a device id to
     check only that one (default: every device used); `op`: an operation's name ("paged_attention",
     "flash_attention_varlen", "quantize") to check only its flags (a ``check="host"`` call does this)."""
-    if op is not None and op not in OPS:
+    if op is not None and (not isinstance(op, str) or op not in OPS):
         raise ValueError(f"op: expected one of {', '.join(map(repr, sorted(OPS)))} or None, got {op!r}")
+    if device is not None and (not isinstance(device, (int, np.integer)) or isinstance(device, (bool, np.bool_))
+                               or device < 0):
+        raise ValueError(f"device: expected None or a device id (an int >= 0), got {device!r}")
     msgs = pending(None if device is None else int(device), op)
     if msgs:
         raise ValueError("; ".join(msgs))

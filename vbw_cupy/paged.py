@@ -671,10 +671,12 @@ class PagedKVCache:
             raise (ValueError if _checks._is_int(tokens) else TypeError)(
                 f"tokens: expected an int >= 0, got {tokens!r}")
         slots = np.flatnonzero(self._lens > 0) if seqs is None else self._slots(seqs, len(np.atleast_1d(seqs)))
-        need = -(-(self._lens[slots] + int(tokens)) // self.block_size)
+        cap = self._table.shape[1] * self.block_size
+        more = min(int(tokens), cap + 1)  # (past any sequence's capacity either way; int64 arithmetic below)
+        need = -(-(self._lens[slots] + more) // self.block_size)
         if (need > self._table.shape[1]).any():
-            raise MemoryError(f"reserve: {int(tokens)} more tokens pass max_blocks_per_seq * block_size = "
-                              f"{self._table.shape[1] * self.block_size} for some sequence of {list(slots)}")
+            raise MemoryError(f"reserve: {int(tokens)} more tokens pass max_blocks_per_seq * block_size = {cap} "
+                              f"for some sequence of {list(slots)}")
         extra = np.maximum(need - self._nblk[slots], 0)
         if int(extra.sum()) > len(self._free):
             raise MemoryError(f"PagedKVCache: {int(extra.sum())} new blocks needed, {len(self._free)} free")

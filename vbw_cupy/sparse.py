@@ -253,10 +253,15 @@ def block_sparse_attention(q, k, v, indptr, indices, *, block_q, block_k, causal
     >>> indptr, indices = bsr_from_mask(mask)
     >>> o = block_sparse_attention(q, k, v, indptr, indices, block_q=128, block_k=128)
     """
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if not (_is_host(a) or rt.is_gpu_array(a) or hasattr(a, "__dlpack__") or
+                hasattr(a, "__cuda_array_interface__")):
+            raise TypeError(f"{name}: expected a NumPy, CuPy or DLPack GPU array, got {type(a).__name__}")
     if all(_is_host(a) for a in (q, k, v)):
-        if not (_is_host(indptr) and _is_host(indices)):
-            raise TypeError("indptr: expected NumPy arrays with NumPy q, k, v (NumPy and GPU inputs cannot be "
-                            f"mixed), got {type(indptr).__name__} / {type(indices).__name__}")
+        for name, a in (("indptr", indptr), ("indices", indices)):
+            if not _is_host(a):
+                raise TypeError(f"{name}: expected a NumPy array with NumPy q, k, v (NumPy and GPU inputs cannot "
+                                f"be mixed), got {type(a).__name__}")
         _checks.check_mode(check)
         _checks.check_sparse_args(q, k, v, indptr, indices, block_q=block_q, block_k=block_k, causal=causal,
                                   softmax_scale=softmax_scale, softcap=softcap)
