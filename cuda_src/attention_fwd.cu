@@ -1181,20 +1181,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     return;
   }
   named_bar(1 + wg, 128);
-  {
-    constexpr int CPR = HEAD_DIM / 8;
-    constexpr int ITERS = 64 * CPR / 128;
-    const int t = tid & 127;
-#pragma unroll
-    for (int i = 0; i < ITERS; ++i) {
-      const int c = t + i * 128;
-      const int r = wg * 64 + c / CPR;
-      const int col = (c % CPR) * 8;
-      if (r < rows_e && col < d)
-        *reinterpret_cast<uint4*>(og + r * q_rs + col) =
-            *reinterpret_cast<const uint4*>(sO_ptr + vbw_attn::sw_offset<BLOCK_M>(r, col));
-    }
-  }
+  vbw_attn::store_rows_sw<BLOCK_M, HEAD_DIM, 128, 8 * HEAD_DIM / 128>(og, q_rs, sO_ptr, wg * 64, rows_e, d, tid & 127);
   if constexpr (PERSIST && !SEP_O) {  // this warp's reads of Q's buffer are done: the next Q may land there
     fence_async_smem();
     __syncwarp();
@@ -1279,14 +1266,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
           const int rows_s = *reinterpret_cast<volatile int*>(o_slot + 16 * cw + 8);
           if (rows_s < 0) break;
           TO* const og = *reinterpret_cast<TO* volatile*>(o_slot + 16 * cw);
-          constexpr int CPR = HEAD_DIM / 8;
-#pragma unroll 4
-          for (int i = lane; i < 64 * CPR; i += 32) {
-            const int row = cw * 64 + i / CPR, col = (i % CPR) * 8;
-            if (row < rows_s && col < d)
-              *reinterpret_cast<uint4*>(og + row * q_rs + col) =
-                  *reinterpret_cast<const uint4*>(sO_ptr + vbw_attn::sw_offset<BLOCK_M>(row, col));
-          }
+          vbw_attn::store_rows_sw<BLOCK_M, HEAD_DIM, 32, 4>(og, q_rs, sO_ptr, cw * 64, rows_s, d, lane);
           __syncwarp();
           named_arrive(13 + cw, 160);  // sent: the area is free for the warpgroup's next tile
         }

@@ -220,14 +220,15 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
 // Row b of logits [B, vocab] -> tokens[b]. inv_temp == 0: argmax (lowest id on a tie, NaN never wins).
 // Otherwise a draw from softmax(logits * inv_temp) by the Gumbel-max rule, argmax of logit * inv_temp + g with
 // g = -log(-log(u)), u uniform in (0, 1) from splitmix64 keyed by (seed, b, pos[b], id): the same seed and
-// positions give the same tokens, whatever the batch's other rows.
-__global__ void __launch_bounds__(THREADS) sample_rows(const float* __restrict__ logits, int vocab,
-                                                       float inv_temp, unsigned long long seed,
+// positions give the same tokens, whatever the batch's other rows. The seed is read from a device word, so one
+// captured decode graph serves every seed.
+__global__ void __launch_bounds__(THREADS) sample_rows(const float* __restrict__ logits, int vocab, float inv_temp,
+                                                       const unsigned long long* __restrict__ seed,
                                                        const int* __restrict__ pos, int* __restrict__ tokens) {
   vbw::pdl_start();
   const int b = blockIdx.x;
   const float* row = logits + (long long)b * vocab;
-  const unsigned long long key = mix64(seed ^ mix64(((unsigned long long)b << 32) | (unsigned)pos[b]));
+  const unsigned long long key = mix64(*seed ^ mix64(((unsigned long long)b << 32) | (unsigned)pos[b]));
   float best = -__int_as_float(0x7f800000);
   int arg = 0x7fffffff;
   for (int i = threadIdx.x; i < vocab; i += THREADS) {

@@ -157,6 +157,18 @@ def test_gpu_sampling_greedy_matches_host_and_seeded_draws_repeat():
     draw = lambda seed: [s.ids for s in generate_ids(model, prompts, max_new_tokens=20, stop_ids=(),
                                                      sampler=Sampler(1e3, seed=seed)).sequences]
     assert draw(7) == draw(7) and draw(7) != draw(8)
+    # one set of graphs serves every seed (the seed is a device word), and an unseeded sampler draws a new seed a
+    # call (it was 0: every unseeded run gave the same tokens)
+    from vbw_cupy.models import gpu
+    captures = []
+    real = gpu._capture
+    gpu._capture = lambda step, state: captures.append(1) or real(step, state)
+    try:
+        unseeded = [draw(None) for _ in range(3)]
+        assert draw(7) == draw(7)
+    finally:
+        gpu._capture = real
+    assert captures == [] and unseeded[0] != unseeded[1] != unseeded[2]
 
 
 def test_decode_steps_equal_single_steps():
@@ -215,7 +227,8 @@ def test_gumbel_sampling_follows_the_distribution():
     rows = cp.asarray(np.tile(logits, (n, 1)))
     pos = cp.arange(n, dtype=cp.int32)   # each row its own key
     out = cp.zeros(n, dtype=cp.int32)
-    rt.launch(gpu._kernel("sample_rows"), (n,), (256,), (rows, np.int32(5), np.float32(1.0), np.uint64(99), pos, out))
+    seed = cp.full(1, 99, dtype=cp.uint64)   # (a device word: the decode graphs' seed buffer)
+    rt.launch(gpu._kernel("sample_rows"), (n,), (256,), (rows, np.int32(5), np.float32(1.0), seed, pos, out))
     counts = np.bincount(out.get(), minlength=5)
     expected = n * np.exp(logits) / np.exp(logits).sum()
     assert ((counts - expected) ** 2 / expected).sum() < 20.0   # chi2(4) > 20 has p < 0.001
@@ -235,7 +248,7 @@ def test_bad_token_id_gives_nan_and_an_error():
 def test_wrong_format_and_slots_are_refused():
     from vbw_cupy.models import LlamaGPU
     cfg = CONFIGS["gqa-adjacent"]
-    with pytest.raises(ValueError, match="weights"):
+    with pytest.raises(ValueError, match="weight_format: expected one of .* on the GPU, got 'fp32'"):
         LlamaGPU(cfg, random_weights(cfg), "fp32")
     model = _model("gqa-adjacent", "fp16")
     cache = model.new_cache(2, 16)

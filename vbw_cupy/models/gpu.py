@@ -146,9 +146,10 @@ def _bucket(longest: int, capacity: int) -> int:
     return min(1 << (longest - 1).bit_length(), capacity)
 
 
-def _state_key(cache, inv_temp, seed) -> tuple:
-    """LlamaGPU._graphs' key of the decode state of a cache's storage and sampling mode."""
-    return id(cache.storage), inv_temp, seed
+def _state_key(cache, inv_temp) -> tuple:
+    """LlamaGPU._graphs' key of the decode state of a cache's storage and sampling mode (the seed is not in it:
+    the graphs read it from the state's seed buffer)."""
+    return id(cache.storage), inv_temp
 
 
 def _check_live(cache) -> None:
@@ -404,8 +405,8 @@ class LlamaGPU:
             st.logits[...] = logits
             if st.inv_temp is not None:
                 rt.launch(_kernel("sample_rows"), (B,), (_THREADS,),
-                          (st.logits, np.int32(self.config.vocab_size), np.float32(st.inv_temp),
-                           np.uint64(st.seed), st.pos, st.tokens))
+                          (st.logits, np.int32(self.config.vocab_size), np.float32(st.inv_temp), st.seed_buf,
+                           st.pos, st.tokens))
                 # the ids to page-locked host memory within the step (a graph then needs no copy after it)
                 cp.cuda.runtime.memcpyAsync(st.pinned[i].ctypes.data, st.tokens.data.ptr, st.tokens.nbytes,
                                             cp.cuda.runtime.memcpyDeviceToHost, cp.cuda.get_current_stream().ptr)
@@ -415,13 +416,16 @@ class LlamaGPU:
         dropped. A state holds a weak reference to its storage: new arrays that reuse a dead storage's id()
         never replay graphs captured over the dead one's (freed) arrays, while a cache that took over a storage
         (new_cache) replays its graphs."""
-        key = _state_key(cache, inv_temp, seed)
+        key = _state_key(cache, inv_temp)
         st = self._graphs.get(key)
         if st is None or st.cache() is not cache.storage:
             for k in [k for k, s in self._graphs.items() if s.cache() is not cache.storage]:
                 del self._graphs[k]
-            st = self._graphs[key] = _StepState(cache.max_batch, self.config.vocab_size, inv_temp, seed)
+            st = self._graphs[key] = _StepState(cache.max_batch, self.config.vocab_size, inv_temp)
             st.cache = weakref.ref(cache.storage)
+        if st.seed != seed:  # (on the stream, before the step or replay that reads it)
+            st.seed_buf.fill(np.uint64(seed))
+            st.seed = seed
         return st
 
     def decode(self, tokens, cache: GPUKVCache, slots, *, graph: bool = True):
@@ -527,7 +531,7 @@ class LlamaGPU:
             return None
         # the state through _graphs, as _state keys it: dropping the graphs (release_cache, new_cache, a
         # tensor-parallel group's close) drops what the memo could replay
-        st = self._graphs.get(_state_key(cache, inv_temp, seed))
+        st = self._graphs.get(_state_key(cache, inv_temp))
         if st is None or st.held is None or np.shape(tokens) != m.slots.shape or \
                 not (st.held[m.slots] == tokens).all():
             return None
@@ -570,7 +574,7 @@ class _StepState:
     """The fixed buffers a decode graph reads and writes: next-token ids in and out, positions, slot ids,
     logits; and the graphs captured over them (one per context bucket and number of steps)."""
 
-    def __init__(self, B: int, vocab: int, inv_temp, seed):
+    def __init__(self, B: int, vocab: int, inv_temp):
         cp = rt.require_cupy()
         self.tokens = cp.zeros(B, dtype=cp.int32)
         import cupyx
@@ -579,7 +583,8 @@ class _StepState:
         self.pos = cp.zeros(B, dtype=cp.int32)
         self.slots = cp.arange(B, dtype=cp.int32)
         self.logits = cp.zeros((B, vocab), dtype=cp.float32)
-        self.inv_temp, self.seed = inv_temp, seed
+        self.inv_temp = inv_temp
+        self.seed_buf, self.seed = cp.zeros(1, dtype=cp.uint64), 0   # the sampling seed the graphs read
         self.cache = lambda: None   # weakref.ref of the cache storage the graphs were captured over (_state)
         self.graphs: dict = {}
 
