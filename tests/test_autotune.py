@@ -679,13 +679,21 @@ def test_candidate_compile_falls_back_to_one_thread(env, monkeypatch):
 
 
 def test_env_switch_modes(monkeypatch):
+    import warnings
     for raw, want in ((None, 1), ("", 1), ("0", 0), (" off ", 0), ("No", 0), ("1", 2), ("yes", 2), ("ON", 2),
-                      ("2", 1)):
+                      ("2", 1), ("banana", 1)):
         if raw is None:
             monkeypatch.delenv("VBW_CUPY_AUTOTUNE", raising=False)
         else:
             monkeypatch.setenv("VBW_CUPY_AUTOTUNE", raw)
-        assert (at.mode(), at.enabled(), at.forced()) == (want, want > 0, want == 2), raw
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert (at.mode(), at.enabled(), at.forced()) == (want, want > 0, want == 2), raw
+        # a value it does not know is said once (as unset), the known ones and unset silently
+        assert [str(w.message) for w in caught] == ([] if raw in (None, "", "0", " off ", "No", "1", "yes", "ON") else
+                                                    [f"VBW_CUPY_AUTOTUNE={raw!r} is none of 0 / off / false / no, "
+                                                     "1 / on / true / yes: read as unset (tune new keys except on "
+                                                     "settled archs)"]), raw
 
 
 def test_settled_arch_uses_the_tuned_cache_but_never_times(env, monkeypatch):

@@ -412,6 +412,26 @@ def test_flash_second_call_replays_the_first(kernels, kw):
     assert o2 is not o1 and o2.shape == o1.shape and o2.dtype == o1.dtype
 
 
+def test_zero_d_array_options_launch_as_their_scalars(kernels):
+    # softmax_scale / softcap as 0-d NumPy arrays (as global_scale takes them): the launch of the Python floats
+    d = _attn_case()
+    attention.flash_attention(*d, softmax_scale=0.2, softcap=30.0)
+    want = _launches(kernels)
+    attention.flash_attention(*d, softmax_scale=np.array(0.2), softcap=np.float64(30.0))
+    got = _launches(kernels)
+    assert [g[4] for g in got] and [len(g[3]) for g in got] == [len(w[3]) for w in want]
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for g, w in zip(got, want)
+               for x, y in zip(g[3][7:], w[3][7:]) if isinstance(x, (np.generic, int, float)))
+    p = _paged_case()
+    paged.paged_attention(*p, softmax_scale=0.3, check=False)
+    want = _launches(kernels)
+    paged.paged_attention(*p, softmax_scale=np.array(0.3), check=False)
+    got = _launches(kernels)
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for g, w in zip(got, want)
+               for x, y in zip(g[3], w[3]) if isinstance(x, (np.generic, int, float)))
+
+
 def test_flash_ab_switches_are_plan_variants(kernels, monkeypatch):
     """Flipping an A/B switch (attention._EXTRA_OPTIONS here) builds a new plan instead of replaying the old."""
     d = _attn_case()

@@ -736,9 +736,10 @@ def test_gpu_model_host_checks_and_step_state_cache_identity(monkeypatch):
     model.config, model._graphs, model._memo = cfg, {}, None
 
     class State:
-        def __init__(self, B, vocab, inv_temp, seed):
-            self.B = B
+        def __init__(self, B, vocab, inv_temp):
+            self.B, self.seed = B, 0
             self.cache = lambda: None
+            self.seed_buf = np.zeros(1, np.uint64)   # (the seed the graphs read: written when a call's differs)
 
     monkeypatch.setattr(gpu, "_StepState", State)
 
@@ -767,9 +768,11 @@ def test_gpu_model_host_checks_and_step_state_cache_identity(monkeypatch):
     a = Cache(2, [1, 1])
     st = model._state(a, None, 0)
     assert model._state(a, None, 0) is st and st.cache() is a.storage
+    # another seed: the same state (and graphs), the seed written to the word they read
+    assert model._state(a, None, 5) is st and st.seed == 5 and st.seed_buf.tolist() == [5]
     stale = types.SimpleNamespace(cache=lambda: None)   # the state of a storage that died, under a reused id
     b = Cache(2, [1, 1])
-    model._graphs = {(id(b.storage), None, 0): stale}
+    model._graphs = {gpu._state_key(b, None): stale}
     st_b = model._state(b, None, 0)
     assert st_b is not stale and st_b.cache() is b.storage and list(model._graphs.values()) == [st_b]
     c = Cache(2, [1, 1])
@@ -791,8 +794,9 @@ def test_decode_memo_takes_the_fast_path_only_when_nothing_moved(monkeypatch):
             self.values = np.array(v)
 
     class State:
-        def __init__(self, B, vocab, inv_temp, seed):
+        def __init__(self, B, vocab, inv_temp):
             self.tokens, self.held, self.graphs, self.cache = Dev(), None, {}, (lambda: None)
+            self.seed, self.seed_buf = 0, np.zeros(1, np.uint64)
 
     class Graph:
         def __init__(self, bucket):

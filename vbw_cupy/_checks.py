@@ -209,8 +209,14 @@ MAX_SOFTMAX_SCALE = 2.0 ** 64
 SOFTCAP_RANGE = (2.0 ** -32, 2.0 ** 64)
 
 
+def _unwrap0d(x):
+    """A 0-d NumPy array of a real dtype as its scalar (the scalar options take those, as global_scale does)."""
+    return x[()] if isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iuf" else x
+
+
 def check_softcap(softcap):
     """Validate `softcap`: 0 (off) or a float in SOFTCAP_RANGE (2^-32 to 2^64). Returns it as a float."""
+    softcap = _unwrap0d(softcap)
     if not _is_real(softcap):
         raise TypeError(f"softcap: expected a float >= 0, got {type(softcap).__name__} {softcap!r}")
     softcap = _float_or_inf(softcap)
@@ -234,6 +240,7 @@ def effective_scale(softmax_scale, D):
     (MAX_SOFTMAX_SCALE; zero and negative scales are allowed). Returns a float."""
     if softmax_scale is None:
         return 1.0 / _math.sqrt(D)
+    softmax_scale = _unwrap0d(softmax_scale)
     if not _is_real(softmax_scale):
         raise TypeError(f"softmax_scale: expected None or a float, got {type(softmax_scale).__name__} "
                         f"{softmax_scale!r}")

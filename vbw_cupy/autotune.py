@@ -95,6 +95,7 @@ import statistics
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -205,6 +206,9 @@ def mode() -> int:
     if raw != _mode_last[0]:
         v = (os.environ.get(ENV_SWITCH) or "").strip().lower()
         _mode_last = (raw, 0 if v in ("0", "off", "false", "no") else 2 if v in ("1", "on", "true", "yes") else 1)
+        if v and _mode_last[1] == 1:  # (once per value: this runs when the variable changes)
+            warnings.warn(f"{ENV_SWITCH}={os.environ.get(ENV_SWITCH)!r} is none of 0 / off / false / no, 1 / on / "
+                          "true / yes: read as unset (tune new keys except on settled archs)", stacklevel=2)
     return _mode_last[1]
 
 

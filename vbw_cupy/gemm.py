@@ -672,7 +672,8 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
             raise ValueError(f"bias: expected shape [{N}] (w's N), got {tuple(bias.shape)}")
         bdt = np.dtype(bias.dtype)
         if bdt != a_dtype and bdt.name != "float32":
-            raise TypeError(f"bias: expected dtype {a_dtype} (a's) or float32, got {bdt}")
+            want = "float32" if a_dtype.name == "float32" else f"{a_dtype} (a's) or float32"
+            raise TypeError(f"bias: expected dtype {want}, got {bdt}")
         if isinstance(bias, np.ndarray) != host:
             raise ValueError("bias: must live where a and w do (NumPy with NumPy, GPU with GPU)")
     if host:
