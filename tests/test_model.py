@@ -1006,3 +1006,11 @@ def test_cli_says_when_seq_len_stops_generation(tmp_path, capsys, tok_bin):
     assert cli_main(["generate", str(ckpt), "--tokenizer", str(tok_bin), "--prompt", "ab", "--device", "cpu",
                      "--max-new-tokens", "500"]) == 0
     assert "the model's seq_len = 12" in capsys.readouterr().err
+    # max-new-tokens 0 prefills nothing (the stats said 1 token at some huge rate); a prompt that is not UTF-8
+    # (surrogates from the command line) becomes U+FFFD, as a decoder would make it
+    assert cli_main(["generate", str(ckpt), "--tokenizer", str(tok_bin), "--prompt", "ab", "--device", "cpu",
+                     "--max-new-tokens", "0"]) == 0
+    assert "prefill: 0 tokens" in capsys.readouterr().err
+    assert cli_main(["generate", str(ckpt), "--tokenizer", str(tok_bin), "--prompt", "a\udcffb", "--device", "cpu",
+                     "--max-new-tokens", "1"]) == 0
+    assert capsys.readouterr().out.startswith("a\ufffdb")

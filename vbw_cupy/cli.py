@@ -340,6 +340,8 @@ def _generate(args) -> int:
     cfg = model.config
     tok = load_tokenizer(args.tokenizer or _default_tokenizer(args.checkpoint), cfg.bos_id, cfg.eos_ids[0],
                          vocab_size=cfg.vocab_size)
+    # (bytes of the command line that are not UTF-8 arrive as surrogates: U+FFFD for each, as a decoder would)
+    args.prompt = args.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     ids = tok.encode(args.prompt, bos=True)
     check_prompt(ids, cfg.seq_len, 0, cfg.vocab_size)   # before the prompt is echoed
     print(args.prompt, end="", flush=True)
@@ -358,8 +360,9 @@ def _generate(args) -> int:
         print(f"stopped after {len(seq.ids)} new tokens: the model sampled a stop id (BOS / EOS: "
               f"{sorted(cfg.stop_ids)})", file=sys.stderr)
     elif seq.finish_reason == "length" and len(seq.ids) < args.max_new_tokens:
-        print(f"stopped after {len(seq.ids)} new tokens: the prompt ({len(ids)} tokens) and the generated ones reach "
-              f"the model's seq_len = {model.config.seq_len}", file=sys.stderr)
+        print(f"stopped after {len(seq.ids)} new tokens: the prompt ({len(ids)} tokens) and the generated ones fill "
+              f"the model's seq_len = {model.config.seq_len} (the last new token is never fed back, as in llama2.c)",
+              file=sys.stderr)
     return 0
 
 

@@ -115,6 +115,7 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
     try:
         t0 = time.perf_counter()
         active = [b for b in range(len(prompts)) if budget[b] > 0]
+        result.prefill_tokens = sum(len(prompts[b]) for b in active)   # (none with max_new_tokens = 0)
         logits = ops.to_host(model.prefill([prompts[b] for b in active], cache, active)) if active else []
         active = [b for b, row in zip(active, logits) if keep(b, sampler(row))]
         result.prefill_seconds = time.perf_counter() - t0
