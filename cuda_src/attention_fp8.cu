@@ -2,7 +2,8 @@
 // e4m3 (fn) codes, and the transposed, key-permuted copy of V that attn_fwd_wg<E4M3<O>, ...> reads.
 //
 // quantize_e4m3_tensor<T>: x [n] (T = __half / __nv_bfloat16 / float, 16-byte aligned) and amax = max |x| (as float
-//   bits: fp4_codec.cu's abs_max) -> descale = amax / 448 (1 when amax = 0, NaN when amax is not finite) and
+//   bits: fp4_codec.cu's abs_max) -> descale = amax / 448, at least 2^-149 (1 when amax = 0, NaN when amax is
+//   not finite) and
 //   codes[i] = e4m3(x[i] / descale), round to nearest even, |.| clamped to 448, NaN -> 0x7F. Grid-stride, 16
 //   bytes of x a thread step, the last n % (16 / sizeof(T)) one element a thread; CTA 0 thread 0 also writes
 //   the descale. Bit-exact with vbw_cupy.reference.quantize_e4m3_tensor (float32
@@ -62,7 +63,8 @@ __global__ void __launch_bounds__(256) quantize_e4m3_tensor(const T* __restrict_
                                                             float* __restrict__ descale) {
   const float a = __uint_as_float(*amax);
   const bool finite = a <= 3.402823466e38f;  // (false for NaN and Inf: then every code is NaN)
-  const float ds = a == 0.f ? 1.f : (finite ? __fdiv_rn(a, 448.f) : __int_as_float(0x7fc00000));
+  // (at least the smallest denormal: amax < 448 * 2^-150, float32 only, would make it 0 and the codes NaN / 448)
+  const float ds = a == 0.f ? 1.f : (finite ? fmaxf(__fdiv_rn(a, 448.f), 0x1p-149f) : __int_as_float(0x7fc00000));
   if (blockIdx.x == 0 && threadIdx.x == 0) *descale = ds;
   const float rcp = __frcp_rn(ds);
   const bool fast = ds >= 0x1p-90f && ds <= 0x1p100f;

@@ -151,7 +151,7 @@ def asgpu(a, device_id=0):
 
 def install(monkeypatch):
     """Use this module as vbw_cupy's CuPy for the rest of the test: returns {kernel name: Kernel}."""
-    from vbw_cupy import _device, _errors, _plans, gemm
+    from vbw_cupy import _device, _errors, _plans
     from vbw_cupy import _runtime as rt
     from vbw_cupy import autotune
     import sys
@@ -161,7 +161,6 @@ def install(monkeypatch):
     # error words (of fake device ids) afterwards
     for mod, name in ((_errors, "_buffers"), (_errors, "_slots"), (_plans, "_scratch")):
         monkeypatch.setattr(mod, name, {})
-    monkeypatch.setattr(gemm, "_fast_launches", _plans.PlanCache(4096))
 
     def get_kernel(filename, name, extra_options=()):
         key = (_state["device"], name)

@@ -50,6 +50,11 @@ def test_quantize_e4m3_special_values():
     for bad in (np.nan, np.inf):
         codes, ds = vc.quantize_e4m3(np.array([1.0, bad, -2.0], np.float32))
         assert np.isnan(ds[0]) and (codes == 0x7F).all()     # nothing silently finite
+    # float32 amax below ~3e-43: amax / 448 was 0, so the codes were NaN (0 / 0) and 448 (x / 0)
+    tiny = np.array([1e-45, 0.0, -1e-45, 3e-45], np.float32)
+    codes, ds = vc.quantize_e4m3(tiny)
+    assert ds[0] == np.float32(2.0 ** -149) and not (codes & 0x7F == 0x7F).any()
+    np.testing.assert_array_equal(ref.e4m3_decode(codes).astype(np.float32) * ds[0], tiny)
 
 
 def test_fp8_numpy_path_is_the_reference():
@@ -213,7 +218,8 @@ def test_gpu_quantize_e4m3_bit_exact_awkward(dtype):
     cases = [x]
     if dtype == "float32":
         cases += [x * 2.0 ** -120, x * 2.0 ** -95, x * 2.0 ** 110, np.concatenate([x, x * 2.0 ** -140]),
-                  np.array([0x135FFFFF, 0x0A000000, 0x8A000000], np.uint32).view(np.float32)]
+                  np.array([0x135FFFFF, 0x0A000000, 0x8A000000], np.uint32).view(np.float32),
+                  np.array([1e-45, 0.0, -1e-45, 3e-45], np.float32)]   # (amax / 448 underflowing to 0)
     for c in cases:
         xd = c.astype(dt)
         want_codes, want_ds = ref.quantize_e4m3_tensor(xd)

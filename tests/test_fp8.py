@@ -104,6 +104,9 @@ def test_bad_inputs_name_the_argument():
         FP8Tensor(np.zeros((2, 4), np.uint8), np.ones(3, np.float32), (2, 4))
     with pytest.raises(ValueError, match="shape"):
         FP8Tensor(np.zeros((2, 4), np.uint8), np.ones(2, np.float32), (2, 5))
+    for shape in ((2.9, 4.7), (True, 4), 5, ("a", 4)):   # (the floats were truncated, the others not named)
+        with pytest.raises(TypeError, match="shape: expected a tuple of ints"):
+            FP8Tensor(np.zeros((2, 4), np.uint8), np.ones(2, np.float32), shape)
     with pytest.raises(TypeError, match="t: expected an FP8Tensor"):
         dequantize_fp8(vc.quantize(np.ones((1, 32), np.float32), "mxfp4"))
     with pytest.raises(TypeError, match="dtype"):

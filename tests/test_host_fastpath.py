@@ -348,6 +348,108 @@ def test_fp4_matmul_unhashable_out_dtype_on_the_fast_path(kernels):
         gemm.fp4_matmul(a, w, out_dtype=[1])
 
 
+def _gpu_fp4(N=256, K=512, fmt="nvfp4", scale=1.0):
+    h = fp4.quantize(np.random.default_rng(0).standard_normal((N, K)).astype(np.float32), fmt)
+    return fp4.FP4Tensor(fc.asgpu(h.data), fc.asgpu(h.scales), h.global_scale * scale, h.format, h.shape)
+
+
+def test_fp4_matmul_batched_activations_replay_with_a_tensor_map(kernels, monkeypatch):
+    # a [2, 64, K] on Hopper takes a plan with a TMA map of a (wgrs, M = 128): its replay encoded the map from the
+    # 3-d array and failed ("too many values to unpack") on every call after the first
+    from vbw_cupy import gemm
+    monkeypatch.setattr(rt, "have_tensor_maps", lambda: True)
+    monkeypatch.setattr(rt, "tensor_map", lambda *a, **kw: rt.NO_TENSOR_MAP)
+    w = _gpu_fp4()
+    a = fc.asgpu(np.ones((2, 64, 512), np.float16))
+    o1 = gemm.fp4_matmul(a, w)
+    assert gemm.chosen_config(a, w)["KIND"] == "wgrs"
+    first = _launches(kernels)
+    o2 = gemm.fp4_matmul(a, w)
+    second = _launches(kernels)
+    assert o1.shape == o2.shape == (2, 64, 256) and len(second) == 1 and first[-1][:3] == second[0][:3]
+
+
+def test_fp4tensor_copies_have_their_own_derived_layouts(kernels):
+    # dataclasses.replace / copy shared the original's cache: the copy replayed its plans (its scale, its
+    # re-laid-out weight)
+    import copy
+    import dataclasses
+    from vbw_cupy import gemm
+    w = _gpu_fp4(32, 64)
+    a = fc.asgpu(np.ones((4, 64), np.float16))
+    gemm.fp4_matmul(a, w)
+    _launches(kernels)
+    for other in (dataclasses.replace(w, global_scale=w.global_scale * 4), copy.copy(w), copy.deepcopy(w)):
+        assert other._cache is not w._cache and not other._cache
+    gemm.fp4_matmul(a, dataclasses.replace(w, global_scale=w.global_scale * 4))
+    got = _launches(kernels)
+    gemm.fp4_matmul(a, _gpu_fp4(32, 64, scale=4.0))
+    want = _launches(kernels)
+    assert [x[3][6:] for x in got] == [x[3][6:] for x in want]   # the scalars, out_scale among them
+
+
+def test_packed_gemm_launches_go_with_their_weight(kernels, monkeypatch):
+    # the packed launches were kept in a module-wide cache holding each plan (and its re-laid-out weight, as
+    # large as w): invalidate() or dropping w left that copy on the GPU
+    import gc
+    import weakref
+    from vbw_cupy import gemm
+
+    class Launch:   # (fake kernels have no driver handle: a stand-in for the packed launch)
+        def __init__(self, *args):
+            pass
+
+        def __call__(self, ptrs, stream):
+            pass
+
+    monkeypatch.setattr(_plans, "kernel_ptr", lambda k: 1)
+    monkeypatch.setattr(_plans, "Launch", Launch)
+    for drop in ("invalidate", "del"):
+        w = _gpu_fp4()
+        a = fc.asgpu(np.ones((4, 512), np.float16))
+        gemm.fp4_matmul(a, w)
+        gemm.fp4_matmul(a, w)   # the fast path: packs the launch
+        assert w._cache.get("gemm_v1_launches")
+        prepared = weakref.ref(w._cache["gemm_v1_sir"][0])
+        _launches(kernels)   # (the fake kernels' records hold the arguments too)
+        if drop == "invalidate":
+            w.invalidate()
+        else:
+            del w
+        gc.collect()
+        assert prepared() is None, drop
+
+
+def test_fp8_attention_from_another_device_is_not_replayed(kernels, monkeypatch):
+    # inputs on GPU 0, GPU 1 current: the replay allocated o on GPU 1 and launched on its stream
+    import sys
+    import types
+    from vbw_cupy import attention_fp8 as af
+    af._fast_plans.clear()
+    monkeypatch.setattr(rt, "have_tensor_maps", lambda: True)
+    monkeypatch.setattr(rt, "tensor_map", lambda *a, **kw: rt.NO_TENSOR_MAP)
+    monkeypatch.setattr(_plans, "kernel_ptr", lambda k: 1)
+    monkeypatch.setattr(_plans.Launch, "__call__", lambda self, p, s: None)
+    api = types.ModuleType("cupy_backends.cuda.api")
+    api.driver = None
+    for n in ("cupy_backends", "cupy_backends.cuda"):
+        monkeypatch.setitem(sys.modules, n, types.ModuleType(n))
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.api", api)
+    rng = np.random.default_rng(0)
+    q, k, v = (fc.asgpu(rng.integers(0, 120, (1, 64, 2, 64)).astype(np.uint8), 0) for _ in range(3))
+    fc.set_device(1)
+    try:
+        o1 = af.flash_attention_fp8(q, k, v)
+        o2 = af.flash_attention_fp8(q, k, v)
+        assert o1.device.id == o2.device.id == 0 and not af._fast_plans
+        many = [fc.asgpu(np.ones((1, 1, 65536, 16), np.uint8), 0) for _ in range(3)]
+        with pytest.raises(ValueError, match="k: 65536 KV heads, more than the 65535"):
+            af.flash_attention_fp8(*many)
+    finally:
+        fc.set_device(0)
+        af._fast_plans.clear()
+
+
 def test_paged_max_seqlen_must_bound_checked_lengths(kernels):
     """Where seq_lens' values are read (check="host", NumPy inputs), a max_seqlen below the longest sequence is
     an error, on the full path and on a replay alike; otherwise it only bounds the split count."""

@@ -240,6 +240,8 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
     _attn._check_seqlen("q", Sq)
     _attn._check_seqlen("k", Sk)
     _attn._check_grid(B, Hq, Sq)
+    if Hkv > 65535:  # (V's transpose runs a grid row a KV head)
+        raise ValueError(f"k: {Hkv} KV heads, more than the 65535 the GPU kernel takes")
     rt.check_same_device(q=q, k=k, v=v, **({} if ds is None else {"descale": ds}))
     left, right = _checks.effective_window(window, causal)
     scale = _checks.effective_scale(softmax_scale, D)
@@ -258,7 +260,10 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
         launch = _attn._Launch(q, k, vt, o, lse, None, None, B, Sq, Sk, Sq, Sk, Hq, Hkv, D, scale, left, right,
                                _checks.check_softcap(softcap), Sq, descale=ds)
         kern, grid, block, smem, scalars, _, _ = launch.run(_config(Sk))
-    if key is not None and q.size and _plans.kernel_ptr(kern) is not None and _plans.kernel_ptr(vt_kern) is not None:
+    # (a call made on another device than q's is not replayed: the fast path allocates and launches on the
+    # current one)
+    if key is not None and q.size and _plans.kernel_ptr(kern) is not None and \
+            _plans.kernel_ptr(vt_kern) is not None and q.data.device_id == cp.cuda.runtime.getDevice():
         _fast_plans.put(key, (_plans.Launch(vt_kern, vt_grid, (_THREADS,), vt_args, (0,)), kern, grid, block, smem,
                               scalars, vt, q.data.device_id, out_dtype, _plans.PlanCache(_LAUNCHES_PER_PLAN)))
     return (o, lse) if return_lse else o

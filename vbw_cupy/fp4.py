@@ -45,8 +45,9 @@ class FP4Tensor:
     global_scale: np.float32
     format: str
     shape: tuple
-    # Derived layouts (a GEMM's pre-shuffled weights, say), built once on first use.
-    _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # Derived layouts (a GEMM's pre-shuffled weights, say), built once on first use; each tensor its own (a copy
+    # or dataclasses.replace() starts empty: it would otherwise replay the original's layout and scale).
+    _cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.format, str) or self.format not in FORMATS:
@@ -99,6 +100,14 @@ class FP4Tensor:
         t.__dict__.update(data=data, scales=scales, global_scale=global_scale, format=format, shape=shape,
                           _cache={})
         return t
+
+    def __copy__(self) -> "FP4Tensor":
+        return FP4Tensor._trusted(self.data, self.scales, self.global_scale, self.format, self.shape)
+
+    def __deepcopy__(self, memo) -> "FP4Tensor":
+        import copy
+        return FP4Tensor._trusted(copy.deepcopy(self.data, memo), copy.deepcopy(self.scales, memo),
+                                  self.global_scale, self.format, self.shape)
 
     def invalidate(self) -> None:
         """Forget what was derived from data and scales: call it after changing them in place

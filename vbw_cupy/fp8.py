@@ -53,6 +53,9 @@ class FP8Tensor:
     format = "fp8"
 
     def __post_init__(self):
+        if not isinstance(self.shape, (tuple, list)) or not all(
+                isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_)) for s in self.shape):
+            raise TypeError(f"shape: expected a tuple of ints, got {self.shape!r}")
         shape = tuple(int(s) for s in self.shape)
         object.__setattr__(self, "shape", shape)
         if len(shape) < 1 or shape[-1] < 1:

@@ -497,13 +497,15 @@ def _launch(plan, a2, out, bias):
                        out if cnt is None else cnt) + tail + extra, shared_mem=smem)
 
 
-_fast_launches = _plans.PlanCache(4096)  # (id of a plan, bias is None) -> (plan, _plans.Launch, pointer slots)
-
-
-def _launch_fast(plan, a2, out, bias):
-    """`_launch` through a `_plans.Launch` (arguments packed once) where the plan takes no tensor map."""
+def _launch_fast(plan, a2, out, bias, w):
+    """`_launch` through a `_plans.Launch` (arguments packed once) where the plan takes no tensor map. The
+    packed launches live in w's cache beside its plans (keyed (id of a plan, bias is None)), so invalidate()
+    or dropping w frees them with the re-laid-out weight they point to."""
+    launches = w._cache.get("gemm_v1_launches")
+    if launches is None:
+        launches = w._cache.setdefault("gemm_v1_launches", _plans.PlanCache(64))
     key = (id(plan), bias is None)
-    hit = _fast_launches.get(key)
+    hit = launches.get(key)
     if hit is None or hit[0] is not plan:
         kern, grid, block, smem, wp, ws, cnt, tail, amap, _ = plan
         if amap or not _FAST_LAUNCH or _plans.kernel_ptr(kern) is None:
@@ -513,7 +515,7 @@ def _launch_fast(plan, a2, out, bias):
                 out if cnt is None else cnt) + tail + (() if amap is None else (rt.NO_TENSOR_MAP,))
         dyn = (0, 2, 3) + ((4,) if ws is None else ()) + ((5,) if cnt is None else ())
         hit = (plan, _plans.Launch(kern, grid, block, args, dyn, smem), len(dyn) - 3)
-        _fast_launches.put(key, hit)
+        launches.put(key, hit)
     _, launch, n_out = hit
     o = out.data.ptr
     launch([a2.data.ptr, o, o if bias is None else bias.data.ptr] + [o] * n_out,
@@ -620,7 +622,8 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
                     a.data.device_id == hit[3]:
                 plan, out_shape, odt, _ = hit
                 out = cp.empty(out_shape, dtype=odt)
-                _launch_fast(plan, a, out, bias)
+                # (a [..., K] as the [M, K] the plan was made for: a plan with a tensor map encodes it from that)
+                _launch_fast(plan, a if a.ndim == 2 else a.reshape(-1, a.shape[-1]), out, bias, w)
                 return out
     if not _is_fp4(w):
         raise TypeError(f"w: expected an FP4Tensor (vbw_cupy.quantize(...)), got {type(w).__name__}")
@@ -758,7 +761,7 @@ def swiglu_gemv(a, w):
         plan = _plan(w, 1, K, adt, K, 0, "swiglu8", np.dtype(adt), _with_split("mmvk"))
         plans.put(key, plan)
     out = cp.empty((1, N // 2), dtype=a.dtype)
-    _launch_fast(plan, a, out, None)
+    _launch_fast(plan, a, out, None, w)
     return out
 
 

@@ -191,7 +191,8 @@ def dequantize_fp8(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 def quantize_e4m3_tensor(x: np.ndarray):
     """E4M3 (fn) codes of x (any shape) with one float32 descale for the whole tensor: descale = amax / 448 in
-    float32 (1 when x is all zero, NaN when amax is not finite), codes = E4M3(x / descale) (float32 division,
+    float32, at least 2^-149 (float32's smallest denormal: amax / 448 of a float32 amax below ~3e-43 would be 0);
+    1 when x is all zero, NaN when amax is not finite; codes = E4M3(x / descale) (float32 division,
     then round to nearest even, magnitudes clamped to 448; NaN -> 0x7F). Returns (codes uint8, descale float32
     array of shape (1,)); x ~= E4M3(codes) * descale."""
     x32 = np.asarray(x).astype(np.float32)
@@ -199,7 +200,7 @@ def quantize_e4m3_tensor(x: np.ndarray):
     if amax == 0:
         ds = np.float32(1)
     elif np.isfinite(amax):
-        ds = np.float32(amax / np.float32(448))
+        ds = max(np.float32(amax / np.float32(448)), np.float32(2.0 ** -149))
     else:
         ds = np.float32(np.nan)
     with np.errstate(invalid="ignore", divide="ignore"):
