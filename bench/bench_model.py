@@ -335,6 +335,14 @@ def format_table(rows, copy_gbs):
     return "\n".join(out)
 
 
+try:  # (the script runs without pytest; under pytest the benchmark is a GPU one, skipped without a device)
+    import pytest
+    _gpu_mark = pytest.mark.gpu
+except ImportError:
+    _gpu_mark = lambda f: f  # noqa: E731
+
+
+@_gpu_mark
 def test_stories110m_decode(benchmark):
     import pytest
     pytest.importorskip("cupy")

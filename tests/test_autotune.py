@@ -9,6 +9,7 @@ import textwrap
 import time
 import warnings
 
+import numpy as np
 import pytest
 
 from vbw_cupy import autotune as at
@@ -676,6 +677,17 @@ def test_candidate_compile_falls_back_to_one_thread(env, monkeypatch):
         at.pick("t_fake", {"M": 64, "K": 128}, "float16", run)
     assert done == ["k"] and any("one kernel at a time" in str(x.message) for x in w)
     assert env.calls
+
+
+def test_odd_cache_files_and_shapes(tmp_path, monkeypatch):
+    # a JSON file nested past Python's recursion limit crashed info and pick(); a 400-digit ms crashed info;
+    # NumPy ints in a shape lost the tuning result (not JSON-serializable)
+    monkeypatch.setenv("VBW_CUPY_CACHE_DIR", str(tmp_path))
+    at.cache_path().write_text("[" * 100000 + "]" * 100000)
+    assert at._read_file(at.cache_path()) == ({}, "corrupt (not valid JSON)")
+    assert at._ms_or_none(10 ** 400) is None and at._ms_or_none(2) == 2.0 and at._ms_or_none(float("nan")) is None
+    shape = at._json_shape({"M": np.int64(4096), "K": 7, "x": np.float32(0.5), "f": "mxfp4", "o": (1, 2)})
+    assert json.loads(json.dumps(shape)) == {"M": 4096, "K": 7, "x": 0.5, "f": "mxfp4", "o": "(1, 2)"}
 
 
 def test_env_switch_modes(monkeypatch):

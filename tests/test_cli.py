@@ -120,10 +120,13 @@ def test_bench_report_without_a_gpu_and_bad_json_files(monkeypatch, capsys, tmp_
     assert "nothing was measured" in capsys.readouterr().err
     (tmp_path / "notjson.json").write_text("{oops")
     (tmp_path / "other.json").write_text('{"machine_info": {}}')
+    (tmp_path / "ints.json").write_text('{"benchmarks": [1]}')
     for name, match in (("missing.json", "No such file"), ("notjson.json", "not a JSON file"),
-                        ("other.json", "no 'benchmarks' list")):
+                        ("other.json", "no 'benchmarks' list"), ("ints.json", "are not all objects")):
         assert cli.main(["bench", "--report", str(tmp_path / "r"), "--json", str(tmp_path / name)]) == 2
         assert match in capsys.readouterr().err
+    assert cli.main(["bench", "--report", str(tmp_path / "ints.json")]) == 2   # a file where the directory goes
+    assert "exists and is not a directory" in capsys.readouterr().err
 
 
 def test_cold_start_scripts_name_real_ops():

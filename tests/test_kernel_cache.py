@@ -115,6 +115,39 @@ def test_cache_dir_that_is_a_file(compiles, tmp_path, monkeypatch):
     assert a[0] and b == a and len(compiles) == 1 and blocker.read_text() == "x"
 
 
+def test_no_home_directory_is_no_cache_with_one_warning(compiles, monkeypatch):
+    # HOME unset and no passwd entry (a container's --user): Path.home() raised in every compile
+    import pathlib
+    monkeypatch.delenv("VBW_CUPY_CACHE_DIR")
+    monkeypatch.delenv("HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(pathlib.Path, "home", staticmethod(no_home))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a = rt._cached_cubin(FILE, NAME, ARCH, ())
+        assert rt._cached_cubin(FILE, NAME, ARCH, ()) == a and len(compiles) == 1
+    msgs = [str(x.message) for x in w]
+    assert len(msgs) == 1 and "no home directory" in msgs[0] and "VBW_CUPY_CACHE_DIR" in msgs[0], msgs
+    assert not rt._NO_HOME.exists() and not rt._NO_HOME.parent.parent.exists()
+    from vbw_cupy import autotune
+    assert autotune.cache_summary()["status"] == "missing"
+
+
+def test_sources_edited_while_running_are_not_stored(compiles, monkeypatch):
+    # cuda_src/ changed after this process hashed it: a new cubin would be stored under the old sources' key,
+    # where a later process with the old sources would load it
+    rt.sources_hash()   # (hashed at first use, as in any process that compiled before the edit)
+    monkeypatch.setattr(rt, "_hash_sources", lambda: "edited-since")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cubin, _ = rt._cached_cubin(FILE, NAME, ARCH, ())
+    cpath, npath = entry_paths()
+    assert cubin and not cpath.exists() and not npath.exists()
+    assert [str(x.message) for x in w if "changed while this process ran" in str(x.message)]
+
+
 class _FakeFunction:
     def __init__(self, module, name):
         self.module, self.name, self.ptr, self.calls = module, name, 0x1234, []

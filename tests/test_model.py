@@ -282,7 +282,9 @@ def test_hf_folder_errors_name_the_file(tmp_path):
     for i, (extra, match) in enumerate((
             ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
             ({"bos_token_id": None}, "config.json: bos_id: expected an int token id >= 0, got None"),
-            ({"rms_norm_eps": -1e-5}, "config.json: norm_eps: expected a positive finite number")),):
+            ({"rms_norm_eps": -1e-5}, "config.json: norm_eps: expected a positive finite number"),
+            ({"num_attention_heads": 0}, "num_attention_heads: expected a positive int, got 0"),   # (was / 0)
+            ({"num_attention_heads": "4"}, "num_attention_heads: expected a positive int, got '4'")),):
         folder = write_hf(tmp_path / f"a{i}", w, 16, False, 10000.0, np.float32, **extra)
         with pytest.raises(ValueError, match=match):
             load_model(folder)

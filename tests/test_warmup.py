@@ -64,6 +64,18 @@ def test_cli_warmup_model_compiles_its_head_dim_only(compiled, tmp_path):
     assert not {n for f, n in insts if f == "sparse_attention.cu"}
 
 
+def test_cli_warmup_that_cannot_store_fails(compiled, monkeypatch, tmp_path, capsys):
+    # a cache directory that is a file: the kernels compiled into this process's memory only, exit 0 said
+    # they were kept
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setenv("VBW_CUPY_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(rt, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="cannot use"):
+        assert cli.main(["warmup", "--arch", "80", "--ops", "quantize"]) == 1
+    assert "could not be written: nothing was kept" in capsys.readouterr().err
+
+
 def test_cli_warmup_without_a_gpu_asks_for_arch(compiled, monkeypatch, capsys):
     monkeypatch.setattr(rt, "gpu_available", lambda: False)
     assert cli.main(["warmup"]) == 1 and not compiled

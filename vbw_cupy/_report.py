@@ -31,6 +31,8 @@ def load(paths) -> list[dict]:
             raise ValueError(f"{p}: not a JSON file ({e})") from None
         if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
             raise ValueError(f"{p}: not a pytest-benchmark JSON file (no 'benchmarks' list)")
+        if not all(isinstance(b, dict) for b in data["benchmarks"]):
+            raise ValueError(f"{p}: not a pytest-benchmark JSON file (its 'benchmarks' are not all objects)")
         out += data["benchmarks"]
     return out
 

@@ -55,12 +55,26 @@ SOURCE_DIR = _find_source_dir()
 
 
 def cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("VBW_CUPY_CACHE_DIR") or pathlib.Path.home() / ".cache" / "vbw_cupy")
+    """$VBW_CUPY_CACHE_DIR (~ expanded), else ~/.cache/vbw_cupy. Where no home directory can be found (HOME
+    unset and no passwd entry for the uid: a container's --user), a path that does not exist, so the caches
+    say they cannot be used (one warning) instead of every compile raising."""
+    env = os.environ.get("VBW_CUPY_CACHE_DIR")
+    if env:
+        return pathlib.Path(os.path.expanduser(env))
+    try:
+        return pathlib.Path.home() / ".cache" / "vbw_cupy"
+    except (RuntimeError, KeyError):
+        return _NO_HOME
+
+
+_NO_HOME = pathlib.Path("/nonexistent-home/.cache/vbw_cupy")  # (make_private_dir refuses it: never created)
 
 
 def make_private_dir(d: pathlib.Path) -> None:
     """mkdir -p d, the directories it creates readable and writable by their owner only (cubins are loaded and
     run from there: nobody else should be able to put one in). Existing directories are left as they are."""
+    if d == _NO_HOME or _NO_HOME in d.parents:
+        raise FileNotFoundError(2, "no home directory (HOME unset, no passwd entry): set VBW_CUPY_CACHE_DIR", str(d))
     missing = []
     p = d
     while not p.exists() and p != p.parent:
@@ -91,7 +105,12 @@ def forget_warnings() -> None:
 
 @functools.lru_cache(maxsize=None)
 def sources_hash() -> str:
-    """Hash of every file in cuda_src/: any edit to any .cu or .cuh invalidates every cached binary."""
+    """Hash of every file in cuda_src/ when first asked in this process: any edit to any .cu or .cuh
+    invalidates every cached binary (a process that sees the sources change stores nothing: _cached_cubin)."""
+    return _hash_sources()
+
+
+def _hash_sources() -> str:
     h = hashlib.sha256()
     for p in sorted(SOURCE_DIR.iterdir()):
         if p.suffix in (".cu", ".cuh"):
@@ -413,6 +432,12 @@ def _cached_cubin(filename, name, arch, extra_options, compile: bool = True,
           if notice else contextlib.nullcontext()):
         cubin, lowered_map = compile_cubin(filename, [name], arch, extra_options)
     lowered = lowered_map[name]
+    if d is not None and _hash_sources() != sources_hash():
+        # cuda_src/ changed since this process read its hash: this cubin was compiled from the new text but its
+        # key holds the old hash, where a later process with the old sources would load it
+        warn_once("edited", f"vbw_cupy: the CUDA sources in {SOURCE_DIR} changed while this process ran: kernels "
+                            "compiled from now on are kept in memory only (restart to cache them)")
+        d = None
     if d is not None:
         try:
             write_cached_cubin(cubin_path, name_path, cubin, lowered)

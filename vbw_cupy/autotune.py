@@ -361,7 +361,7 @@ def _read_file(path: pathlib.Path) -> tuple[dict, str]:
         return {}, f"unreadable ({e})"
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # (RecursionError: nested past Python's limit)
         return {}, "corrupt (not valid JSON)"
     if not isinstance(data, dict) or not isinstance(data.get("meta"), dict) or data["meta"].get("tool") != TOOL:
         return {}, "foreign (not written by vbw_cupy.autotune)"
@@ -801,7 +801,7 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
                               "VBW_CUPY_AUTOTUNE=0 turns tuning off)"):
             e = _tune_key(t, run, dev, shape)
         e.update(device=dev["name"], arch=dev["arch"], dtype=_dtype_name(dtype), bucket=_bucket_str(t, shape),
-                 shape={k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in shape.items()})
+                 shape=_json_shape(shape))
         if e["config"] is None:  # nothing ran: do not remember, fall back to the default
             rt.warn_once(f"allfail:{key}", f"vbw_cupy.autotune: every candidate of {name} failed for {key}; "
                                          "using the default config")
@@ -861,7 +861,7 @@ def tune(names=None, shapes=None, progress: bool = True, force: bool = False) ->
                 run = t.bench(shape, dtype)
                 e = _tune_key(t, run, dev, shape)
                 e.update(device=dev["name"], arch=dev["arch"], dtype=_dtype_name(dtype),
-                         bucket=_bucket_str(t, shape), shape=dict(shape))
+                         bucket=_bucket_str(t, shape), shape=_json_shape(shape))
                 if e["config"] is not None:
                     _stats["tuned"] += 1
                     _store(key, e)
@@ -899,8 +899,19 @@ def print_tune_table(rows: list[dict], out=None) -> None:
 
 
 def _ms_or_none(x) -> float | None:
-    """A timing read back from the file (hand-edited files may hold anything there)."""
-    return float(x) if type(x) in (int, float) and math.isfinite(x) else None
+    """A timing read back from the file (hand-edited files may hold anything there, ints past float's range
+    too)."""
+    return float(x) if (type(x) is float and math.isfinite(x)) or (type(x) is int and abs(x) < 1e300) else None
+
+
+def _json_shape(shape) -> dict:
+    """A shape dict as JSON takes it (NumPy ints and floats as Python ones, anything else as its str)."""
+    out = {}
+    for k, v in shape.items():
+        if isinstance(v, (np.integer, np.floating, np.bool_)):
+            v = v.item()
+        out[str(k)] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
 
 
 def cache_summary() -> dict:

@@ -212,6 +212,9 @@ def cmd_bench(args) -> int:
         print(f"vbw-cupy bench: the benchmarks live in the source checkout (bench/), not found next to {rt.SOURCE_DIR}")
         return 1
     from . import _report
+    if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
+        print(f"vbw-cupy bench: --report: {args.report} exists and is not a directory", file=sys.stderr)
+        return 2
     if args.json:  # a report of earlier runs: nothing to run
         if not args.report:
             print("vbw-cupy bench: --json needs --report DIR", file=sys.stderr)
@@ -278,10 +281,15 @@ def cmd_tune(args) -> int:
         print(f"vbw-cupy tune: {why.rstrip('.')}; tuning times kernels on a GPU, nothing was measured "
               f"(exit status {EXIT_REFERENCE_ONLY}).")
         return EXIT_REFERENCE_ONLY
-    # every candidate of every kernel, compiled in parallel first, so tuning times kernels, not NVRTC
+    # every candidate of every kernel, compiled in parallel first, so tuning times kernels, not NVRTC (a
+    # candidate that does not compile is scored unusable by the tuner, and its row says so)
     rt.precompile([inst for m in mods for inst in m.kernel_instances()])
     rows = autotune.tune(names=args.kernels or None, progress=True)
     autotune.print_tune_table(rows)
+    failed = [r for r in rows if r.get("chosen") is None]
+    if failed:   # (every candidate of a row failed: its default stays, nothing was tuned there)
+        print(f"vbw-cupy tune: {len(failed)} of {len(rows)} rows found no working candidate", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -303,13 +311,18 @@ def cmd_warmup(args) -> int:
         insts = set(_warmup.op_instances(args.ops, arch)) if args.ops or not args.model else set()
         if args.model:
             insts |= set(_warmup.model_instances(args.model, arch))
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, OSError, KeyError) as e:
         print(f"vbw-cupy warmup: {e}", file=sys.stderr)
         return 2
     what = ", ".join(filter(None, [", ".join(args.ops or []), args.model and f"model {args.model}"])) or "every op"
     print(f"vbw-cupy warmup: {len(insts)} kernel instances ({what}) for sm_{arch} into {rt.cache_dir() / 'kernels'}",
           flush=True)
+    unstored = len(rt._unstored)
     bad = rt.precompile(sorted(insts), arch=arch, workers=args.workers, progress=True)
+    if rt.kernel_cache_dir() is None or len(rt._unstored) > unstored:  # (compiled, not stored: gone at exit)
+        print(f"vbw-cupy warmup: the kernel cache {rt.cache_dir() / 'kernels'} could not be written: nothing was "
+              "kept (see the warning above; VBW_CUPY_CACHE_DIR picks another place)", file=sys.stderr)
+        return 1
     return 1 if bad else 0
 
 
@@ -322,7 +335,7 @@ def _default_tokenizer(checkpoint: str) -> Path:
 def cmd_generate(args) -> int:
     try:
         return _generate(args)
-    except (FileNotFoundError, ValueError, KeyError, ImportError, RuntimeError) as e:
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as e:
         print(f"vbw-cupy generate: {e}", file=sys.stderr)
         return 2
 

@@ -131,6 +131,13 @@ def _hf_config(folder: Path) -> LlamaConfig:
                            "vocab_size") if k not in c]
     if missing:
         raise ValueError(f"{path}: missing {', '.join(missing)}")
+    for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+              "num_key_value_heads", "max_position_embeddings", "head_dim"):
+        v = c.get(k, 1)
+        if v is None and k in ("num_key_value_heads", "head_dim"):
+            continue   # (null: the default)
+        if type(v) is not int or v < 1:
+            raise ValueError(f"{path}: {k}: expected a positive int, got {v!r}")
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{path}: hidden_act {c['hidden_act']!r} is not supported (only 'silu', Llama's SwiGLU)")
     if c.get("model_type", "llama") != "llama":
@@ -138,7 +145,7 @@ def _hf_config(folder: Path) -> LlamaConfig:
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise ValueError(f"{path}: linear biases (attention_bias / mlp_bias) are not supported")
     n_heads, width = c["num_attention_heads"], c["hidden_size"]
-    if "head_dim" in c and c["head_dim"] * n_heads != width:
+    if c.get("head_dim") is not None and c["head_dim"] * n_heads != width:
         raise ValueError(f"{path}: head_dim {c['head_dim']} * num_attention_heads {n_heads} != hidden_size {width} "
                          "is not supported")
     if width % n_heads:
