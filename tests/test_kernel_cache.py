@@ -32,69 +32,65 @@ def compiles(tmp_path, monkeypatch):
     rt.forget_warnings()
 
 
-def entry_paths():
-    d = rt.cache_dir() / "kernels"
-    key = rt._disk_key(FILE, NAME, ARCH, ())
-    return d / f"{key}.cubin", d / f"{key}.name"
+def entry_path():
+    return rt.cache_dir() / "kernels" / f"{rt._disk_key(FILE, NAME, ARCH, ())}.cubin"
 
 
 def test_entry_carries_a_checksum_and_is_reused(compiles):
     cubin, lowered = rt._cached_cubin(FILE, NAME, ARCH, ())
-    cpath, npath = entry_paths()
-    assert cpath.read_bytes() == cubin and lowered == "_Z11quantize_mxI6__halfEvv"
-    assert npath.read_text() == f"{hashlib.sha256(cubin).hexdigest()} {lowered}\n"
+    path = entry_path()
+    assert path.read_bytes() == f"{hashlib.sha256(cubin).hexdigest()} {lowered}\n".encode() + cubin
+    assert lowered == "_Z11quantize_mxI6__halfEvv"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert rt._cached_cubin(FILE, NAME, ARCH, ()) == (cubin, lowered)
     assert len(compiles) == 1
-    assert not [p for p in cpath.parent.iterdir() if p not in (cpath, npath)]   # no temp files left
+    assert [p for p in path.parent.iterdir()] == [path]   # one file an entry, no temp files left
 
 
-def _damage(kind, cpath, npath):
-    data = cpath.read_bytes()
+def _damage(kind, path):
+    data = path.read_bytes()
+    head, cubin = data.split(b"\n", 1)
     if kind == "empty":
-        cpath.write_bytes(b"")
+        path.write_bytes(b"")
     elif kind == "truncated":
-        cpath.write_bytes(data[:len(data) // 2])
+        path.write_bytes(data[:len(data) - len(cubin) // 2])
     elif kind == "flipped":
-        cpath.write_bytes(data[:3] + bytes([data[3] ^ 1]) + data[4:])
+        path.write_bytes(head + b"\n" + cubin[:3] + bytes([cubin[3] ^ 1]) + cubin[4:])
     elif kind == "replaced":
-        cpath.write_bytes(b"someone else's cubin")
-    elif kind == "cubin-missing":
-        cpath.unlink()
-    elif kind == "name-garbage":
-        npath.write_bytes(b"\xff\xfe\x00 garbage")
-    elif kind == "name-short-hash":
-        npath.write_text("abc123 _Z1fv\n")
-    elif kind == "name-no-lowered":
-        npath.write_text(hashlib.sha256(data).hexdigest() + "\n")
-    elif kind == "name-empty":
-        npath.write_bytes(b"")
+        path.write_bytes(head + b"\nsomeone else's cubin")
+    elif kind == "no-cubin":
+        path.write_bytes(head + b"\n")
+    elif kind == "head-garbage":
+        path.write_bytes(b"\xff\xfe\x00 garbage\n" + cubin)
+    elif kind == "head-short-hash":
+        path.write_bytes(b"abc123 _Z1fv\n" + cubin)
+    elif kind == "head-no-lowered":
+        path.write_bytes(hashlib.sha256(cubin).hexdigest().encode() + b"\n" + cubin)
+    elif kind == "no-newline":
+        path.write_bytes(head)
 
 
-@pytest.mark.parametrize("kind", ["empty", "truncated", "flipped", "replaced", "cubin-missing",
-                                  "name-garbage", "name-short-hash", "name-no-lowered", "name-empty"])
+@pytest.mark.parametrize("kind", ["empty", "truncated", "flipped", "replaced", "no-cubin", "head-garbage",
+                                  "head-short-hash", "head-no-lowered", "no-newline"])
 def test_damaged_entry_is_recompiled_with_one_warning(compiles, kind):
     rt._cached_cubin(FILE, NAME, ARCH, ())
-    cpath, npath = entry_paths()
-    _damage(kind, cpath, npath)
+    path = entry_path()
+    _damage(kind, path)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         cubin, lowered = rt._cached_cubin(FILE, NAME, ARCH, ())
-        _damage(kind, cpath, npath)
+        _damage(kind, path)
         rt._cached_cubin(FILE, NAME, ARCH, ())      # damaged again: recompiled again, not warned again
     msgs = [str(x.message) for x in w]
     assert len(msgs) == 1 and "unusable" in msgs[0] and "recompiling" in msgs[0], msgs
     assert len(compiles) == 3 and cubin == b"\x7fELF cubin 2 for " + NAME.encode()
-    assert rt.read_cached_cubin(cpath, npath)[0] is not None   # rewritten: the next read is a clean hit
+    assert rt.read_cached_cubin(path)[0] is not None   # rewritten: the next read is a clean hit
 
 
-def test_missing_name_file_is_a_plain_miss(compiles):
-    """The .name file is written after the cubin: without it the entry is absent (or a writer is between its two
-    files), a miss without a warning."""
+def test_missing_entry_is_a_plain_miss(compiles):
     rt._cached_cubin(FILE, NAME, ARCH, ())
-    cpath, npath = entry_paths()
-    npath.unlink()
+    entry_path().unlink()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rt._cached_cubin(FILE, NAME, ARCH, ())
@@ -143,8 +139,7 @@ def test_sources_edited_while_running_are_not_stored(compiles, monkeypatch):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         cubin, _ = rt._cached_cubin(FILE, NAME, ARCH, ())
-    cpath, npath = entry_paths()
-    assert cubin and not cpath.exists() and not npath.exists()
+    assert cubin and not entry_path().exists()
     assert [str(x.message) for x in w if "changed while this process ran" in str(x.message)]
 
 
@@ -239,22 +234,21 @@ import json, sys, pathlib, time
 from vbw_cupy import _runtime as rt
 d, role, me, n = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 sig, readers = pathlib.Path(sys.argv[5]), int(sys.argv[6])
-cpath, npath = d / "k.cubin", d / "k.name"
-seen = {"hit": 0, "miss": 0, "mismatch": 0}
+path = d / "k.cubin"
+seen = {"hit": 0, "miss": 0, "bad": 0}
 if role == "writer":   # the race starts once every reader has read the whole entry stored before it
     t0 = time.time()
     while len(list(sig.iterdir())) < readers and time.time() - t0 < 60:
         time.sleep(0.001)
 for i in range(n):
     if role == "writer":   # writer w stores cubins of its own length and content, named after itself
-        rt.write_cached_cubin(cpath, npath, bytes([65 + me]) * (1000 + 37 * me + i % 5), f"kernel_w{me}")
+        rt.write_cached_cubin(path, bytes([65 + me]) * (1000 + 37 * me + i % 5), f"kernel_w{me}")
     else:
         if i == 1:
             (sig / f"reader{me}").touch()
-        cubin, lowered, why = rt.read_cached_cubin(cpath, npath)
+        cubin, lowered, why = rt.read_cached_cubin(path)
         if cubin is None:
-            seen["mismatch" if why else "miss"] += 1
-            assert not why or "sha256" in why, why   # a torn pair reads as a checksum miss, nothing else
+            seen["bad" if why else "miss"] += 1
             continue
         w = cubin[0] - 65      # every byte of a cubin comes from one writer, and its name says the same one
         assert cubin == bytes([65 + w]) * len(cubin) and lowered == f"kernel_w{w}", (len(cubin), lowered)
@@ -264,29 +258,28 @@ print(json.dumps(seen))
 
 
 def test_concurrent_writers_and_readers_never_pair_the_wrong_cubin(tmp_path):
-    """Several processes write the same entry with different cubins while others read it: a reader gets a
-    whole cubin with its own name, or a miss (a .name and a cubin of different writers fail the checksum), and
-    every writer's temporary files are gone at the end. The entry exists before the processes start (a writer
-    "9" of this process), and the writers start once every reader has read it: so each reader has at least one
-    whole pair to read, whatever the scheduling (on a loaded 2-core machine three writers could otherwise tear
-    every pair a reader saw), and then reads on during the race."""
+    """Several processes write the same entry with different cubins while others read it: a reader always gets
+    one writer's whole cubin with its own name (an entry is one file renamed into place: never a damaged
+    read), every writer's temporary files are gone at the end, and the entry left is whole. The entry exists
+    before the processes start (a writer "9" of this process), and the writers start once every reader has read
+    it, then the readers read on during the race. (With a cubin and a .name file per entry, racing writers could
+    leave one's name beside the other's cubin: a checksum miss for every later process.)"""
     import subprocess
     entry, sig = tmp_path / "entry", tmp_path / "sig"
     entry.mkdir()
     sig.mkdir()
-    rt.write_cached_cubin(entry / "k.cubin", entry / "k.name", bytes([65 + 9]) * 900, "kernel_w9")
+    rt.write_cached_cubin(entry / "k.cubin", bytes([65 + 9]) * 900, "kernel_w9")
     procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(entry), role, str(i), "300", str(sig), "3"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i, role in enumerate(["writer"] * 3 + ["reader"] * 3)]
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
-    hits = [json.loads(out.strip().splitlines()[-1])["hit"] for (out, _), p in zip(outs, procs)
-            if p.args[4] == "reader"]
-    assert len(hits) == 3 and min(hits) >= 1, hits   # (each reader's first read, before the race, is whole)
-    assert sorted(x.name for x in entry.iterdir()) == ["k.cubin", "k.name"]
-    cubin, lowered, why = rt.read_cached_cubin(entry / "k.cubin", entry / "k.name")
-    assert cubin is not None or "sha256" in why
+    seen = [json.loads(out.strip().splitlines()[-1]) for (out, _), p in zip(outs, procs) if p.args[4] == "reader"]
+    assert len(seen) == 3 and all(x["hit"] == 300 and not x["bad"] and not x["miss"] for x in seen), seen
+    assert sorted(x.name for x in entry.iterdir()) == ["k.cubin"]
+    cubin, lowered, why = rt.read_cached_cubin(entry / "k.cubin")
+    assert cubin is not None and lowered == f"kernel_w{cubin[0] - 65}", why
 
 
 def test_new_cache_directories_are_private(compiles):

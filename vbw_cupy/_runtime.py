@@ -11,10 +11,12 @@ We drive NVRTC ourselves rather than through ``RawModule(code=...)`` for three r
 
 Compiled cubins are cached in memory per (device, file, instance, options) and on disk under
 ``$VBW_CUPY_CACHE_DIR/kernels`` (default ``~/.cache/vbw_cupy``), keyed by a hash of all sources,
-the options, the architecture and the NVRTC version. Each ``<key>.cubin`` has a ``<key>.name`` file written
-after it, holding the cubin's sha256 and the kernel's lowered name; a cubin is loaded only from the bytes
-whose checksum was just verified (never from a path the driver reads later), and an empty, truncated or
-corrupt entry is recompiled with one warning. The checksum guards against damage, not against someone
+the options, the architecture and the NVRTC version. Each entry is one file ``<key>.cubin``, renamed into
+place whole: a first line with the cubin's sha256 and the kernel's lowered name, then the cubin (processes
+compiling the same kernel at once leave one of their entries, never a mix: NVRTC's cubins differ between
+processes). A cubin is loaded only from the bytes whose checksum was just verified (never from a path the
+driver reads later), and an empty, truncated or corrupt entry is recompiled with one warning. A process that
+sees cuda_src/ change after it hashed it stores nothing more. The checksum guards against damage, not against someone
 who can write the directory: point ``VBW_CUPY_CACHE_DIR`` at a directory only you can write. A cache
 directory that cannot be used (a file in its place, read-only) means no disk cache, with one warning.
 """
@@ -248,7 +250,7 @@ _modules: dict = {}
 # (filename, name, arch, options) -> (cubin, lowered name) for what was compiled but could not be written to the
 # disk cache (none configured, or read-only): the tuner compiles before it loads, and would otherwise compile twice
 _unstored: dict = {}
-_CACHE_FORMAT = 2  # in the disk key: format-2 entries carry the cubin's sha256 in their .name file
+_CACHE_FORMAT = 3  # in the disk key: format-3 entries are one file, the cubin's sha256 and name, then the cubin
 
 
 def _disk_key(filename, name, arch, extra_options) -> str:
@@ -372,39 +374,34 @@ def kernel_cache_dir() -> pathlib.Path | None:
 _HEX = frozenset("0123456789abcdef")
 
 
-def read_cached_cubin(cubin_path: pathlib.Path, name_path: pathlib.Path) -> tuple[bytes | None, str, str]:
+def read_cached_cubin(path: pathlib.Path) -> tuple[bytes | None, str, str]:
     """(cubin, lowered name, "") for an entry whose checksum holds; (None, "", why) otherwise, why "" when the
-    entry is simply absent (a writer may be between its two files: the .name file is written last)."""
+    entry is simply absent. An entry is one file: '<sha256 of the cubin> <lowered name>\n', then the cubin."""
     try:
-        meta = name_path.read_bytes()
+        data = path.read_bytes()
     except (FileNotFoundError, NotADirectoryError):
         return None, "", ""
     except OSError as e:
-        return None, "", f"unreadable ({e})"
-    bad_meta = "its .name file does not hold '<sha256> <lowered name>'"
+        return None, "", f"unreadable ({e.strerror or e})"
+    head, nl, cubin = data.partition(b"\n")
+    bad_head = "its first line is not '<sha256> <lowered name>'"
     try:
-        digest, lowered = meta.decode("ascii").split()
+        digest, lowered = head.decode("ascii").split()
     except (UnicodeDecodeError, ValueError):
-        return None, "", bad_meta
-    if len(digest) != 64 or not set(digest) <= _HEX or not lowered.isprintable():
-        return None, "", bad_meta
-    try:
-        cubin = cubin_path.read_bytes()
-    except OSError as e:
-        return None, "", f"the cubin is unreadable ({e.strerror or e})"
+        return None, "", bad_head
+    if not nl or len(digest) != 64 or not set(digest) <= _HEX or not lowered.isprintable():
+        return None, "", bad_head
     if not cubin:
         return None, "", "the cubin is empty"
     if hashlib.sha256(cubin).hexdigest() != digest:
-        return None, "", f"the cubin's sha256 does not match ({len(cubin)} bytes: truncated or overwritten)"
+        return None, "", f"the cubin's sha256 does not match ({len(cubin)} bytes: truncated or damaged)"
     return cubin, lowered, ""
 
 
-def write_cached_cubin(cubin_path: pathlib.Path, name_path: pathlib.Path, cubin: bytes, lowered: str) -> None:
-    """Store an entry for read_cached_cubin: the cubin, then the .name file with its sha256 (each renamed into
-    place whole). A reader between two writers may pair one's .name with the other's cubin: the checksum turns
-    that into a miss, never into a wrong kernel."""
-    atomic_write(cubin_path, cubin)
-    atomic_write(name_path, f"{hashlib.sha256(cubin).hexdigest()} {lowered}\n".encode("ascii"))
+def write_cached_cubin(path: pathlib.Path, cubin: bytes, lowered: str) -> None:
+    """Store an entry for read_cached_cubin as one file renamed into place whole: writers racing on an entry
+    leave one writer's whole entry (two files, a cubin and its name, could end up from different writers)."""
+    atomic_write(path, f"{hashlib.sha256(cubin).hexdigest()} {lowered}\n".encode("ascii") + cubin)
 
 
 def _cached_cubin(filename, name, arch, extra_options, compile: bool = True,
@@ -419,8 +416,8 @@ def _cached_cubin(filename, name, arch, extra_options, compile: bool = True,
     d = kernel_cache_dir()
     if d is not None:
         dkey = _disk_key(filename, name, arch, extra_options)
-        cubin_path, name_path = d / f"{dkey}.cubin", d / f"{dkey}.name"
-        cubin, lowered, why = read_cached_cubin(cubin_path, name_path)
+        cubin_path = d / f"{dkey}.cubin"
+        cubin, lowered, why = read_cached_cubin(cubin_path)
         if cubin is not None:
             return cubin, lowered
         if why:
@@ -440,7 +437,7 @@ def _cached_cubin(filename, name, arch, extra_options, compile: bool = True,
         d = None
     if d is not None:
         try:
-            write_cached_cubin(cubin_path, name_path, cubin, lowered)
+            write_cached_cubin(cubin_path, cubin, lowered)
             return cubin, lowered
         except OSError as e:  # a read-only cache still works, just without the disk copy
             warn_once(f"ro:{d}", f"vbw_cupy: cannot write the kernel cache {d} ({e.strerror or e}): compiled "
