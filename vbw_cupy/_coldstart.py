@@ -59,8 +59,12 @@ def first_call_s(op: str, cache_dir: str, autotune: bool = True, timeout: float 
                          timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"{op}: the first-call process failed:\n{res.stderr[-2000:]}")
-    dt, stats = json.loads(res.stdout.strip().splitlines()[-1])
-    return float(dt), stats
+    try:
+        dt, stats = json.loads(res.stdout.strip().splitlines()[-1])
+        return float(dt), stats
+    except (IndexError, ValueError, TypeError):  # (no output, or something other than its last line printed)
+        raise RuntimeError(f"{op}: the first-call process printed no timing (stdout: {res.stdout[-300:]!r})") \
+            from None
 
 
 def measure(ops=None, progress=print) -> list[dict]:

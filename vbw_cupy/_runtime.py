@@ -255,7 +255,7 @@ _CACHE_FORMAT = 3  # in the disk key: format-3 entries are one file, the cubin's
 
 def _disk_key(filename, name, arch, extra_options) -> str:
     h = hashlib.sha256(repr((_CACHE_FORMAT, sources_hash(), filename, name, arch, tuple(extra_options),
-                             nvrtc_version())).encode())
+                             nvrtc_version(), cuda_include_dir())).encode())  # (other CUDA headers: other key)
     return h.hexdigest()[:32]
 
 
