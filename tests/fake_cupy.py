@@ -79,10 +79,17 @@ class ndarray:
         return ndarray(self.a.view(dtype), self._dev)
 
     def __getitem__(self, idx):
-        return ndarray(self.a[idx], self._dev)
+        return ndarray(self.a[_host_index(idx)], self._dev)
 
     def __setitem__(self, idx, value):
-        self.a[idx] = value.a if isinstance(value, ndarray) else value
+        self.a[_host_index(idx)] = value.a if isinstance(value, ndarray) else value
+
+
+def _host_index(idx):
+    """An index as NumPy takes it (fake arrays among the index arrays unwrapped)."""
+    if isinstance(idx, tuple):
+        return tuple(x.a if isinstance(x, ndarray) else x for x in idx)
+    return idx.a if isinstance(idx, ndarray) else idx
 
 
 class Kernel:
@@ -123,6 +130,18 @@ def _zeros(shape, dtype=np.float32):
     return ndarray(np.zeros(shape, dtype=dtype))
 
 
+def _full(shape, value, dtype=None):
+    return ndarray(np.full(shape, value, dtype=dtype))
+
+
+def _take(a, idx, axis=None, out=None):
+    r = np.take(a.a, idx.a if isinstance(idx, ndarray) else idx, axis=axis)
+    if out is None:
+        return ndarray(r, a._dev)
+    out.a[...] = r
+    return out
+
+
 def _ascontiguousarray(x):
     return ndarray(np.ascontiguousarray(x.a), x._dev)
 
@@ -141,7 +160,8 @@ def _array(x, dtype=None):
     return ndarray(np.array(x.a if isinstance(x, ndarray) else x, dtype=dtype))
 
 
-empty, zeros, ascontiguousarray, asarray, array = _empty, _zeros, _ascontiguousarray, _asarray, _array
+empty, zeros, full, take, ascontiguousarray, asarray, array = (_empty, _zeros, _full, _take, _ascontiguousarray,
+                                                                _asarray, _array)
 float32, int32, uint8, uint32 = np.float32, np.int32, np.uint8, np.uint32
 
 

@@ -450,6 +450,38 @@ def test_fp8_attention_from_another_device_is_not_replayed(kernels, monkeypatch)
         af._fast_plans.clear()
 
 
+def test_paged_cache_runs_on_its_own_device(kernels):
+    # the cache's methods ran on the caller's current device: kernels fetched and launched there with another
+    # device's arrays, and the slot / gather buffers made then stayed on it for the cache's life
+    c = paged.PagedKVCache(16, 4, 2, 64, np.float16, max_batch=2, max_blocks_per_seq=4, xp=fc)   # on GPU 0
+    kn = fc.asgpu(np.ones((2, 2, 64), np.float16), 0)
+    q = fc.asgpu(np.ones((2, 4, 64), np.float16), 0)
+    fc.set_device(1)
+    try:
+        c.append(kn, kn, seqs=[1, 0])
+        c.attention(q, seqs=[1, 0])
+        assert {dev for (dev, _), k in kernels.items() if k.calls} == {0}
+        with pytest.raises(ValueError, match="arrays on different devices: k_cache on GPU 0, k_new on GPU 1"):
+            c.append(fc.asgpu(np.ones((2, 2, 64), np.float16), 1), fc.asgpu(np.ones((2, 2, 64), np.float16), 1))
+    finally:
+        fc.set_device(0)
+    c.attention(q, seqs=[1, 0])   # (its buffers are the cache device's: still usable from there)
+    with pytest.raises(ValueError, match="max_batch: expected at most 65535 sequence slots on the GPU"):
+        paged.PagedKVCache(16, 4, 2, 64, np.float16, max_batch=70000, max_blocks_per_seq=4, xp=fc)
+
+
+def test_varlen_errors_name_the_argument(kernels):
+    rng = np.random.default_rng(0)
+    q = fc.asgpu(rng.standard_normal((10, 2, 64)).astype(np.float16))
+    k = fc.asgpu(rng.standard_normal((12, 2, 64)).astype(np.float16))
+    cq, ck = np.array([0, 4, 10], np.int32), fc.asgpu(np.array([0, 5, 12], np.int32), 1)   # host q, GPU 1 k
+    with pytest.raises(ValueError, match="cu_seqlens_k on GPU 1"):   # (it said cu_seqlens_q)
+        attention.flash_attention_varlen(q, k, k, cq, ck)
+    cq, ck = fc.asgpu(np.array([0, 4, 10], np.int32)), fc.asgpu(np.array([0, 5, 12], np.int32))
+    with pytest.raises(ValueError, match="max_seqlen_q: expected sequence lengths up to"):   # (cu_seqlens_q)
+        attention.flash_attention_varlen(q, k, k, cq, ck, max_seqlen_q=2**31, max_seqlen_k=12)
+
+
 def test_paged_max_seqlen_must_bound_checked_lengths(kernels):
     """Where seq_lens' values are read (check="host", NumPy inputs), a max_seqlen below the longest sequence is
     an error, on the full path and on a replay alike; otherwise it only bounds the split count."""

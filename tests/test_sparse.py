@@ -101,6 +101,9 @@ def test_bsr_from_mask_rejects(monkeypatch):
         SP.bsr_from_mask(np.ones((2, 2), np.int32))
     with pytest.raises(ValueError, match="mask: expected a 2-d"):
         SP.bsr_from_mask(np.ones((2, 2, 2), bool))
+    for shape in ((0, 3), (3, 0), (0, 1, 2, 2)):   # (NumPy's reshape error named nothing)
+        with pytest.raises(ValueError, match=r"mask: expected at least one query block"):
+            SP.bsr_from_mask(np.ones(shape, bool))
 
 
 # ---------------------------------------------------------------------------------------------- CPU: reference

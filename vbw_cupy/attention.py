@@ -431,8 +431,8 @@ def _is_host(x) -> bool:
     return isinstance(x, np.ndarray)
 
 
-def _check_gpu_common(q, k, v, *others):
-    rt.check_same_device(q=q, k=k, v=v, **{f"cu_seqlens_{'qk'[i]}": a for i, a in enumerate(others)})
+def _check_gpu_common(q, k, v, **offsets):
+    rt.check_same_device(q=q, k=k, v=v, **offsets)
 
 
 def _clamp_window(left: int, right: int, max_q: int, max_k: int) -> tuple[int, int]:
@@ -731,8 +731,9 @@ def _check_varlen(q, k, v, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, causal, so
                                       max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                                       dtypes=_checks.GPU_ATTENTION_DTYPES, check_values=check_values)
     return_lse = _checks.check_flag("return_lse", return_lse)
-    _check_seqlen("cu_seqlens_q", shape.max_seqlen_q)
-    _check_seqlen("cu_seqlens_k", shape.max_seqlen_k)
+    # (a length read from the offsets names them; one the caller gave names its max_seqlen)
+    _check_seqlen("cu_seqlens_q" if max_seqlen_q is None else "max_seqlen_q", shape.max_seqlen_q)
+    _check_seqlen("cu_seqlens_k" if max_seqlen_k is None else "max_seqlen_k", shape.max_seqlen_k)
     _check_grid(shape.B, shape.Hq, shape.max_seqlen_q)
     left, right = _checks.effective_window(window, causal)
     return (shape, (left, right), _checks.effective_scale(softmax_scale, shape.D), _checks.check_softcap(softcap),
@@ -841,7 +842,8 @@ def _varlen_gpu(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen
     shape, win, scale, softcap, return_lse = _check_varlen(
         q, k, v, cu_q, cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
         softmax_scale=softmax_scale, window=window, softcap=softcap, return_lse=return_lse, check_values=read)
-    _check_gpu_common(q, k, v, *[a for a in (cu_q, cu_k) if not _is_host(a)])
+    _check_gpu_common(q, k, v, **{n: a for n, a in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k))
+                                  if not _is_host(a)})
     with q.device:
         q, k, v = rt.ensure_contiguous(q), rt.ensure_contiguous(k), rt.ensure_contiguous(v)
         cu_q_d = cp.ascontiguousarray(cp.asarray(cu_q, dtype=cp.int32))

@@ -507,6 +507,18 @@ def _array_module(device, xp):
     raise ValueError(f"xp: expected numpy, cupy, 'numpy' or 'cupy', got {xp!r}")
 
 
+def _on_cache_device(method):
+    """Run a PagedKVCache method with the cache's GPU current (its launches, index arrays and gathers go to the
+    device that holds the cache, whatever device the caller has current)."""
+    @functools.wraps(method)
+    def run(self, *args, **kw):
+        if self.xp is np:
+            return method(self, *args, **kw)
+        with rt.cupy.cuda.Device(self.k_cache.data.device_id):
+            return method(self, *args, **kw)
+    return run
+
+
 class PagedKVCache:
     """A paged KV cache for decoding: plain arrays inside, block allocation and index arithmetic done for you.
 
@@ -561,6 +573,8 @@ class PagedKVCache:
                              f"got {block_size}")
         if not 1 <= head_dim <= _checks.MAX_HEAD_DIM:
             raise ValueError(f"head_dim: expected 1 to {_checks.MAX_HEAD_DIM}, got {head_dim}")
+        if xp is not np and max_batch > 65535:  # (append's grid has a row a sequence; CUDA grids: 65535)
+            raise ValueError(f"max_batch: expected at most 65535 sequence slots on the GPU, got {max_batch}")
         dtype = _checks.check_float_dtype("dtype", dtype)
         self.xp = xp
         self.block_size = int(block_size)
@@ -609,6 +623,7 @@ class PagedKVCache:
                              f"got {s.tolist()}")
         return s
 
+    @_on_cache_device
     def append(self, k_new, v_new, seqs=None) -> None:
         """Append one token per sequence (k_new, v_new [B, Hkv, D]) or T tokens each ([B, T, Hkv, D])."""
         xp = self.xp
@@ -624,6 +639,8 @@ class PagedKVCache:
                                 f"got {type(x).__name__}")
         if tuple(k_new.shape) != tuple(v_new.shape):
             raise ValueError(f"v_new: expected the shape of k_new {tuple(k_new.shape)}, got {tuple(v_new.shape)}")
+        if xp is not np:
+            rt.check_same_device(k_cache=self.k_cache, k_new=k_new, v_new=v_new)
         if k_new.ndim == 3:
             k_new, v_new = k_new[:, None], v_new[:, None]
         B, T = int(k_new.shape[0]), int(k_new.shape[1])
@@ -663,6 +680,7 @@ class PagedKVCache:
                       (self.seq_lens, dev, np.int32(B), np.int32(self.max_batch), np.int32(T)))
         self._lens[slots] = new_len
 
+    @_on_cache_device
     def reserve(self, tokens: int, seqs=None) -> None:
         """Allocate now the blocks that `tokens` more tokens of each sequence `seqs` (default: every slot that
         holds tokens) will need, so that appends of up to that many tokens allocate nothing: what a CUDA graph
@@ -718,6 +736,7 @@ class PagedKVCache:
             a = self._slot_arrays[key] = self.xp.asarray(slots.astype(np.int32))
         return a
 
+    @_on_cache_device
     def free(self, seq) -> None:
         """Return sequence slot `seq`'s blocks to the free list; its length becomes 0."""
         if not _checks._is_int(seq) or not 0 <= int(seq) < self.max_batch:
@@ -731,6 +750,7 @@ class PagedKVCache:
         self.block_table[s, :n] = -1
         self.seq_lens[s] = 0
 
+    @_on_cache_device
     def attention(self, q, seqs=None, **kw):
         """`paged_attention(q, ...)` over sequences `seqs` (default 0..B-1), each with at least one token."""
         _checks.check_array_like("q", q)

@@ -143,6 +143,9 @@ def bsr_from_mask(mask):
     if mask.dtype != np.bool_:
         raise TypeError(f"mask: expected a boolean array, got dtype {mask.dtype}")
     nqb, nkb = int(mask.shape[-2]), int(mask.shape[-1])
+    if 0 in mask.shape:
+        raise ValueError(f"mask: expected at least one query block, key block (and pattern), got shape "
+                         f"{tuple(mask.shape)}")
     lead = tuple(int(n) for n in mask.shape[:-2])
     m = mask.reshape(-1, nqb * nkb)
     P = m.shape[0]
