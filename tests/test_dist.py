@@ -57,6 +57,29 @@ def test_a_failing_rank_does_not_hang_the_others():
     assert threading.active_count() < 10
 
 
+def test_a_simulated_group_stays_usable_after_a_rank_error():
+    # its barrier stayed aborted: every later collective raised BrokenBarrierError
+    group = SimGroup(3, timeout=30)
+
+    def body(comm):
+        if comm.rank == 1:
+            raise KeyError("rank 1 broke")
+        comm.sendrecv(np.full(1, comm.rank), comm.next, np.empty(1), comm.prev)   # (left unread in a mailbox)
+        comm.all_reduce(np.zeros(2))
+    with pytest.raises(KeyError, match="rank 1 broke"):
+        group.run(body)
+    got = group.run(lambda comm: comm.all_reduce(np.full(3, comm.rank + 1.0)))
+    assert all((g == 6).all() for g in got)
+    got = group.run(lambda comm: comm.sendrecv(np.full(1, 10.0 + comm.rank), comm.next, np.empty(1),
+                                               comm.prev).wait())
+    assert [float(g[0]) for g in got] == [12.0, 10.0, 11.0]   # this call's messages, none left from the failure
+    cfg = CONFIGS["gqa"]
+    tp = TPGroup.simulated(cfg, random_weights(cfg), 2)
+    with pytest.raises(ValueError, match="token ids"):
+        tp.prefill([[1, cfg.vocab_size + 5]], tp.new_cache(1, 16), [0])
+    tp.prefill([[1, 2]], tp.new_cache(1, 16), [0])
+
+
 # ---------------------------------------------------------------------------------------------- tensor parallel
 
 CONFIGS = {
@@ -170,6 +193,9 @@ def test_cli_generate_tp_on_gpu_explains_what_it_needs(tmp_path, capsys):
     assert cli_main(["generate", str(ckpt), "--tokenizer", str(tok), "--device", "gpu", "--tp", "2"]) == 2
     err = capsys.readouterr().err
     assert "--tp 2 on the GPU needs 2 visible GPUs (one rank each) and NCCL" in err and "--device cpu" in err
+    for tp in ("0", "-1"):   # (it said NCCL was missing)
+        assert cli_main(["generate", str(ckpt), "--tokenizer", str(tok), "--device", "gpu", "--tp", tp]) == 2
+        assert f"tp: expected a positive int, got {tp}" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------- ring attention

@@ -79,12 +79,26 @@ class SimGroup:
         self.comms = [SimComm(self, r) for r in range(self.size)]
 
     def run(self, fn, *args, **kwargs) -> list:
-        return run_ranks(fn, self.comms, *args, on_error=self._abort, **kwargs)
+        try:
+            return run_ranks(fn, self.comms, *args, on_error=self._abort, **kwargs)
+        finally:
+            self._recover()
 
     def _abort(self):
         """A rank failed: wake the others (waiting at the barrier or for a message) with BrokenBarrierError."""
         self._broken.set()
         self._barrier.abort()
+
+    def _recover(self):
+        """After a run in which a rank failed (every rank has returned): the barrier, the mailboxes and the slots
+        as new, so the group stays usable (it stayed broken: every later collective raised)."""
+        if self._broken.is_set():
+            self._barrier.reset()
+            for box in self._mail.values():
+                while not box.empty():
+                    box.get_nowait()
+            self._slots = [None] * self.size
+            self._broken.clear()
 
 
 class SimComm(Comm):
@@ -226,7 +240,9 @@ class RankThreads:
             for q in self._jobs:
                 q.put(None)
 
-    __del__ = close
+    def __del__(self):
+        if getattr(self, "closed", True) is False:   # (nothing to end if __init__ failed before its threads)
+            self.close()
 
 
 # ---------------------------------------------------------------------------------------------- NCCL

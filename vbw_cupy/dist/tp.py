@@ -181,9 +181,11 @@ class TPGroup:
             return
         for model in self.models:   # graphs first, from this thread (a broken group runs no jobs)
             model._graphs = {}
-        if run.broken is None:
-            run(lambda comm: comm.close())
-        run.close()
+        try:
+            if run.broken is None:
+                run(lambda comm: comm.close())
+        finally:   # (a communicator that fails to close still ends the rank threads)
+            run.close()
 
     def host_weights(self) -> LlamaWeights:
         """The weights as the GPU ranks compute with them (FP4 shards dequantized), float32 on the host and put
@@ -255,13 +257,16 @@ def require_gpus(size: int) -> None:
 def load_tp_model(path, size: int, weights: str | None = None, device: str = "cpu") -> TPGroup:
     """A checkpoint (as `models.load_model` reads it) split over `size` tensor-parallel ranks: simulated ranks on
     NumPy for device "cpu", GPUs 0..size-1 over NCCL for "gpu"."""
-    from ..models.loaders import load_checkpoint
+    from ..models.loaders import load_checkpoint, load_config
     if device not in ("cpu", "gpu"):
         raise ValueError(f"device: expected 'cpu' or 'gpu', got {device!r}")
+    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tp: expected a positive int, got {size!r}")
     if device == "gpu":
         require_gpus(size)
-    config, host = load_checkpoint(path)
+    config = load_config(path)   # (the split checked before the weights are read)
     check_tp(config, size)
+    config, host = load_checkpoint(path)
     if device == "gpu":
         return TPGroup.on_gpus(config, host, size, weights or "fp16")
     return TPGroup.simulated(config, host, size, weights or "fp32")
