@@ -456,6 +456,38 @@ def test_launcher_stopped_by_sigterm_stops_its_ranks(tmp_path):
             time.sleep(0.05)
 
 
+def test_launcher_stops_what_a_failed_rank_left_in_its_group(tmp_path):
+    # a rank that exits leaves a helper in its process group ignoring SIGTERM: that group got no signal at all
+    # (only ranks still running were stopped), and the helper ran on under init
+    import os
+    from vbw_cupy.dist.launch import launch
+    script = tmp_path / "leaver.py"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "if os.environ['VBW_RANK'] == '1':\n"
+        "    h = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+        "    open(os.path.join(sys.argv[1], 'helper'), 'w').write(str(h.pid))\n"
+        "    time.sleep(0.5)\n"
+        "    sys.exit(5)\n"
+        "time.sleep(60)\n")
+    assert launch([str(script), str(tmp_path)], nproc=2, grace=1.0) == 5
+    pid = int((tmp_path / "helper").read_text())
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        try:   # (a zombie whose parent exited is reaped by init: gone soon)
+            if open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z":
+                break
+        except OSError:
+            break
+        assert time.monotonic() < deadline, "the failed rank's helper still runs"
+        time.sleep(0.05)
+
+
 def test_each_rendezvous_of_a_run_has_its_own_id(tmp_path, monkeypatch):
     """The n-th exchange of a process reads the n-th id rank 0 wrote (a second communicator never picks up the
     first one's id)."""

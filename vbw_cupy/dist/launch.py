@@ -78,17 +78,37 @@ def _signal_group(p, sig) -> None:
         pass
 
 
+def _group_alive(p) -> bool:
+    try:
+        os.killpg(p.pid, 0)   # (signal 0: is any process of the rank's group left?)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
 def _stop(procs, grace: float) -> None:
-    for p in procs:
-        if p.poll() is None:
+    """SIGTERM to every rank's process group (a rank that exited may have left processes in it), SIGKILL to
+    the groups still alive after `grace` seconds. A second Ctrl-C or SIGTERM meanwhile is ignored: it used to
+    stop the launcher here and leave the ranks running."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} \
+        if main else {}
+    try:
+        for p in procs:
             _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal_group(p, signal.SIGKILL)
+        deadline = time.monotonic() + grace
+        while any(_group_alive(p) for p in procs) and time.monotonic() < deadline:
+            for p in procs:
+                p.poll()   # (reaps a leader that exited: its group is then gone once its other members are)
+            time.sleep(0.02)
+        for p in procs:
+            if _group_alive(p):
+                _signal_group(p, signal.SIGKILL)
+        for p in procs:
             p.wait()
+    finally:
+        for sig, h in saved.items():
+            signal.signal(sig, h)
 
 
 def _raise_exit(sig, frame):
