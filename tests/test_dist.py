@@ -232,6 +232,17 @@ def test_ring_attention_equals_the_unsplit_reference(size, causal, S, Hq, Hkv, D
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("S", [7, 9, 10, 64])
+def test_ring_attention_without_seq_len_on_uneven_splits(S):
+    # seq_len's default was L * size on each rank: on a split 2 size does not divide, ranks took different
+    # lengths and their messages disagreed (a ValueError here, bytes of the wrong size over NCCL)
+    rng = np.random.default_rng(S)
+    q, k, v = (rng.standard_normal((1, S, 2, 8)).astype(np.float32) for _ in range(3))
+    qs, ks, vs = (zigzag_split(a, 2) for a in (q, k, v))
+    res = SimGroup(2).run(lambda c: ring_attention(qs[c.rank], ks[c.rank], vs[c.rank], c, causal=True))
+    assert rel(zigzag_merge(res), reference.flash_attention(q, k, v, causal=True)) < 1e-6
+
+
 def test_ring_attention_bfloat16_and_softmax_scale():
     import ml_dtypes
     rng = np.random.default_rng(9)

@@ -57,7 +57,8 @@ def ring_attention(q, k, v, comm: Comm, *, seq_len: int | None = None, causal: b
     see the module docstring); every rank calls it with its own part.
 
     q [B, L, Hq, D], k and v [B, L, Hkv, D]: this rank's positions `zigzag_positions(seq_len, rank, size)`
-    (L = seq_len / size when 2 size divides seq_len; seq_len defaults to L * size). NumPy arrays run the reference
+    (L = seq_len / size when 2 size divides seq_len; seq_len defaults to the sum of the ranks' L, one small
+    all-reduce that synchronizes on the GPU: give it to skip that). NumPy arrays run the reference
     per block; CuPy arrays the GPU kernel (float16 / bfloat16) with NCCL. The merge is in float64 on NumPy,
     float32 on the GPU (one kernel a block, cuda_src/lse_merge.cu). causal=True is the usual mask over the whole
     sequence (Sq == Sk). Returns o [B, L, Hq, D] in q's dtype and, with return_lse=True, lse float32 [B, Hq, L],
@@ -69,7 +70,11 @@ def ring_attention(q, k, v, comm: Comm, *, seq_len: int | None = None, causal: b
     """
     xp = _xp(q)
     N, r = comm.size, comm.rank
-    seq_len = q.shape[1] * N if seq_len is None else int(seq_len)
+    if seq_len is None:   # (L * N only where 2 N divides the sequence: ranks of an uneven split would disagree)
+        total = xp.full(1, q.shape[1], dtype=np.int64)
+        comm.all_reduce(total)
+        seq_len = int(total[0])
+    seq_len = int(seq_len)
     bounds = zigzag_bounds(seq_len, N)
 
     def chunks(rank):
