@@ -470,6 +470,17 @@ def test_paged_cache_runs_on_its_own_device(kernels):
         paged.PagedKVCache(16, 4, 2, 64, np.float16, max_batch=70000, max_blocks_per_seq=4, xp=fc)
 
 
+def test_paged_cache_bookkeeping_refused_during_a_capture(kernels, monkeypatch):
+    # reserve / free change the host's block lists at once; their device writes would run only at a replay
+    c = paged.PagedKVCache(16, 4, 2, 64, np.float16, max_batch=2, max_blocks_per_seq=4, xp=fc)
+    c.append(fc.asgpu(np.ones((2, 2, 64), np.float16)), fc.asgpu(np.ones((2, 2, 64), np.float16)))
+    monkeypatch.setattr(fc._Stream, "is_capturing", lambda self: True)
+    for call, what in ((lambda: c.reserve(4), "reserve"), (lambda: c.free(0), "free")):
+        with pytest.raises(RuntimeError, match=f"PagedKVCache.{what}: not while a CUDA graph is being captured"):
+            call()
+    assert c.lengths().tolist() == [1, 1] and c.num_free_blocks == 14
+
+
 def test_varlen_errors_name_the_argument(kernels):
     rng = np.random.default_rng(0)
     q = fc.asgpu(rng.standard_normal((10, 2, 64)).astype(np.float16))

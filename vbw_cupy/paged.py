@@ -688,6 +688,7 @@ class PagedKVCache:
         if not _checks._is_int(tokens) or int(tokens) < 0:
             raise (ValueError if _checks._is_int(tokens) else TypeError)(
                 f"tokens: expected an int >= 0, got {tokens!r}")
+        self._not_capturing("reserve")
         slots = np.flatnonzero(self._lens > 0) if seqs is None else self._slots(seqs, len(np.atleast_1d(seqs)))
         cap = self._table.shape[1] * self.block_size
         more = min(int(tokens), cap + 1)  # (past any sequence's capacity either way; int64 arithmetic below)
@@ -736,11 +737,19 @@ class PagedKVCache:
             a = self._slot_arrays[key] = self.xp.asarray(slots.astype(np.int32))
         return a
 
+    def _not_capturing(self, what: str) -> None:
+        """RuntimeError while the current stream captures a CUDA graph: `what` changes the host's bookkeeping at
+        once, while its device writes would only run at a replay."""
+        if self.xp is not np and rt.cupy.cuda.get_current_stream().is_capturing():
+            raise RuntimeError(f"PagedKVCache.{what}: not while a CUDA graph is being captured (it changes the "
+                               "host's block bookkeeping now; call it before capturing or after replaying)")
+
     @_on_cache_device
     def free(self, seq) -> None:
         """Return sequence slot `seq`'s blocks to the free list; its length becomes 0."""
         if not _checks._is_int(seq) or not 0 <= int(seq) < self.max_batch:
             raise ValueError(f"seq: expected a slot in [0, {self.max_batch}), got {seq!r}")
+        self._not_capturing("free")
         s = int(seq)
         n = int(self._nblk[s])
         self._free.extend(int(b) for b in self._table[s, :n][::-1])
