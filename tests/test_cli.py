@@ -176,3 +176,19 @@ def test_cold_start_reports_a_failed_op_and_goes_on(monkeypatch, capsys):
     _coldstart.print_rows(rows)
     out = capsys.readouterr().out
     assert "failed" in out and "OVER" in out and "0.25     0.12" in out
+
+
+def test_a_cupy_that_fails_to_import_is_named(monkeypatch, capsys):
+    # an installed CuPy whose import failed (a missing CUDA library) was reported as "not installed"
+    from vbw_cupy import _runtime as rt
+    monkeypatch.setattr(rt, "cupy", None)
+    monkeypatch.setattr(rt, "_CUPY_IMPORT_ERROR", ImportError("libnvrtc.so.12: cannot open shared object file"))
+    assert rt.cupy_missing() == ("CuPy is installed but failed to import (ImportError: libnvrtc.so.12: cannot open "
+                                 "shared object file)")
+    assert cli.main(["info"]) == 0
+    assert "CuPy: installed but failed to import (ImportError: libnvrtc.so.12" in capsys.readouterr().out
+    missing = ModuleNotFoundError("No module named 'cupy'")
+    missing.name = "cupy"
+    monkeypatch.setattr(rt, "_CUPY_IMPORT_ERROR", missing)
+    assert rt.cupy_missing() == "CuPy is not installed"
+

@@ -61,6 +61,7 @@ def to_halves(m, n_heads):
 
 
 def write_hf(folder, w, seq_len, shared, rope_theta, dtype, **config):
+    pytest.importorskip("safetensors")   # (the models extra: the tests that write a folder skip without it)
     from safetensors.numpy import save_file
     s = w["sizes"]
     folder.mkdir()
@@ -260,6 +261,7 @@ def test_hf_config_rope_scaling_and_head_dim_errors(tmp_path):
 
 
 def test_hf_shards_by_index_and_duplicates(tmp_path):
+    pytest.importorskip("safetensors")
     from safetensors.numpy import load_file, save_file
     rng = np.random.default_rng(11)
     w = random_weights(rng, 32, 48, 1, 4, 2, 50, False)
@@ -439,6 +441,14 @@ def test_tokenizer_merges_by_best_score(tok_bin):
     assert tok.decode([piece[b"hi"], piece[b" "], piece[b"abc"]]) == "hi abc"
 
 
+def test_byte_level_extra_pieces_as_bytes_or_pairs():
+    tok = Llama2cTokenizer.byte_level([b"a", (b"b", 1.0), b"ab"])   # (bare bytes raised "too many values")
+    assert tok.pieces[259:] == [b"a", b"b", b"ab"] and list(tok.scores[259:]) == [0.0, 1.0, 0.0]
+    assert tok.encode("ab", bos=False)[-1] == 261
+    with pytest.raises(TypeError, match="extra\\[0\\]: expected bytes or a \\(bytes, score\\) pair"):
+        Llama2cTokenizer.byte_level(["a"])
+
+
 def test_tokenizer_refuses_ids_past_its_pieces():
     tok = Llama2cTokenizer.byte_level()
     assert tok.decode([1, 3 + ord("h")]) == "h"
@@ -528,6 +538,9 @@ def test_top_p_after_top_k_and_tiny_temperatures():
     # logits / 1e-310 overflowed to NaN probabilities, and the draw always gave token 0
     assert Sampler(temperature=1e-310, seed=0)(np.array([1.0, 3.0, 2.0])) == 1
     np.testing.assert_array_equal(sampling_probs(np.array([1.0, 3.0, 2.0]), 1e-310), [0.0, 1.0, 0.0])
+    np.testing.assert_array_equal(sampling_probs(np.array([1.0, 3.0, 3.0]), 0.0), [0.0, 1.0, 0.0])   # (was NaN)
+    with pytest.raises(ValueError, match="temperature: expected a value >= 0"):
+        sampling_probs(np.array([1.0, 3.0]), -1.0)
 
 
 def test_sampler_and_generate_argument_errors():
@@ -712,6 +725,12 @@ def test_cli_errors(tmp_path, capsys, tok_bin):
     assert "none.bin does not exist" in capsys.readouterr().err
     assert cli_main(["generate", str(tok_bin), "--device", "cpu"]) == 2   # a tokenizer given as the checkpoint
     assert f"{tok_bin}: not a llama2.c checkpoint" in capsys.readouterr().err
+    for flags, match in ((["--max-new-tokens", "-1"], "--max-new-tokens: expected a value >= 0"),
+                         (["--temperature", "-1"], "temperature: expected a finite number >= 0"),
+                         (["--top-p", "2"], "top_p: expected a number in (0, 1]")):   # (the prompt was echoed first)
+        assert cli_main(base + ["--tokenizer", str(tok_bin), "--prompt", "hi"] + flags) == 2
+        got = capsys.readouterr()
+        assert match in got.err and got.out == "", (flags, got)
 
 
 def test_cli_says_why_generation_stopped(tmp_path, capsys, tok_bin, monkeypatch):

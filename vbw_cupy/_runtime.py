@@ -145,6 +145,17 @@ def have_cupy() -> bool:
     return cupy is not None
 
 
+def cupy_missing() -> str:
+    """Why there is no CuPy: "CuPy is not installed", or the error of an installed CuPy that failed to import (a
+    missing CUDA library, say); "" when it imported."""
+    e = _CUPY_IMPORT_ERROR
+    if cupy is not None:
+        return ""
+    if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "cupy":
+        return "CuPy is not installed"
+    return f"CuPy is installed but failed to import ({type(e).__name__}: {e})"
+
+
 def require_cupy():
     """Return the cupy module or raise a RuntimeError that says what is missing."""
     if cupy is None:

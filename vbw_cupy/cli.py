@@ -115,7 +115,7 @@ def _cpu_selftest():
 
 
 def _no_gpu_reason() -> str:
-    return "CuPy is not installed" if not rt.have_cupy() else "no CUDA device is visible"
+    return rt.cupy_missing() if not rt.have_cupy() else "no CUDA device is visible"
 
 
 # selftest's exit status: 0 every GPU kernel within bounds; 1 a row out of bounds or an op failed;
@@ -181,7 +181,8 @@ def cmd_info(args) -> int:
     print(f"cuda sources: {rt.SOURCE_DIR} (hash {rt.sources_hash()})")
     print(f"cache dir: {rt.cache_dir()}")
     if not rt.have_cupy():
-        print("CuPy: not installed (GPU paths unavailable; NumPy inputs use the reference)")
+        print(f"CuPy: {rt.cupy_missing().removeprefix('CuPy is ')} (GPU paths unavailable; NumPy inputs use the "
+              "reference)")
     else:
         cp = rt.require_cupy()
         print(f"CuPy {cp.__version__}, NVRTC {rt.nvrtc_version()}, CUDA headers: {rt.cuda_include_dir()}")
@@ -296,8 +297,8 @@ def cmd_tune(args) -> int:
 def cmd_warmup(args) -> int:
     from . import _warmup
     if not rt.have_cupy():
-        print("vbw-cupy warmup: CuPy (with NVRTC) is not installed; nothing to compile (pip install -e '.[cuda12]': "
-              "no GPU is needed with --arch).", file=sys.stderr)
+        print(f"vbw-cupy warmup: {rt.cupy_missing()}; nothing to compile (CuPy with NVRTC compiles: pip install "
+              "-e '.[cuda12]'; no GPU is needed with --arch).", file=sys.stderr)
         return 1
     arch = args.arch
     if arch is None:
@@ -356,11 +357,13 @@ def _generate(args) -> int:
     # (bytes of the command line that are not UTF-8 arrive as surrogates: U+FFFD for each, as a decoder would)
     args.prompt = args.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     ids = tok.encode(args.prompt, bos=True)
-    check_prompt(ids, cfg.seq_len, 0, cfg.vocab_size)   # before the prompt is echoed
+    check_prompt(ids, cfg.seq_len, 0, cfg.vocab_size)   # (these checks before the prompt is echoed)
+    sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens: expected a value >= 0, got {args.max_new_tokens}")
     print(args.prompt, end="", flush=True)
     stream = tok.stream(ids[-1])
-    out = generate_ids(model, [ids], max_new_tokens=args.max_new_tokens,
-                       sampler=Sampler(args.temperature, args.top_k, args.top_p, args.seed),
+    out = generate_ids(model, [ids], max_new_tokens=args.max_new_tokens, sampler=sampler,
                        on_token=lambda b, t: print(stream.push(t), end="", flush=True))
     print(stream.flush())
     if args.print_ids:
@@ -455,8 +458,16 @@ def main(argv=None) -> int:
         args.pytest_args = rest
     elif rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"selftest": cmd_selftest, "info": cmd_info, "bench": cmd_bench, "tune": cmd_tune,
-            "generate": cmd_generate, "bench-model": cmd_bench_model, "warmup": cmd_warmup}[args.cmd](args)
+    cmd = {"selftest": cmd_selftest, "info": cmd_info, "bench": cmd_bench, "tune": cmd_tune,
+           "generate": cmd_generate, "bench-model": cmd_bench_model, "warmup": cmd_warmup}[args.cmd]
+    try:
+        return cmd(args)
+    except BrokenPipeError:   # the reader of the output went away (`vbw-cupy selftest | head`): no traceback
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (Python's exit flush then succeeds)
+        except (OSError, ValueError):
+            pass
+        return 1
 
 
 if __name__ == "__main__":

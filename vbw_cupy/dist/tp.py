@@ -239,6 +239,10 @@ def _close_live_groups():
 def require_gpus(size: int) -> None:
     """RuntimeError saying what a `size`-GPU tensor-parallel run needs when this machine lacks it."""
     from .. import _runtime as rt
+    if not rt.have_cupy():
+        raise RuntimeError(f"--tp {size} on the GPU needs CuPy with NCCL (import failed: {rt._CUPY_IMPORT_ERROR}): "
+                           f"install vbw_cupy[cuda12] or [cuda13] and nvidia-nccl-cu12 / -cu13, or run the same "
+                           f"sharding on {size} simulated ranks with --device cpu.")
     have = 0
     if rt.have_cupy():
         try:
@@ -247,8 +251,8 @@ def require_gpus(size: int) -> None:
         except Exception:  # noqa: BLE001 - no driver reads as no GPU
             have = 0
     if have < size:
-        raise RuntimeError(f"--tp {size} on the GPU needs {size} visible GPUs (one rank each) and NCCL "
-                           f"(cupy.cuda.nccl); {have} visible. Set CUDA_VISIBLE_DEVICES to {size} GPUs, or run "
+        raise RuntimeError(f"--tp {size} on the GPU needs {size} visible GPU{'s' if size > 1 else ''} (one rank "
+                           f"each) and NCCL (cupy.cuda.nccl); {have} visible. Set CUDA_VISIBLE_DEVICES to {size} GPUs, or run "
                            f"the same sharding on {size} simulated ranks with --device cpu.")
     from .comm import _nccl
     _nccl()

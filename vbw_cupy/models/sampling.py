@@ -8,8 +8,14 @@ def sampling_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.
     """The distribution a token is drawn from, float64 [vocab]: softmax(logits / temperature), restricted to the
     `top_k` most likely tokens (0: all), renormalized, then to the smallest set of most likely tokens whose
     probability reaches `top_p` (1.0: all), renormalized (the order Hugging Face and vLLM apply them in). Ties in
-    probability keep the lower id first."""
+    probability keep the lower id first. Temperature 0 is greedy: all the mass on the argmax."""
     z = np.asarray(logits, dtype=np.float64)
+    if temperature == 0:   # greedy, as Sampler(0): all the mass on the argmax (the lowest id on a tie)
+        out = np.zeros_like(z)
+        out[int(np.argmax(z))] = 1.0
+        return out
+    if not temperature > 0:
+        raise ValueError(f"temperature: expected a value >= 0, got {temperature!r}")
     with np.errstate(over="ignore"):  # (shifted first: logits / a tiny temperature overflowed to inf - inf)
         p = np.exp((z - z.max()) / temperature)
     order = np.argsort(-p, kind="stable")

@@ -35,10 +35,18 @@ class Llama2cTokenizer:
 
     @classmethod
     def byte_level(cls, extra=()) -> "Llama2cTokenizer":
-        """<unk>, <s>, </s>, the 256 byte pieces <0x00>..<0xFF> (ids 3..258), then `extra` (piece bytes, score)
-        pairs: the smallest tokenizer any text encodes with (a toy model's, vocab_size 259 + len(extra))."""
+        """<unk>, <s>, </s>, the 256 byte pieces <0x00>..<0xFF> (ids 3..258), then the `extra` pieces, each
+        bytes (score 0) or a (bytes, score) pair: the smallest tokenizer any text encodes with (a toy model's,
+        vocab_size 259 + len(extra)). Merges favour the higher score; a multi-byte piece is only ever formed by
+        merging pieces the vocabulary holds (so give its parts too: b"a", b"b", b"ab")."""
         pieces = [(b"<unk>", 0.0), (b"\n<s>\n", 0.0), (b"\n</s>\n", 0.0)]
-        pieces += [(b"<0x%02X>" % i, 0.0) for i in range(256)] + [(bytes(p), float(s)) for p, s in extra]
+        pieces += [(b"<0x%02X>" % i, 0.0) for i in range(256)]
+        for i, e in enumerate(extra):
+            if isinstance(e, (bytes, bytearray)):
+                e = (e, 0.0)
+            if not (isinstance(e, (tuple, list)) and len(e) == 2 and isinstance(e[0], (bytes, bytearray))):
+                raise TypeError(f"extra[{i}]: expected bytes or a (bytes, score) pair, got {e!r}")
+            pieces.append((bytes(e[0]), float(e[1])))
         return cls([p for p, _ in pieces], [s for _, s in pieces])
 
     def save(self, path) -> Path:
