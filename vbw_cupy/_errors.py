@@ -104,8 +104,9 @@ def check_errors(device=None, op=None) -> None:
     """Raise ValueError if a kernel flagged bad index values since the last check (see the module docs).
 
     Synchronizes each device that has run such a kernel; clears the flags it reports. `device`: a device id to
-    check only that one (default: every device used); `op`: an operation's name ("paged_attention",
-    "flash_attention_varlen", "quantize") to check only its flags (a ``check="host"`` call does this)."""
+    check only that one (default: every device used); `op`: an operation's name (one of `OPS`:
+    "paged_attention", "flash_attention_varlen", "quantize", "block_sparse_attention", "models.LlamaGPU") to
+    check only its flags (a ``check="host"`` call does this)."""
     if op is not None and (not isinstance(op, str) or op not in OPS):
         raise ValueError(f"op: expected one of {', '.join(map(repr, sorted(OPS)))} or None, got {op!r}")
     if device is not None and (not isinstance(device, (int, np.integer)) or isinstance(device, (bool, np.bool_))

@@ -73,8 +73,9 @@ def _blocks(n: int) -> tuple:
 
 # ------------------------------------------------------------------------------------------------ quantize
 def quantize_e4m3(x):
-    """E4M3 (fn) codes of x with one float32 descale for the whole tensor: (codes uint8 of x's shape, descale
-    float32 [1]), x ~= E4M3(codes) * descale, descale = max|x| / 448 (1 for an all-zero x, NaN when x holds
+    """E4M3 (fn) codes of x (float16, bfloat16 or float32) with one float32 descale for the whole tensor: (codes
+    uint8 of x's shape, descale float32 [1]), x ~= E4M3(codes) * descale, descale = max|x| / 448, at least 2^-149
+    (1 for an all-zero x, NaN when x holds
     NaN or Inf, which then makes every code NaN: nothing downstream is silently finite). Rounds to nearest
     even. NumPy in, NumPy out (`vbw_cupy.reference.quantize_e4m3_tensor`); GPU arrays (CuPy, or anything with
     __dlpack__) in, CuPy out, bit-identical, no synchronization (max|x| is reduced on the device).

@@ -118,6 +118,7 @@ class FP4Tensor:
 
     @property
     def block_size(self) -> int:
+        """Elements a block scale covers: 32 (mxfp4) or 16 (nvfp4)."""
         return FORMATS[self.format]
 
     @property
@@ -127,9 +128,12 @@ class FP4Tensor:
 
     @property
     def is_gpu(self) -> bool:
+        """Whether data and scales are CuPy arrays (else NumPy)."""
         return rt.is_gpu_array(self.data)
 
     def to_gpu(self) -> "FP4Tensor":
+        """The same tensor with data and scales on the GPU: copied to the current device from NumPy (a GPU tensor's
+        arrays are taken as they are)."""
         cp = rt.require_cupy()
         if self.is_gpu:  # already there: the same (checked) arrays, on the current device as before
             return FP4Tensor(cp.asarray(self.data), cp.asarray(self.scales), self.global_scale, self.format,
@@ -139,6 +143,7 @@ class FP4Tensor:
                                   self.shape)
 
     def to_cpu(self) -> "FP4Tensor":
+        """The same tensor with data and scales as NumPy arrays (the reference path takes it)."""
         if not self.is_gpu:
             return FP4Tensor(self.data, self.scales, self.global_scale, self.format, self.shape)
         return FP4Tensor._trusted(self.data.get(), self.scales.get(), self.global_scale, self.format, self.shape)

@@ -96,13 +96,17 @@ class FP8Tensor:
 
     @property
     def nbytes(self) -> int:
+        """True storage: one byte a code plus the float32 row scales."""
         return int(self.data.nbytes + self.scales.nbytes)
 
     @property
     def is_gpu(self) -> bool:
+        """Whether data and scales are CuPy arrays (else NumPy)."""
         return rt.is_gpu_array(self.data)
 
     def to_gpu(self) -> "FP8Tensor":
+        """The same tensor with data and scales on the GPU: copied to the current device from NumPy (a GPU tensor is
+        returned as it is)."""
         cp = rt.require_cupy()
         if self.is_gpu:
             return self
@@ -110,6 +114,8 @@ class FP8Tensor:
         return FP8Tensor._trusted(cp.asarray(self.data), cp.asarray(self.scales), self.shape, self._pow2)
 
     def to_cpu(self) -> "FP8Tensor":
+        """The same tensor with data and scales as NumPy arrays (the reference path takes it; a host tensor is
+        returned as it is)."""
         if not self.is_gpu:
             return self
         return FP8Tensor._trusted(self.data.get(), self.scales.get(), self.shape, self._pow2)

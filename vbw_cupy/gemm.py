@@ -605,8 +605,8 @@ def fp4_matmul(a, w, bias=None, activation=None, out_dtype=None, *, _config=None
     """activation(a @ dequantize(w).T + bias): a [..., K] (float16 / bfloat16 / float32, or quantized: an
     FP4Tensor, W4A4, or an FP8Tensor, W4A8), w an FP4Tensor [N, K], bias [N] (a's dtype, or float32; float32
     for quantized a), activation None / "relu" / "gelu" (erf) / "gelu_tanh" / "silu"; float32 accumulation;
-    returns [..., N] of out_dtype (default a's dtype; float16 for quantized a). NumPy inputs run the float64
-    reference. See the module docstring for the numerics and the paths."""
+    returns [..., N] of out_dtype (float16, bfloat16 or float32; default a's dtype; float16 for quantized a).
+    NumPy inputs run the float64 reference. See the module docstring for the numerics and the paths."""
     # Fast path: a call identical in shapes, dtypes, device and stream to an earlier one that was checked in
     # full below; only the properties that can differ between such calls are re-checked (a few us saved).
     cp = rt.cupy

@@ -494,7 +494,8 @@ def _array_module(device, xp):
             raise ValueError(f"device: expected 'cpu' or 'gpu', got {device!r}")
         xp = _DEVICES[device]
         if device == "gpu" and not rt.gpu_available():
-            rt.require_cupy()   # (without CuPy: what to install)
+            if not rt.have_cupy():
+                rt.require_cupy()   # (says what to install)
             raise RuntimeError("device='gpu': no usable CUDA device is visible (CuPy installed with a GPU and driver "
                                "is needed; device='cpu' runs the NumPy reference)")
     elif xp is None:

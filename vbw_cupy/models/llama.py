@@ -79,10 +79,12 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
+        """dim / n_heads: the size of a head."""
         return self.dim // self.n_heads
 
     @property
     def kv_dim(self) -> int:
+        """head_dim * n_kv_heads: the width of K and V."""
         return self.head_dim * self.n_kv_heads
 
     def rope_inv_freq(self) -> np.ndarray:
@@ -104,6 +106,7 @@ class LlamaConfig:
 
     @property
     def stop_ids(self) -> frozenset:
+        """The ids generation stops at: BOS and every EOS."""
         return frozenset((self.bos_id, *self.eos_ids))
 
 
@@ -179,6 +182,7 @@ class LlamaKVCache:
         return self.layers[0].lengths(slots)
 
     def free(self, slot: int) -> None:
+        """Empty sequence slot `slot` in every layer (its blocks go back to the free lists)."""
         for cache in self.layers:
             cache.free(slot)
 

@@ -40,6 +40,7 @@ class ArrayOps:
         return self.xp.asarray(x, dtype=dtype)
 
     def to_host(self, x) -> np.ndarray:
+        """x as a NumPy array (a copy from the GPU for CuPy arrays)."""
         return x if isinstance(x, np.ndarray) else x.get()
 
     def linear(self, w: np.ndarray, weights: str):

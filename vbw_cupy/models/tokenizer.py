@@ -94,6 +94,8 @@ class Llama2cTokenizer:
         return len(self.pieces)
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """Token ids of `text` as run.c's encode makes them: BOS first (bos), a dummy-prefix space, UTF-8 code
+        points (byte fallback for the others), then the best-scoring merges; EOS last (eos)."""
         ids = [self.bos_id] if bos else []
         raw = text.encode("utf-8")
 
@@ -143,6 +145,8 @@ class Llama2cTokenizer:
         return out.decode("utf-8", errors="replace")
 
     def stream(self, prev: int | None = None) -> "ByteStream":
+        """A decoder of ids arriving one at a time (after token `prev`): push(id) returns the text completed so
+        far (whole UTF-8 characters), flush() the rest."""
         return ByteStream(self, prev)
 
 
@@ -182,6 +186,8 @@ class HFTokenizer:
         return self.tokenizer.get_vocab_size()
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """Token ids of `text` (the tokenizer.json's pipeline, no special tokens added by it), BOS first (bos),
+        EOS last (eos)."""
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
@@ -193,6 +199,8 @@ class HFTokenizer:
         return self.tokenizer.decode([prev] + ids)[len(self.tokenizer.decode([prev])):]
 
     def stream(self, prev: int | None = None) -> "TextStream":
+        """A decoder of ids arriving one at a time (after token `prev`): push(id) returns the new text, flush()
+        the rest."""
         return TextStream(self, prev)
 
 
