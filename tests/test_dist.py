@@ -439,8 +439,23 @@ def test_nccl_from_env_passes_rank_0s_unique_id(monkeypatch, tmp_path):
         C.NcclComm.from_env()
 
 
-def test_launcher_stopped_by_sigterm_stops_its_ranks(tmp_path):
+def _wait_gone(pid, what, timeout=10.0):
+    """Until process `pid` has ended (or is a zombie, which init reaps once its parent has exited)."""
     import os
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.kill(pid, 0)
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[-1].split()[0]
+        except (ProcessLookupError, OSError):
+            return
+        if state == "Z":
+            return
+        assert time.monotonic() < deadline, f"{what} pid {pid} still runs"
+        time.sleep(0.05)
+
+
+def test_launcher_stopped_by_sigterm_stops_its_ranks(tmp_path):
     import signal
     import subprocess
     import sys
@@ -457,21 +472,13 @@ def test_launcher_stopped_by_sigterm_stops_its_ranks(tmp_path):
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
-    for pid in pids:   # gone (or at most a zombie of a parent that has exited: reaped by init)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            assert time.monotonic() < deadline, f"rank pid {pid} still runs"
-            time.sleep(0.05)
+    for pid in pids:
+        _wait_gone(pid, "rank")
 
 
 def test_launcher_stops_what_a_failed_rank_left_in_its_group(tmp_path):
     # a rank that exits leaves a helper in its process group ignoring SIGTERM: that group got no signal at all
     # (only ranks still running were stopped), and the helper ran on under init
-    import os
     from vbw_cupy.dist.launch import launch
     script = tmp_path / "leaver.py"
     script.write_text(
@@ -484,20 +491,7 @@ def test_launcher_stops_what_a_failed_rank_left_in_its_group(tmp_path):
         "    sys.exit(5)\n"
         "time.sleep(60)\n")
     assert launch([str(script), str(tmp_path)], nproc=2, grace=1.0) == 5
-    pid = int((tmp_path / "helper").read_text())
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        try:   # (a zombie whose parent exited is reaped by init: gone soon)
-            if open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z":
-                break
-        except OSError:
-            break
-        assert time.monotonic() < deadline, "the failed rank's helper still runs"
-        time.sleep(0.05)
+    _wait_gone(int((tmp_path / "helper").read_text()), "the failed rank's helper")
 
 
 def test_each_rendezvous_of_a_run_has_its_own_id(tmp_path, monkeypatch):
