@@ -192,3 +192,14 @@ def test_a_cupy_that_fails_to_import_is_named(monkeypatch, capsys):
     monkeypatch.setattr(rt, "_CUPY_IMPORT_ERROR", missing)
     assert rt.cupy_missing() == "CuPy is not installed"
 
+
+
+def test_a_closed_output_pipe_is_no_error(monkeypatch, capsys):
+    # `vbw-cupy generate ... | head`: generate's OSError handler took the BrokenPipeError ("[Errno 32] Broken pipe",
+    # exit 2) before main's, which ends quietly
+    def closed(args):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(cli, "_generate", closed)
+    monkeypatch.setattr(cli.os, "dup2", lambda *a: None)   # (the test's stdout stays as it is)
+    assert cli.main(["generate", "x.bin"]) == 1
+    assert "Broken pipe" not in capsys.readouterr().err

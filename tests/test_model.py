@@ -559,6 +559,9 @@ def test_sampler_and_generate_argument_errors():
         generate_ids(model, [[1, 2]], max_new_tokens=2, stop_ids=5)
     with pytest.raises(ValueError, match="max_new_tokens: expected an int >= 0, got 2.5"):
         generate_ids(model, [[1, 2]], max_new_tokens=2.5)
+    # iterables are taken as lists before they are checked (the checks used an iterator up)
+    got = generate_ids(model, (iter([1, 2]),), max_new_tokens=3, stop_ids=(t for t in [5]))
+    assert got.sequences[0].prompt_ids == [1, 2] and got.sequences[0].finish_reason == "stop"
 
 
 class OneTokenModel:
@@ -580,6 +583,15 @@ class OneTokenModel:
     def decode_steps(self, last, cache, slots, n, temperature, seed):
         self.seeds.append(seed)
         return np.full((n, len(slots)), 5)
+
+
+def test_unseeded_device_sampling_on_a_multiprocess_rank_keeps_seed_0():
+    # a rank of a tensor-parallel group in its own process (a model with a communicator) must sample the ids
+    # the other ranks sample: an unseeded sampler there keeps seed 0 instead of a fresh one per process
+    model = OneTokenModel()
+    model.comm = object()
+    generate_ids(model, [[1, 2]], max_new_tokens=4, sampler=Sampler(0.8))
+    assert set(model.seeds) == {0}
 
 
 def test_unseeded_device_sampling_draws_a_new_seed():

@@ -336,6 +336,8 @@ def _default_tokenizer(checkpoint: str) -> Path:
 def cmd_generate(args) -> int:
     try:
         return _generate(args)
+    except BrokenPipeError:   # (main's: the reader of the output went away)
+        raise
     except (OSError, ValueError, KeyError, ImportError, RuntimeError) as e:
         print(f"vbw-cupy generate: {e}", file=sys.stderr)
         return 2

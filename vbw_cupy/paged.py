@@ -575,8 +575,6 @@ class PagedKVCache:
                              f"got {block_size}")
         if not 1 <= head_dim <= _checks.MAX_HEAD_DIM:
             raise ValueError(f"head_dim: expected 1 to {_checks.MAX_HEAD_DIM}, got {head_dim}")
-        if xp is not np and max_batch > 65535:  # (append's grid has a row a sequence; CUDA grids: 65535)
-            raise ValueError(f"max_batch: expected at most 65535 sequence slots on the GPU, got {max_batch}")
         dtype = _checks.check_float_dtype("dtype", dtype)
         self.xp = xp
         self.block_size = int(block_size)
@@ -646,6 +644,8 @@ class PagedKVCache:
         if k_new.ndim == 3:
             k_new, v_new = k_new[:, None], v_new[:, None]
         B, T = int(k_new.shape[0]), int(k_new.shape[1])
+        if xp is not np and B > 65535:  # (the store's grid has a row a sequence; CUDA grids: 65535)
+            raise ValueError(f"k_new: at most 65535 sequences a call on the GPU, got {B}")
         slots = self._slots(seqs, B, "k_new")
         if T == 0 or B == 0:
             return

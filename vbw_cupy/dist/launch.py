@@ -86,13 +86,16 @@ def _group_alive(p) -> bool:
         return False
 
 
-def _stop(procs, grace: float) -> None:
-    """SIGTERM to every rank's process group (a rank that exited may have left processes in it), SIGKILL to
-    the groups still alive after `grace` seconds. A second Ctrl-C or SIGTERM meanwhile is ignored: it used to
-    stop the launcher here and leave the ranks running."""
+def _stop(procs, grace: float, failed=()) -> None:
+    """SIGTERM to the process groups of the ranks still running and of the ranks in `failed` (just reaped: a
+    rank that failed may have left processes in its group; the group id of a rank reaped long before could
+    belong to another process by now, so those are left alone), SIGKILL to those groups still alive after
+    `grace` seconds. A second Ctrl-C or SIGTERM meanwhile is ignored: it used to stop the launcher here and
+    leave the ranks running."""
     main = threading.current_thread() is threading.main_thread()
     saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} \
         if main else {}
+    procs = [p for i, p in enumerate(procs) if p.poll() is None or i in failed]
     try:
         for p in procs:
             _signal_group(p, signal.SIGTERM)
@@ -123,7 +126,7 @@ def launch(argv: list, nproc: int, grace: float = 5.0, python: str | None = None
     if not argv:
         raise ValueError("argv: expected a script (and its arguments), got nothing")
     rdzv = tempfile.mkdtemp(prefix="vbw_rdzv_")
-    procs, handlers = [], {}
+    procs, handlers, failed = [], {}, ()
     if threading.current_thread() is threading.main_thread():   # a SIGTERM / SIGHUP stops the ranks too
         for sig in (signal.SIGTERM, signal.SIGHUP):
             handlers[sig] = signal.signal(sig, _raise_exit)
@@ -132,9 +135,10 @@ def launch(argv: list, nproc: int, grace: float = 5.0, python: str | None = None
             env = dict(os.environ, **{ENV_RANK: str(r), ENV_SIZE: str(nproc), ENV_RDZV: rdzv})
             procs.append(subprocess.Popen([python or sys.executable, *argv], env=env, start_new_session=True))
         while True:
-            failed = [(r, p.returncode) for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed:
-                r, rc = failed[0]
+            exited = [(r, p.returncode) for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if exited:
+                failed = {r for r, _ in exited}
+                r, rc = exited[0]
                 status = rc if rc > 0 else 128 - rc
                 print(f"vbw_cupy.dist.launch: rank {r} exited with status {status}; stopping the others",
                       file=sys.stderr)
@@ -148,7 +152,7 @@ def launch(argv: list, nproc: int, grace: float = 5.0, python: str | None = None
         return int(e.code)
     finally:
         try:
-            _stop(procs, grace)
+            _stop(procs, grace, failed)
         finally:
             shutil.rmtree(rdzv, ignore_errors=True)
             for sig, h in handlers.items():

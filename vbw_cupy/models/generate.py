@@ -78,15 +78,19 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
     if not (_is_int(max_new_tokens) and max_new_tokens >= 0):
         raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
     sampler = sampler or Sampler()
-    if stop_ids is not None and (isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__") or
-                                 not all(map(_is_int, stop_ids))):
-        raise TypeError(f"stop_ids: expected None or a collection of int token ids, got {stop_ids!r}")
+    # (any iterables: each taken as a list first, so an iterator is not used up by the checks)
+    if stop_ids is not None:
+        if isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__"):
+            raise TypeError(f"stop_ids: expected None or a collection of int token ids, got {stop_ids!r}")
+        stop_ids = list(stop_ids)
+        if not all(map(_is_int, stop_ids)):
+            raise TypeError(f"stop_ids: expected None or a collection of int token ids, got {stop_ids!r}")
     stop = cfg.stop_ids if stop_ids is None else frozenset(int(t) for t in stop_ids)
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
         raise TypeError(f"prompts: expected a list of lists of int token ids, got {type(prompts).__name__}")
-    prompts = list(prompts)
+    prompts = [p if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__") else list(p) for p in prompts]
     for b, p in enumerate(prompts):
-        if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__") or not all(map(_is_int, p)):
+        if not isinstance(p, list) or not all(map(_is_int, p)):
             raise TypeError(f"prompt {b}: expected a list of int token ids, got {p!r:.80}")
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts:
@@ -121,8 +125,11 @@ def generate_ids(model: Llama, prompts, *, max_new_tokens: int = 256, sampler: S
         result.prefill_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
         on_gpu = sampler.on_gpu and hasattr(model, "decode_steps")  # only the token ids come back
-        # (an unseeded sampler draws the device's seed from its own fresh generator: a new stream every run)
-        gpu_seed = int(sampler.rng.integers(2**63)) if sampler.seed is None else sampler.seed
+        # (an unseeded sampler draws the device's seed from its own fresh generator: a new stream every run; but
+        # a rank of a multi-process tensor-parallel group (a model with a communicator) keeps seed 0, so that
+        # every rank samples the same ids without agreeing on a seed first)
+        gpu_seed = sampler.seed if sampler.seed is not None else \
+            0 if getattr(model, "comm", None) is not None else int(sampler.rng.integers(2**63))
         while active:
             last = [seqs[b].ids[-1] for b in active]
             if on_gpu:   # a power of two steps (few graphs), none past any sequence's budget
