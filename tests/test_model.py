@@ -723,6 +723,18 @@ def test_cli_generate_print_ids(tmp_path, capsys, tok_bin, fmt):
     assert cli_ids(capsys, argv) == cli_ids(capsys, argv)
 
 
+def test_cli_generate_with_no_eos_id(tmp_path, capsys):
+    # a config.json whose eos_token_id is an empty list: only BOS stops generation (the CLI read eos_ids[0])
+    pytest.importorskip("tokenizers")
+    w = random_weights(np.random.default_rng(14), 32, 48, 1, 4, 2, TOK_VOCAB, False)
+    ckpt = write_hf(tmp_path / "hf", w, 24, False, 10000.0, np.float32, eos_token_id=[])
+    tok = write_hf_tokenizer(ckpt / "tokenizer.json")
+    assert load_model(ckpt).config.eos_ids == ()
+    ids = cli_ids(capsys, ["generate", str(ckpt), "--tokenizer", str(tok), "--prompt", "hi", "--device", "cpu",
+                           "--print-ids", "--max-new-tokens", "3"])
+    assert len(ids) >= 2
+
+
 def test_cli_errors(tmp_path, capsys, tok_bin):
     w = random_weights(np.random.default_rng(12), 32, 48, 1, 4, 4, TOK_VOCAB, True)
     (tmp_path / "ckpt").mkdir()

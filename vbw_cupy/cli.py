@@ -354,7 +354,9 @@ def _generate(args) -> int:
         model = load_model(args.checkpoint, weights=args.weights or ("fp32" if args.device == "cpu" else "fp16"),
                            device=args.device)
     cfg = model.config
-    tok = load_tokenizer(args.tokenizer or _default_tokenizer(args.checkpoint), cfg.bos_id, cfg.eos_ids[0],
+    # (a config with no EOS id: the tokenizer's EOS only ends encodes asked for with eos=True, which this never does)
+    tok = load_tokenizer(args.tokenizer or _default_tokenizer(args.checkpoint), cfg.bos_id,
+                         cfg.eos_ids[0] if cfg.eos_ids else 2,
                          vocab_size=cfg.vocab_size)
     # (bytes of the command line that are not UTF-8 arrive as surrogates: U+FFFD for each, as a decoder would)
     args.prompt = args.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
