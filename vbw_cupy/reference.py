@@ -343,6 +343,31 @@ def _masked_pv(p, v, mask):
     return pv
 
 
+def _softmax_pv(qb, kb, vb, mask, scale, softcap, p_dtype=None):
+    """Masked attention of one block in qb's float dtype: qb [group, rows, D], kb and vb [keys, D], mask [rows,
+    keys]. Returns (o = softmax(s) V, the row max m of s, the row sum l of exp(s - m), seen: the row sees a
+    key), m, l and seen [group, rows, 1]; a row that sees no key has o 0. `p_dtype`: P rounded to it (after l)
+    before P V.
+
+    NaN / Inf in an input reach exactly the outputs that depend on them: masked keys are dropped before any
+    product, so a bad key or value only affects the rows that see it, and a NaN query row is NaN."""
+    ft = qb.dtype.type
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN / Inf inputs propagate, quietly
+        s = (qb @ kb.T) * scale                                              # [group, rows, keys]
+        if softcap > 0:
+            cap = ft(softcap)
+            s = cap * np.tanh(s / cap)
+        s = np.where(mask, s, ft(-np.inf))
+        m = s.max(axis=-1, keepdims=True, initial=ft(-np.inf))              # NaN if a seen score is NaN
+        p = np.exp(s - np.where(m == -np.inf, ft(0), m))                    # 0 where masked
+        l = p.sum(axis=-1, keepdims=True, dtype=qb.dtype)      # >= 1 where a key is seen (finite inputs)
+        if p_dtype is not None:
+            p = p.astype(p_dtype).astype(qb.dtype)
+        seen = np.broadcast_to(mask.any(axis=-1)[:, None], l.shape)
+        o = np.divide(_masked_pv(p, vb, mask), l, out=np.zeros(qb.shape, dtype=qb.dtype), where=seen)
+    return o, m, l, seen
+
+
 def _attend(q, k, v, out, lse, scale, left, right, softcap):
     """One sequence in float64: q [Sq, Hq, D], k and v [Sk, Hkv, D] (any float dtype, Sk may be 0).
     Writes out [Sq, Hq, D] (rounded to out's dtype) and, when lse is not None, lse [Hq, Sq].
@@ -359,16 +384,7 @@ def _attend(q, k, v, out, lse, scale, left, right, softcap):
         vh = v[:, h, :].astype(np.float64)
         for i0, i1, j0, j1, mask in _query_blocks(Sq, Sk, group, left, right):
             qb = q[i0:i1, heads, :].astype(np.float64).transpose(1, 0, 2)      # [group, rows, D]
-            with np.errstate(invalid="ignore", over="ignore"):  # NaN / Inf inputs propagate, quietly
-                s = (qb @ kh[j0:j1].T) * scale                                   # [group, rows, keys]
-                if softcap > 0:
-                    s = softcap * np.tanh(s / softcap)
-                s = np.where(mask, s, -np.inf)
-                m = s.max(axis=-1, keepdims=True, initial=-np.inf)           # NaN if a seen score is NaN
-                p = np.exp(s - np.where(m == -np.inf, 0.0, m))               # 0 where masked
-                l = p.sum(axis=-1, keepdims=True)                # >= 1 where a key is seen (finite inputs)
-                seen = np.broadcast_to(mask.any(axis=-1)[:, None], l.shape)
-                o = np.divide(_masked_pv(p, vh[j0:j1], mask), l, out=np.zeros(qb.shape), where=seen)
+            o, m, l, seen = _softmax_pv(qb, kh[j0:j1], vh[j0:j1], mask, scale, softcap)
             out[i0:i1, heads, :] = _round_from_f64(o.transpose(1, 0, 2), out.dtype)
             if lse is not None:
                 with np.errstate(divide="ignore", invalid="ignore"):
@@ -491,18 +507,7 @@ def block_sparse_attention(q, k, v, indptr, indices, *, block_q, block_k, causal
                 qq = q[b, i0:i1, heads, :].astype(ft).transpose(1, 0, 2)          # [group, rows, D]
                 mask = (keys[None, :] <= np.arange(i0, i1)[:, None] if causal else
                         np.ones((i1 - i0, keys.size), dtype=bool))                 # [rows, keys]
-                with np.errstate(invalid="ignore", over="ignore"):  # NaN / Inf propagate as in _attend
-                    s = (qq @ kh[keys].T) * scale                                # [group, rows, keys]
-                    if cap > 0:
-                        s = cap * np.tanh(s / cap)
-                    s = np.where(mask, s, ft(-np.inf))
-                    m = s.max(axis=-1, keepdims=True, initial=ft(-np.inf))      # NaN if a seen score is NaN
-                    e = np.exp(s - np.where(m == -np.inf, ft(0), m))             # 0 where masked
-                    l = e.sum(axis=-1, keepdims=True, dtype=ft)
-                    if lowp:
-                        e = e.astype(q.dtype).astype(ft)
-                    seen = np.broadcast_to(mask.any(axis=-1)[:, None], l.shape)
-                    o = np.divide(_masked_pv(e, vh[keys], mask), l, out=np.zeros(qq.shape, dtype=ft), where=seen)
+                o, m, l, seen = _softmax_pv(qq, kh[keys], vh[keys], mask, scale, cap, q.dtype if lowp else None)
                 out[b, i0:i1, heads, :] = (o.astype(q.dtype) if lowp else _round_from_f64(o, q.dtype)).transpose(1, 0, 2)
                 if lse is not None:
                     with np.errstate(divide="ignore", invalid="ignore"):
