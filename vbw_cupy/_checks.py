@@ -151,6 +151,13 @@ def _check_int32(name, x, ndim, layout):
         raise TypeError(f"{name}: expected an int32 array {layout}, got dtype {x.dtype}")
 
 
+def check_shape(shape, name: str = "shape") -> tuple:
+    """A logical shape as a tuple of ints; TypeError unless it is a tuple / list of ints (FP4Tensor, FP8Tensor)."""
+    if not isinstance(shape, (tuple, list)) or not all(_is_int(s) for s in shape):
+        raise TypeError(f"{name}: expected a tuple of ints, got {shape!r}")
+    return tuple(int(s) for s in shape)
+
+
 def check_rows(x, name: str = "x") -> None:
     """ValueError unless x is an [..., K] array with at least one row and K >= 1 (quantize, quantize_fp8)."""
     if x.ndim < 1 or x.size == 0:

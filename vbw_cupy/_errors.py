@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 
+from . import _checks
 from . import _runtime as rt
 
 # code -> (operation, argument, what was wrong); cuda_src/errors.cuh has the same codes
@@ -109,8 +110,7 @@ def check_errors(device=None, op=None) -> None:
     check only its flags (a ``check="host"`` call does this)."""
     if op is not None and (not isinstance(op, str) or op not in OPS):
         raise ValueError(f"op: expected one of {', '.join(map(repr, sorted(OPS)))} or None, got {op!r}")
-    if device is not None and (not isinstance(device, (int, np.integer)) or isinstance(device, (bool, np.bool_))
-                               or device < 0):
+    if device is not None and (not _checks._is_int(device) or device < 0):
         raise ValueError(f"device: expected None or a device id (an int >= 0), got {device!r}")
     msgs = pending(None if device is None else int(device), op)
     if msgs:

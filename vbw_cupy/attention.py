@@ -602,9 +602,10 @@ def _persistent_schedule(num_m, pairs, sect_heads, sq, sk, left, right, block_m,
     """The persistent tile's schedule under a mask: int32 [rounds + 1, ctas], CTA c's work tile of round r at
     [r, c] (-1: none; the last row is all -1, the kernel's look-ahead); None where it would not help (one round,
     or tiles that all cost the same: a decode step's single query row, a window inside every tile's keys).
-    Round r holds the same work tiles as the kernel's static rounds (tiles r * ctas ..., in cta_info's order: a section's heads together for L2, longest
-    first), each given, longest first, to the CTA with the least work so far. A tile costs its key tiles plus
-    _TILE_OVERHEAD (the key tiles by tile_range's rule, attention_mask.cuh). The static rounds alternate
+    Round r holds the same work tiles as the kernel's static rounds (tiles r * ctas ..., in cta_info's order: a
+    section's heads together for L2, longest first), each given, longest first, to the CTA with the least work so
+    far. A tile costs its key tiles plus _TILE_OVERHEAD (the key tiles by tile_range's rule,
+    attention_mask.cuh). The static rounds alternate
     direction, which balances a causal mask only where a section spans several rounds: by this cost model they
     end 6-11% past the ideal at S = 512-2k (D = 128, 32k tokens) and 54% past at D = 256 S = 16k (one head a
     section, 128 tiles against 132 CTAs), where this schedule ends 1-3% past."""

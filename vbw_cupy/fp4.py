@@ -52,10 +52,7 @@ class FP4Tensor:
     def __post_init__(self):
         if not isinstance(self.format, str) or self.format not in FORMATS:
             raise ValueError(f"format: expected one of {sorted(FORMATS)}, got {self.format!r}")
-        if not isinstance(self.shape, (tuple, list)) or not all(
-                isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_)) for s in self.shape):
-            raise TypeError(f"shape: expected a tuple of ints, got {self.shape!r}")
-        shape = tuple(int(s) for s in self.shape)
+        shape = _checks.check_shape(self.shape)
         object.__setattr__(self, "shape", shape)
         gs = self.global_scale
         kind = np.asarray(gs).dtype.kind if np.isscalar(gs) or np.ndim(gs) == 0 else None

@@ -53,10 +53,7 @@ class FP8Tensor:
     format = "fp8"
 
     def __post_init__(self):
-        if not isinstance(self.shape, (tuple, list)) or not all(
-                isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_)) for s in self.shape):
-            raise TypeError(f"shape: expected a tuple of ints, got {self.shape!r}")
-        shape = tuple(int(s) for s in self.shape)
+        shape = _checks.check_shape(self.shape)
         object.__setattr__(self, "shape", shape)
         if len(shape) < 1 or shape[-1] < 1:
             raise ValueError(f"shape: expected [..., K] with K >= 1, got {shape}")

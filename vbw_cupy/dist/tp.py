@@ -21,16 +21,21 @@ import weakref
 
 import numpy as np
 
+from .._checks import _is_int
 from ..models.gpu import LlamaGPU
 from ..models.llama import Llama, LlamaConfig, LlamaKVCache, LlamaWeights, check_model_args
 from ..models.ops import ArrayOps, numpy_ops
 from .comm import Comm, NcclComm, RankThreads, SimGroup
 
 
+def _check_tp_size(size) -> None:
+    if not _is_int(size) or size < 1:
+        raise ValueError(f"tp: expected a positive int, got {size!r}")
+
+
 def check_tp(config: LlamaConfig, size: int) -> None:
     """ValueError when `config` cannot be split over `size` ranks."""
-    if not isinstance(size, (int, np.integer)) or size < 1:
-        raise ValueError(f"tp: expected a positive int, got {size!r}")
+    _check_tp_size(size)
     if config.n_kv_heads % size:
         raise ValueError(f"tp: expected a divisor of n_kv_heads = {config.n_kv_heads} (each rank holds whole KV "
                          f"heads and the query heads that read them), got {size}")
@@ -243,17 +248,14 @@ def require_gpus(size: int) -> None:
         raise RuntimeError(f"--tp {size} on the GPU needs CuPy with NCCL (import failed: {rt._CUPY_IMPORT_ERROR}): "
                            f"install vbw_cupy[cuda12] or [cuda13] and nvidia-nccl-cu12 / -cu13, or run the same "
                            f"sharding on {size} simulated ranks with --device cpu.")
-    have = 0
-    if rt.have_cupy():
-        try:
-            import cupy
-            have = cupy.cuda.runtime.getDeviceCount()
-        except Exception:  # noqa: BLE001 - no driver reads as no GPU
-            have = 0
+    try:
+        have = rt.cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no driver reads as no GPU
+        have = 0
     if have < size:
         raise RuntimeError(f"--tp {size} on the GPU needs {size} visible GPU{'s' if size > 1 else ''} (one rank "
-                           f"each) and NCCL (cupy.cuda.nccl); {have} visible. Set CUDA_VISIBLE_DEVICES to {size} GPUs, or run "
-                           f"the same sharding on {size} simulated ranks with --device cpu.")
+                           f"each) and NCCL (cupy.cuda.nccl); {have} visible. Set CUDA_VISIBLE_DEVICES to {size} "
+                           f"GPUs, or run the same sharding on {size} simulated ranks with --device cpu.")
     from .comm import _nccl
     _nccl()
 
@@ -264,8 +266,7 @@ def load_tp_model(path, size: int, weights: str | None = None, device: str = "cp
     from ..models.loaders import load_checkpoint, load_config
     if device not in ("cpu", "gpu"):
         raise ValueError(f"device: expected 'cpu' or 'gpu', got {device!r}")
-    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"tp: expected a positive int, got {size!r}")
+    _check_tp_size(size)
     if device == "gpu":
         require_gpus(size)
     config = load_config(path)   # (the split checked before the weights are read)

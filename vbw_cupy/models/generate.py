@@ -6,8 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import numpy as np
-
+from .._checks import _is_int
 from .llama import Llama
 from .sampling import Sampler
 
@@ -42,10 +41,6 @@ class Generation:
     @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def check_prompt(ids, seq_len: int, index: int = 0, vocab_size: int | None = None) -> None:

@@ -37,7 +37,7 @@ from ..attention import flash_attention_varlen
 from ..fp4 import FP4Tensor, dequantize, quantize
 from ..gemm import fp4_matmul, swiglu_gemv
 from ..paged import paged_attention
-from .llama import LayerWeights, LlamaConfig, LlamaWeights, check_model_args
+from .llama import LayerWeights, LlamaConfig, LlamaWeights, check_model_args, check_prefill
 from .ops import ArrayOps
 
 _SOURCE = "model.cu"
@@ -357,17 +357,7 @@ class LlamaGPU:
         all_logits=True of every token [sum of lengths, vocab], as CuPy arrays."""
         cp = rt.cupy
         _check_live(cache)
-        lens = np.array([len(p) for p in prompts], dtype=np.int64)
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
-        if slots.size != lens.size or not lens.size or slots.min() < 0 or slots.max() >= cache.max_batch or \
-                np.unique(slots).size != slots.size:
-            raise ValueError(f"slots: expected {lens.size} distinct slots (one a prompt, at least one) in "
-                             f"[0, {cache.max_batch}), got {slots.tolist()}")
-        if (lens < 1).any():
-            raise ValueError("prompts: every prompt needs at least one token")
-        if (lens > cache.capacity).any() or (lens > self.config.seq_len).any():
-            raise ValueError(f"prompts: {int(lens.max())} tokens, more than the cache's {cache.capacity} or the "
-                             f"model's seq_len = {self.config.seq_len}")
+        lens, slots = check_prefill(prompts, slots, cache.max_batch, cache.capacity, self.config.seq_len)
         cu_h = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         ids = cp.asarray(np.concatenate([np.asarray(p, dtype=np.int32) for p in prompts]))
         pos = cp.asarray(np.concatenate([np.arange(n, dtype=np.int32) for n in lens]))

@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 
+from .._checks import _is_int, _is_real
 from .ops import ROPE_STYLES, WEIGHT_FORMATS, ArrayOps, numpy_ops
 
 
@@ -43,19 +44,17 @@ class LlamaConfig:
     eos_ids: tuple = (2,)
 
     def __post_init__(self):
-        whole = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))  # noqa: E731
         for name in ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len"):
             v = getattr(self, name)
-            if not whole(v) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         for name in ("norm_eps", "rope_theta"):
             v = getattr(self, name)
-            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) or \
-                    not 0 < v < np.inf:
+            if not (_is_real(v) and 0 < v < np.inf):
                 raise ValueError(f"{name}: expected a positive finite number, got {v!r}")
-        if not whole(self.bos_id) or self.bos_id < 0:
+        if not _is_int(self.bos_id) or self.bos_id < 0:
             raise ValueError(f"bos_id: expected an int token id >= 0, got {self.bos_id!r}")
-        if type(self.eos_ids) is not tuple or not all(whole(t) and t >= 0 for t in self.eos_ids):
+        if type(self.eos_ids) is not tuple or not all(_is_int(t) and t >= 0 for t in self.eos_ids):
             raise ValueError(f"eos_ids: expected a tuple of int token ids >= 0, got {self.eos_ids!r}")
         if not isinstance(self.shared_classifier, (bool, np.bool_)):
             raise ValueError(f"shared_classifier: expected a bool, got {self.shared_classifier!r}")
@@ -164,6 +163,23 @@ def check_model_args(config, weights, sharded: bool = False) -> None:
         weights.check(config, "weights")
 
 
+def check_prefill(prompts, slots, max_batch: int, capacity: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt lengths, slots) as int64 arrays; ValueError unless there is one distinct slot in [0, max_batch) a
+    prompt, at least one, every prompt holds 1..min(capacity, seq_len) tokens (both models' prefill)."""
+    lens = np.array([len(p) for p in prompts], dtype=np.int64)
+    slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+    if slots.size != lens.size or not lens.size or slots.min() < 0 or slots.max() >= max_batch or \
+            np.unique(slots).size != slots.size:
+        raise ValueError(f"slots: expected {lens.size} distinct slots (one a prompt, at least one) in "
+                         f"[0, {max_batch}), got {slots.tolist()}")
+    if (lens < 1).any():
+        raise ValueError("prompts: every prompt needs at least one token")
+    if (lens > capacity).any() or (lens > seq_len).any():
+        raise ValueError(f"prompts: {int(lens.max())} tokens, more than the cache's {capacity} or the "
+                         f"model's seq_len = {seq_len}")
+    return lens, slots
+
+
 class LlamaKVCache:
     """The KV cache of every layer: one `PagedKVCache` per layer, all allocating the same blocks in step.
 
@@ -224,19 +240,10 @@ class Llama:
         (what they held before is dropped, as on the GPU). Returns float32 logits of each prompt's last token
         [B, vocab], or with all_logits=True of every token [sum of lengths, vocab] (packed in prompt order), as a
         backend array. Every argument is checked before any slot changes."""
-        lens = np.array([len(p) for p in prompts], dtype=np.int64)
         kv0 = cache.layers[0]
-        slots = [int(x) for x in np.asarray(slots, dtype=np.int64).reshape(-1)]
-        if len(slots) != lens.size or not slots or min(slots) < 0 or max(slots) >= kv0.max_batch or \
-                len(set(slots)) != len(slots):
-            raise ValueError(f"slots: expected {lens.size} distinct slots (one a prompt, at least one) in "
-                             f"[0, {kv0.max_batch}), got {slots}")
-        if (lens < 1).any():
-            raise ValueError("prompts: every prompt needs at least one token")
-        capacity = kv0.block_table.shape[1] * kv0.block_size
-        if (lens > capacity).any() or (lens > self.config.seq_len).any():
-            raise ValueError(f"prompts: {int(lens.max())} tokens, more than the cache's {capacity} or the "
-                             f"model's seq_len = {self.config.seq_len}")
+        lens, slots = check_prefill(prompts, slots, kv0.max_batch, kv0.block_table.shape[1] * kv0.block_size,
+                                    self.config.seq_len)
+        slots = slots.tolist()
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
         positions = np.concatenate([np.arange(n) for n in lens])

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._checks import _is_int, _is_real
+
 
 def sampling_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """The distribution a token is drawn from, float64 [vocab]: softmax(logits / temperature), restricted to the
@@ -37,15 +39,13 @@ class Sampler:
     """
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
-        real = lambda v: isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-        whole = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-        if not (real(temperature) and 0.0 <= temperature < np.inf):
+        if not (_is_real(temperature) and 0.0 <= temperature < np.inf):
             raise ValueError(f"temperature: expected a finite number >= 0, got {temperature!r}")
-        if not (real(top_p) and 0.0 < top_p <= 1.0):
+        if not (_is_real(top_p) and 0.0 < top_p <= 1.0):
             raise ValueError(f"top_p: expected a number in (0, 1], got {top_p!r}")
-        if not (whole(top_k) and top_k >= 0):
+        if not (_is_int(top_k) and top_k >= 0):
             raise ValueError(f"top_k: expected an int >= 0 (0: off), got {top_k!r}")
-        if not (seed is None or (whole(seed) and seed >= 0)):
+        if not (seed is None or (_is_int(seed) and seed >= 0)):
             raise ValueError(f"seed: expected None or an int >= 0, got {seed!r}")
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self.seed = seed
