@@ -514,8 +514,8 @@ def _on_cache_device(method):
     device that holds the cache, whatever device the caller has current)."""
     @functools.wraps(method)
     def run(self, *args, **kw):
-        if self.xp is np:
-            return method(self, *args, **kw)
+        if self.xp is np or rt.cupy.cuda.runtime.getDevice() == self.k_cache.data.device_id:
+            return method(self, *args, **kw)   # (the usual case: no device switch on a decode step's host path)
         with rt.cupy.cuda.Device(self.k_cache.data.device_id):
             return method(self, *args, **kw)
     return run

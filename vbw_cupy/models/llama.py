@@ -279,13 +279,14 @@ class Llama:
         """The transformer blocks over x [T, dim] float32; attend(layer, q, k, v) does the attention."""
         c, ops = self.config, self.ops
         T, hd, adt = x.shape[0], c.head_dim, ops.attn_dtype
+        inv_freq = c.rope_inv_freq()   # (once a forward, not once a layer)
         for i, lw in enumerate(self.weights.layers):
             h = ops.rmsnorm(x, lw.rms_att, c.norm_eps)
             # heads from the weights' rows: all of them here, a rank's share in vbw_cupy.dist.tp
             q = ops.matmul(h, lw.wq).reshape(T, -1, hd)
             k = ops.matmul(h, lw.wk).reshape(T, -1, hd)
             v = ops.matmul(h, lw.wv).reshape(T, -1, hd)
-            q, k = ops.rope(q, k, positions, c.rope_style, c.rope_inv_freq())
+            q, k = ops.rope(q, k, positions, c.rope_style, inv_freq)
             o = attend(i, q.astype(adt), k.astype(adt), v.astype(adt))
             x = x + self._reduce(ops.matmul(o.reshape(T, -1), lw.wo))
             h = ops.rmsnorm(x, lw.rms_ffn, c.norm_eps)
