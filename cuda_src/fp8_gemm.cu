@@ -67,8 +67,14 @@
 //   v8 W4A8: an FP8Tensor's codes loaded as given (row_scales: mult[row] is every k-tile's multiplier): H100,
 //      two runs, 8192^2 1.28-1.42x cuBLAS fp16, 14336x4096 1.39-1.50x, 4096x14336 1.33-1.39x (W4A4 same runs
 //      1.28-1.37x, 1.38-1.44x, 1.16-1.18x).
-//   Next: the activation conversion (39 us of ~516 at 4096x14336, the shape still under 1.3x) fused into the
-//   producer with a deeper raw ring (notes/attempts/fp8-fused-conversion.patch); silu's epilogue.
+//   v9 (2026-11-27) convert_block: the exponent raised in the two table words once a block (was __vadd4 /
+//      __vcmpne4 per 4 values, ~10 emulation instructions) and the signs moved by a second byte permutation: the
+//      activations' conversion at 4096 x 14336 38.8 -> 36.8 us (0.89 of copy), W4A4 (graph replay, one H100
+//      lease, cuBLAS fp16 plain calls) 8192^2 1.28-1.30x, 14336x4096 1.30-1.37x, 4096x14336 1.25-1.35x over two
+//      runs. Tried, not kept: the conversion inside the GEMM's consumer warpgroups, 2x slower (their instruction
+//      stream is the critical path; notes/attempts/fp8-fused-conversion-consumers.patch).
+//   Next: the activation conversion (37 us of ~490 at 4096x14336) in the producer warpgroup (registers moved to
+//   it, TMA for the raw A boxes; notes/kernel-history.md has the budget); silu's epilogue.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
@@ -95,22 +101,23 @@ __device__ __forceinline__ u32 e2m1_to_e4m3(u32 c, int d) {
 }
 
 // One block's 16 bytes of E2M1 pairs -> its 32 e4m3 bytes at dst (16-byte aligned), each value times 2^d.
-// For d in [-5, 6] every result is a normal e4m3 number, whose exponent field is the bare value's plus d: four
-// nibbles at a time, the bare codes come from a byte permutation (the nibble's magnitude bits are its selector),
-// d * 8 is added to the nonzero bytes and the signs are moved to bit 7. Other d go one value at a time.
+// For d in [-5, 6] every result is a normal e4m3 number, whose exponent field is the bare value's plus d: a byte
+// permutation of the 8 codes of the magnitudes (their exponent fields raised by d once a block: no byte carries,
+// every nonzero code stays in 0x08..0x7c) selected by each nibble's magnitude bits, and a second one that moves
+// the sign bits (bit 3 of each nibble) to bit 7 of each byte: 10 instructions per 8 values. Other d go one value
+// at a time.
 __device__ __forceinline__ void convert_block(uint4 v, int d, u32 (&packed)[8]) {
   const u32 w[4] = {v.x, v.y, v.z, v.w};
   if (d >= -5) {
-    const u32 d8 = 0x01010101u * (u32)((d * 8) & 0xff);
+    const u32 lo = 0x3c383000u + (u32)d * 0x08080800u;  // e4m3 of 0, 0.5, 1, 1.5 times 2^d
+    const u32 hi = 0x4c484440u + (u32)d * 0x08080808u;  // 2, 3, 4, 6
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const u32 x = (w[i] >> (16 * h)) & 0xffffu;  // elements 8i + 4h .. + 3, a nibble each
-        const u32 base = __byte_perm(0x3c383000u, 0x4c484440u, x & 0x7777u);  // e4m3 of 0, 0.5, 1, ... 6
-        const u32 sign = ((x & 0x8u) << 4) | ((x & 0x80u) << 8) | ((x & 0x800u) << 12) | ((x & 0x8000u) << 16);
-        packed[2 * i + h] = __vadd4(base, __vcmpne4(base, 0u) & d8) | sign;
-      }
+    for (int i = 0; i < 4; ++i) {
+      const u32 m = w[i] & 0x77777777u, s = w[i] & 0x88888888u, s4 = s << 4;
+      // byte j of s4 holds the sign of value 2j at bit 7, byte j of s that of value 2j + 1
+      packed[2 * i] = (__byte_perm(s, s4, 0x1504u) & 0x80808080u) | __byte_perm(lo, hi, m);
+      packed[2 * i + 1] = (__byte_perm(s, s4, 0x3726u) & 0x80808080u) | __byte_perm(lo, hi, m >> 16);
+    }
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i)
