@@ -298,6 +298,55 @@ def test_rank_threads_raise_a_rank_error_and_stay_usable():
     run.close()
 
 
+class _AbortableRank(_Rank):
+    """A comm with abort() (as NcclComm): a rank waiting in its 'collective' is released by the abort."""
+
+    def __init__(self, rank, released):
+        super().__init__(rank)
+        self.released, self.aborted = released, 0
+
+    def abort(self):
+        self.aborted += 1
+        self.released.set()
+
+
+def _fail_while_the_other_waits(c):
+    if c.rank == 0:
+        raise ValueError("rank 0 failed before the collective")
+    if not c.released.wait(timeout=30):    # rank 1 blocked on its peer, as in an NCCL all-reduce
+        raise TimeoutError("rank 1 was never released")
+    raise RuntimeError("rank 1: the collective was aborted")
+
+
+def test_run_ranks_aborts_abortable_comms_so_no_rank_hangs():
+    """run_ranks without on_error: comms that can abort (NcclComm) are aborted at the first rank error, so a rank
+    blocked on the failed peer returns; the first rank's error is raised, every comm aborted once."""
+    from vbw_cupy.dist.comm import run_ranks
+    released = threading.Event()
+    comms = [_AbortableRank(r, released) for r in range(2)]
+    with pytest.raises(ValueError, match="rank 0 failed"):
+        run_ranks(_fail_while_the_other_waits, comms)
+    assert [c.aborted for c in comms] == [1, 1]
+    calls = []                                  # an explicit on_error replaces the default
+    with pytest.raises(ValueError, match="rank 0 failed"):
+        run_ranks(lambda c: (_ for _ in ()).throw(ValueError("rank 0 failed")) if c.rank == 0 else c.rank,
+                  [_AbortableRank(r, threading.Event()) for r in range(2)], on_error=lambda: calls.append(1))
+    assert calls == [1]
+
+
+def test_rank_threads_abort_abortable_comms_and_break():
+    from vbw_cupy.dist import RankThreads
+    released = threading.Event()
+    comms = [_AbortableRank(r, released) for r in range(2)]
+    run = RankThreads(comms)
+    with pytest.raises(ValueError, match="rank 0 failed"):
+        run(_fail_while_the_other_waits)
+    assert [c.aborted for c in comms] == [1, 1]
+    with pytest.raises(RuntimeError, match="earlier rank error"):   # aborted comms: no more calls
+        run(lambda c: c.rank)
+    run.close()
+
+
 def test_simulated_group_has_no_gpu_sampling():
     """generate_ids samples on the GPU only where the ranks can (LlamaGPU): a NumPy group has no decode_sample."""
     cfg = LlamaConfig(dim=64, hidden_dim=96, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=50, seq_len=32)

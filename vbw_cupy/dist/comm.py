@@ -142,19 +142,37 @@ class SimComm(Comm):
         return Pending(wait)
 
 
+def _abort_all(comms):
+    """The default on_error of `run_ranks` / `RankThreads`: where every comm can abort (NcclComm), abort them
+    all, so a rank blocked in a collective on a peer that failed is released instead of hanging; None
+    otherwise."""
+    if comms and all(callable(getattr(c, "abort", None)) for c in comms):
+        def abort():
+            for c in comms:
+                c.abort()
+        return abort
+    return None
+
+
 def run_ranks(fn, comms, *args, on_error=None, **kwargs) -> list:
     """fn(comm, *args, **kwargs) for every comm of `comms`, one thread each (the comm's device made current);
-    the results in rank order. The first exception is raised again here after on_error() (which should unblock
-    the other ranks, as aborting a barrier does) and every thread has ended."""
-    results, errors = [None] * len(comms), []
+    the results in rank order. At the first exception on_error() runs once (it should unblock the other ranks,
+    as aborting a barrier does); that exception is raised again here once every thread has ended. Without
+    on_error, comms that can abort (NcclComm) are aborted: they are unusable after, and no rank hangs."""
+    comms = list(comms)
+    if on_error is None:
+        on_error = _abort_all(comms)
+    results, errors, lock = [None] * len(comms), [], threading.Lock()
 
     def body(i, comm):
         try:
             comm.activate()
             results[i] = fn(comm, *args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - handed to the caller below
-            errors.append((i, e))
-            if on_error is not None:
+            with lock:
+                errors.append((i, e))
+                first = len(errors) == 1
+            if first and on_error is not None:   # once, at the first error
                 on_error()
 
     threads = [threading.Thread(target=body, args=(i, c), name=f"rank{i}", daemon=True) for i, c in enumerate(comms)]
@@ -177,10 +195,12 @@ class RankThreads:
 
     on_error(), when given, runs once at the first rank error (NCCL groups abort their communicators there, so
     a rank blocked on a peer that failed is released instead of hanging) and the object is broken after it:
-    every later call raises. Without it a rank error leaves the threads usable (a simulated group's)."""
+    every later call raises. Without it, comms that can abort (NcclComm) are aborted that way; other comms'
+    threads stay usable after a rank error (a simulated group's)."""
 
     def __init__(self, comms, on_error=None):
         self.comms = list(comms)
+        on_error = on_error if on_error is not None else _abort_all(self.comms)
         self._jobs = [queue.SimpleQueue() for _ in self.comms]
         self._done = queue.SimpleQueue()
         self._lock = threading.Lock()   # one call at a time: the ranks' queues stay in step
