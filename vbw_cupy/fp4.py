@@ -54,14 +54,7 @@ class FP4Tensor:
             raise ValueError(f"format: expected one of {sorted(FORMATS)}, got {self.format!r}")
         shape = _checks.check_shape(self.shape)
         object.__setattr__(self, "shape", shape)
-        gs = self.global_scale
-        kind = np.asarray(gs).dtype.kind if np.isscalar(gs) or np.ndim(gs) == 0 else None
-        if isinstance(gs, (bool, np.bool_)) or kind not in ("i", "u", "f"):
-            raise TypeError(f"global_scale: expected a real number, got {type(gs).__name__} {gs!r}")
-        with np.errstate(over="ignore"):  # (past float32's range: inf, refused below)
-            gs = np.float32(gs)
-        if not (np.isfinite(gs) and gs > 0):
-            raise ValueError(f"global_scale: expected a positive finite float32, got {self.global_scale!r}")
+        gs = _global_scale_value(self.global_scale)
         if self.format == "mxfp4" and gs != 1:
             raise ValueError(f"global_scale: mxfp4 has no tensor scale (expected 1.0), got {self.global_scale!r}")
         object.__setattr__(self, "global_scale", gs)
@@ -151,22 +144,28 @@ def _as_input(x, name: str):
     return x if isinstance(x, np.ndarray) else rt.as_gpu_array(x, name)
 
 
+def _global_scale_value(gs) -> np.float32:
+    """A tensor scale as FP4Tensor and quantize take it: a real number or a 0-d real array (TypeError
+    otherwise: strings, booleans, complex, arrays) that is a positive finite float32 (ValueError otherwise)."""
+    real = _checks._is_real(gs) or (isinstance(gs, np.ndarray) and gs.ndim == 0 and gs.dtype.kind in "iuf")
+    if not real:
+        raise TypeError(f"global_scale: expected a real number, got {type(gs).__name__} {gs!r}")
+    g = _checks._float_or_inf(gs)  # (an int past float's range: inf, refused below)
+    with np.errstate(over="ignore"):
+        g32 = np.float32(g)
+    if not (math.isfinite(g) and g > 0 and np.isfinite(g32) and g32 > 0):
+        raise ValueError(f"global_scale: expected a positive finite float32, got {gs!r}")
+    return g32
+
+
 def _check_global_scale(global_scale, fmt):
+    """quantize's global_scale: None, or (nvfp4 only) what _global_scale_value accepts."""
     if global_scale is None:
         return None
+    gs = _global_scale_value(global_scale)
     if fmt == "mxfp4":
         raise ValueError(f"global_scale: mxfp4 has no tensor scale, got {global_scale!r} (pass None)")
-    if isinstance(global_scale, (bool, np.bool_, str, bytes)) or np.ndim(global_scale) != 0:
-        raise ValueError(f"global_scale: expected a positive finite float (a scalar), got {global_scale!r}")
-    try:
-        gs = float(global_scale)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"global_scale: expected a positive finite float32, got {global_scale!r}") from None
-    with np.errstate(over="ignore"):
-        g32 = np.float32(gs)
-    if not (math.isfinite(gs) and gs > 0) or not (np.isfinite(g32) and g32 > 0):
-        raise ValueError(f"global_scale: expected a positive finite float32, got {global_scale!r}")
-    return np.float32(gs)
+    return gs
 
 
 def quantize(x, format: str = "nvfp4", global_scale=None) -> FP4Tensor:
