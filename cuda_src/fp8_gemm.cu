@@ -71,10 +71,10 @@
 //      __vcmpne4 per 4 values, ~10 emulation instructions) and the signs moved by a second byte permutation: the
 //      activations' conversion at 4096 x 14336 38.8 -> 36.8 us (0.89 of copy), W4A4 (graph replay, one H100
 //      lease, cuBLAS fp16 plain calls) 8192^2 1.28-1.30x, 14336x4096 1.30-1.37x, 4096x14336 1.25-1.35x over two
-//      runs. Tried, not kept: the conversion inside the GEMM's consumer warpgroups, 2x slower (their instruction
-//      stream is the critical path; notes/attempts/fp8-fused-conversion-consumers.patch).
-//   Next: the activation conversion (37 us of ~490 at 4096x14336) in the producer warpgroup (registers moved to
-//   it, TMA for the raw A boxes; notes/kernel-history.md has the budget); silu's epilogue.
+//      runs. Tried, not kept: the conversion inside the GEMM, in the consumer warpgroups or in the producer
+//      warpgroup (registers moved to it, raw boxes by TMA): correct, both 2x slower (the converting warps cannot
+//      issue ~280 instructions a k-tile and thread in a k-tile's time; notes/attempts/fp8-fused-conversion-*).
+//   Next: silu's epilogue.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
