@@ -7,6 +7,7 @@ that can differ between same-signature calls is still checked (bad values, optio
 alignment, devices), and that FP4Tensor's private constructor builds what the checked one builds. The GPU
 halves (results against the reference) are in test_attention.py, test_paged.py and test_fp4.py.
 """
+import collections
 import dataclasses
 
 import numpy as np
@@ -825,3 +826,26 @@ def test_persistent_schedule_kept_and_bounded(kernels, monkeypatch):
     assert len(plans) == 1                                        # planned once, the answer remembered
     monkeypatch.setattr(fc._Stream, "is_capturing", lambda self: True)
     assert launch.schedule(3, cfg, 9) is rt.NULL                 # none made during a capture
+
+
+def test_tensor_map_cache_drops_the_least_recently_used(monkeypatch):
+    """rt.tensor_map's cache is bounded and least recently used out (it forgot every map at once when full): a
+    map in use stays cached while new ones come and go; the driver is asked once a map."""
+    encoded = []
+
+    def encoder(out, dtype, rank, ptr, *rest):
+        encoded.append(ptr)
+        return 0
+    monkeypatch.setattr(rt, "_tensor_map_encoder", lambda: encoder)
+    monkeypatch.setattr(rt, "_tmap_cache", collections.OrderedDict())
+    monkeypatch.setattr(rt, "_TMAP_CACHE_MAX", 4)
+
+    def get(ptr):
+        return rt.tensor_map(ptr, (64, 8), (128,), (64, 8))
+    hot = get(1 << 20)
+    for i in range(20):
+        assert get(1 << 20) is hot          # used between the others: never dropped, never encoded again
+        get((2 + i) << 20)
+    assert encoded.count(1 << 20) == 1 and len(rt._tmap_cache) == 4
+    get(2 << 20)                             # dropped long ago: encoded again
+    assert encoded.count(2 << 20) == 2

@@ -22,6 +22,7 @@ directory that cannot be used (a file in its place, read-only) means no disk cac
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -691,7 +692,7 @@ _TMAP_SWIZZLE_128B = 3
 _TMAP_L2_256B = 3
 _TMAP_UINT8, _TMAP_UINT16 = 0, 1  # CUtensorMapDataType
 _tmap_fn = None          # the driver function, False when it cannot be loaded
-_tmap_cache: dict = {}   # (ptr, dims, strides, box) -> map; forgotten all at once when full
+_tmap_cache: collections.OrderedDict = collections.OrderedDict()  # key -> map, least recently used out
 _TMAP_CACHE_MAX = 1024
 
 
@@ -726,6 +727,10 @@ def tensor_map(ptr: int, dims: tuple, strides: tuple, box: tuple, elem_bytes: in
     key = (ptr, dims, strides, box, elem_bytes)
     m = _tmap_cache.get(key)
     if m is not None:
+        try:
+            _tmap_cache.move_to_end(key)
+        except KeyError:  # dropped by another thread in between
+            pass
         return m
     fn = _tensor_map_encoder()
     if not fn:
@@ -740,9 +745,12 @@ def tensor_map(ptr: int, dims: tuple, strides: tuple, box: tuple, elem_bytes: in
              (ctypes.c_uint32 * rank)(*([1] * rank)), 0, _TMAP_SWIZZLE_128B, _TMAP_L2_256B, 0)
     if res != 0:
         return None
-    if len(_tmap_cache) >= _TMAP_CACHE_MAX:
-        _tmap_cache.clear()
     m = _tmap_cache[key] = out.view(f"V{TENSOR_MAP_BYTES}")
+    while len(_tmap_cache) > _TMAP_CACHE_MAX:
+        try:
+            _tmap_cache.popitem(last=False)
+        except KeyError:  # emptied by another thread
+            break
     return m
 
 
