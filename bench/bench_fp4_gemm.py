@@ -3,8 +3,9 @@
 pytest bench/bench_fp4_gemm.py --benchmark-only       (pytest-benchmark; ratios in extra_info)
 python bench/bench_fp4_gemm.py [--quick] [--fmt nvfp4|mxfp4] (prints the table)
 
-Timing: CUDA events around 10 back-to-back calls after warm-up, median of 15 such groups, divided by 10 (so
-host launch overhead counts only where it starves the GPU). Weights are rotated among copies totalling more
+Timing: CUDA events around 10 back-to-back calls after warm-up, median of 7 such groups, divided by 10 (so
+host launch overhead counts only where it starves the GPU); ours and the peer in 5 alternating rounds, each
+side's median time and the median of the per-round ratios reported (`interleaved_us`). Weights are rotated among copies totalling more
 than 2x the L2 (FP4 weights of 8192^2 are 36 MB and would otherwise stay in the 50 MB L2), the same for the
 peer's fp16 weights. TFLOP/s = 2 M N K / t; weight GB/s = bytes of the FP4 tensor (data + scales) / t.
 The epilogue variant adds bias + silu: fused in fp4_matmul, a CuPy elementwise kernel after cupy.matmul.
@@ -74,13 +75,25 @@ def time_us(fn, inner=10, reps=15):
     return 1e3 * _timing.time_ms(lambda: fn(next(calls)), warmup=3, rep=reps, inner=inner)
 
 
+def interleaved_us(ours, peer, rounds=5):
+    """(ours us, peer us, peer / ours): `rounds` alternating rounds of `time_us` each (the order flipped every
+    round), the medians of each side and of the per-round ratios, so that the card's clock and power state
+    drifting during a run (cuBLAS fp16 has moved 583-736 us between runs of one shape) weighs on both sides
+    alike."""
+    t_ours, t_peer = [], []
+    for r in range(rounds):
+        for side in ((ours, t_ours), (peer, t_peer))[::1 if r % 2 == 0 else -1]:
+            side[1].append(time_us(side[0], reps=7))
+    ratio = float(np.median([p / o for o, p in zip(t_ours, t_peer)]))
+    return float(np.median(t_ours)), float(np.median(t_peer)), ratio
+
+
 def measure(M, N, K, fmt="nvfp4", epilogue=False, check=True, w4a4=False, w4a8=False):
     ours, peer, (a, w, bias, act), wbytes = setup(M, N, K, fmt, epilogue, w4a4=w4a4, w4a8=w4a8)
     quantized = w4a4 or w4a8
-    t_ours = time_us(ours)
-    t_peer = time_us(peer)
+    t_ours, t_peer, ratio = interleaved_us(ours, peer)
     row = {"M": M, "N": N, "K": K, "fmt": fmt, "epilogue": "bias+silu" if epilogue else "-",
-           "ours_us": t_ours, "peer_us": t_peer, "ratio": t_peer / t_ours,
+           "ours_us": t_ours, "peer_us": t_peer, "ratio": ratio,
            "tflops": 2 * M * N * K / t_ours / 1e6, "peer_tflops": 2 * M * N * K / t_peer / 1e6,
            "weight_GBs": wbytes / t_ours / 1e3,
            "config": {"KIND": "fp8_mx" if w._cache.get("fp8_v1") else "f32"} if quantized else gemm.chosen_config(a, w)}
