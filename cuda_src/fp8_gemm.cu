@@ -69,9 +69,10 @@
 //      1.28-1.37x, 1.38-1.44x, 1.16-1.18x).
 //   v9 (2026-11-27) convert_block: the exponent raised in the two table words once a block (was __vadd4 /
 //      __vcmpne4 per 4 values, ~10 emulation instructions) and the signs moved by a second byte permutation: the
-//      activations' conversion at 4096 x 14336 38.8 -> 36.8 us (0.89 of copy), W4A4 (graph replay, one H100
-//      lease, cuBLAS fp16 plain calls) 8192^2 1.28-1.30x, 14336x4096 1.30-1.37x, 4096x14336 1.25-1.35x over two
-//      runs. Tried, not kept: the conversion inside the GEMM, in the consumer warpgroups or in the producer
+//      activations' conversion at 4096 x 14336 38.8 -> 36.8 us (0.89 of copy). bench_fp4_gemm with ours and
+//      cuBLAS fp16 in alternating rounds (H100): W4A4 1.21 / 1.19 / 1.19x, W4A8 1.13-1.29x; timed ours-first
+//      (as every figure above) the same kernels read W4A4 1.20-1.36x, W4A8 1.33-1.43x: the power-capped card
+//      flatters whichever runs first. Tried, not kept: the conversion inside the GEMM, in the consumer warpgroups or in the producer
 //      warpgroup (registers moved to it, raw boxes by TMA): correct, both 2x slower (the converting warps cannot
 //      issue ~280 instructions a k-tile and thread in a k-tile's time; notes/attempts/fp8-fused-conversion-*).
 //   Next: silu's epilogue.
