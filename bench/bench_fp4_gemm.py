@@ -4,8 +4,8 @@ pytest bench/bench_fp4_gemm.py --benchmark-only       (pytest-benchmark; ratios 
 python bench/bench_fp4_gemm.py [--quick] [--fmt nvfp4|mxfp4] (prints the table)
 
 Timing: CUDA events around 10 back-to-back calls after warm-up, median of 7 such groups, divided by 10 (so
-host launch overhead counts only where it starves the GPU); ours and the peer in 5 alternating rounds, each
-side's median time and the median of the per-round ratios reported (`interleaved_us`). Weights are rotated among copies totalling more
+host launch overhead counts only where it starves the GPU); ours and the peer in 6 rounds, the order flipped
+each round, each side's median time and the median of the per-round ratios reported (`interleaved_us`). Weights are rotated among copies totalling more
 than 2x the L2 (FP4 weights of 8192^2 are 36 MB and would otherwise stay in the 50 MB L2), the same for the
 peer's fp16 weights. TFLOP/s = 2 M N K / t; weight GB/s = bytes of the FP4 tensor (data + scales) / t.
 The epilogue variant adds bias + silu: fused in fp4_matmul, a CuPy elementwise kernel after cupy.matmul.
@@ -75,11 +75,12 @@ def time_us(fn, inner=10, reps=15):
     return 1e3 * _timing.time_ms(lambda: fn(next(calls)), warmup=3, rep=reps, inner=inner)
 
 
-def interleaved_us(ours, peer, rounds=5):
-    """(ours us, peer us, peer / ours): `rounds` alternating rounds of `time_us` each (the order flipped every
-    round), the medians of each side and of the per-round ratios, so that the card's clock and power state
-    drifting during a run (cuBLAS fp16 has moved 583-736 us between runs of one shape) weighs on both sides
-    alike."""
+def interleaved_us(ours, peer, rounds=6):
+    """(ours us, peer us, ratio): `rounds` rounds of `time_us` each, the order flipped every round (an even
+    count: each side goes first equally often), the medians of each side's times, and the median of the
+    per-round ratios peer / ours (not the ratio of the two medians). The card's clock and power state drift
+    during a run, and on a power-capped H100 the kernel timed first runs cool: timed ours-first, once each,
+    our ratio read 1-27% higher."""
     t_ours, t_peer = [], []
     for r in range(rounds):
         for side in ((ours, t_ours), (peer, t_peer))[::1 if r % 2 == 0 else -1]:

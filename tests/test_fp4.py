@@ -127,7 +127,10 @@ def test_signed_zero():
     (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", "0.01"), TypeError, "global_scale: expected a real num"),
     (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", True), TypeError, "global_scale: expected a real num"),
     (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", np.array([0.01])), TypeError, "global_scale: expected"),
-    (lambda: vc.quantize(np.ones((2, 4), np.float32), "mxfp4", "2.0"), TypeError, "global_scale: expected a real"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), "mxfp4", "2.0"), ValueError, "global_scale: mxfp4 has no tensor"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), "mxfp4", 0.0), ValueError, "global_scale: mxfp4 has no tensor"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", 1j), TypeError, "global_scale: .*complex"),
+    (lambda: vc.quantize(np.ones((2, 4), np.float32), "nvfp4", 10**400), ValueError, r"got 1000000000.*\.\.\.$"),
     (lambda: vc.FP4Tensor(np.zeros((2, 8), np.uint8), np.zeros((2, 1), np.uint8), 10**400, "nvfp4", (2, 16)),
      ValueError, "global_scale: expected a positive finite float32"),
     (lambda: vc.quantize(np.ones((0, 32), np.float32)), ValueError, r"at least one row, K >= 1\), got shape \(0, 32\)"),
@@ -166,6 +169,20 @@ def test_bad_input(bad, exc, match):
         warnings.simplefilter("error")  # (no overflow warning before the error)
         with pytest.raises(exc, match=match):
             bad()
+
+
+def test_quantize_takes_any_real_scalar_scale():
+    """global_scale may be any real scalar: a float, an int, a NumPy scalar or 0-d array, a Fraction or Decimal
+    (quantize took them before its check was shared with FP4Tensor): the same tensor each time."""
+    import decimal
+    import fractions
+    x = np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32)
+    want = vc.quantize(x, "nvfp4", 0.25)
+    for gs in (np.float32(0.25), np.array(0.25), np.float16(0.25), fractions.Fraction(1, 4), decimal.Decimal("0.25")):
+        got = vc.quantize(x, "nvfp4", gs)
+        assert got.global_scale == np.float32(0.25) and type(got.global_scale) is np.float32, gs
+        np.testing.assert_array_equal(got.data, want.data)
+        np.testing.assert_array_equal(got.scales, want.scales)
 
 
 def test_global_scale_takes_numpy_scalars():

@@ -145,27 +145,36 @@ def _as_input(x, name: str):
 
 
 def _global_scale_value(gs) -> np.float32:
-    """A tensor scale as FP4Tensor and quantize take it: a real number or a 0-d real array (TypeError
-    otherwise: strings, booleans, complex, arrays) that is a positive finite float32 (ValueError otherwise)."""
-    real = _checks._is_real(gs) or (isinstance(gs, np.ndarray) and gs.ndim == 0 and gs.dtype.kind in "iuf")
-    if not real:
-        raise TypeError(f"global_scale: expected a real number, got {type(gs).__name__} {gs!r}")
-    g = _checks._float_or_inf(gs)  # (an int past float's range: inf, refused below)
+    """A tensor scale as FP4Tensor and quantize take it: a real scalar (a number, or a 0-d array of a real dtype,
+    NumPy or CuPy; TypeError otherwise: strings, booleans, complex numbers, arrays of values) that is a positive
+    finite float32 (ValueError otherwise)."""
+    dtype = getattr(gs, "dtype", None)
+    if isinstance(gs, (bool, np.bool_, str, bytes)) or np.ndim(gs) != 0 or \
+            (dtype is not None and getattr(dtype, "kind", None) not in ("i", "u", "f")):
+        raise TypeError(f"global_scale: expected a real number, got {type(gs).__name__} {_short(gs)}")
+    try:
+        g = _checks._float_or_inf(gs)  # (an int past float's range: inf, refused below)
+    except (TypeError, ValueError):  # complex, or an object float() does not take
+        raise TypeError(f"global_scale: expected a real number, got {type(gs).__name__} {_short(gs)}") from None
     with np.errstate(over="ignore"):
         g32 = np.float32(g)
     if not (math.isfinite(g) and g > 0 and np.isfinite(g32) and g32 > 0):
-        raise ValueError(f"global_scale: expected a positive finite float32, got {gs!r}")
+        raise ValueError(f"global_scale: expected a positive finite float32, got {_short(gs)}")
     return g32
+
+
+def _short(x, n: int = 60) -> str:
+    r = repr(x)
+    return r if len(r) <= n else r[:n - 3] + "..."
 
 
 def _check_global_scale(global_scale, fmt):
     """quantize's global_scale: None, or (nvfp4 only) what _global_scale_value accepts."""
     if global_scale is None:
         return None
-    gs = _global_scale_value(global_scale)
     if fmt == "mxfp4":
-        raise ValueError(f"global_scale: mxfp4 has no tensor scale, got {global_scale!r} (pass None)")
-    return gs
+        raise ValueError(f"global_scale: mxfp4 has no tensor scale, got {_short(global_scale)} (pass None)")
+    return _global_scale_value(global_scale)
 
 
 def quantize(x, format: str = "nvfp4", global_scale=None) -> FP4Tensor:

@@ -148,8 +148,14 @@ def _abort_all(comms):
     otherwise."""
     if comms and all(callable(getattr(c, "abort", None)) for c in comms):
         def abort():
-            for c in comms:
-                c.abort()
+            first = None
+            for c in comms:   # every comm, even when one abort fails: a comm left live can hang its rank
+                try:
+                    c.abort()
+                except Exception as e:  # noqa: BLE001 - raised after the others are aborted
+                    first = first or e
+            if first is not None:
+                raise first
         return abort
     return None
 
@@ -173,7 +179,11 @@ def run_ranks(fn, comms, *args, on_error=None, **kwargs) -> list:
                 errors.append((i, e))
                 first = len(errors) == 1
             if first and on_error is not None:   # once, at the first error
-                on_error()
+                try:
+                    on_error()
+                except BaseException as e2:  # noqa: BLE001 - reported after the rank's own error
+                    with lock:
+                        errors.append((i, e2))
 
     threads = [threading.Thread(target=body, args=(i, c), name=f"rank{i}", daemon=True) for i, c in enumerate(comms)]
     for t in threads:
@@ -249,7 +259,10 @@ class RankThreads:
                     errors.append(err)
                     if self._on_error is not None and self.broken is None:
                         self.broken = err
-                        self._on_error()
+                        try:
+                            self._on_error()
+                        except Exception:  # noqa: BLE001 - the rank's error is the one to raise
+                            pass
         if errors:
             raise errors[0]
         return results
