@@ -5,9 +5,10 @@ python bench/bench_fp4_gemm.py [--quick] [--fmt nvfp4|mxfp4] (prints the table)
 
 Timing: CUDA events around 10 back-to-back calls after warm-up, median of 7 such groups, divided by 10 (so
 host launch overhead counts only where it starves the GPU); ours and the peer in 6 rounds, the order flipped
-each round, each side's median time and the median of the per-round ratios reported (`interleaved_us`). Weights are rotated among copies totalling more
-than 2x the L2 (FP4 weights of 8192^2 are 36 MB and would otherwise stay in the 50 MB L2), the same for the
-peer's fp16 weights. TFLOP/s = 2 M N K / t; weight GB/s = bytes of the FP4 tensor (data + scales) / t.
+each round, each side's median time and the median of the per-round ratios reported (`_timing.alternating`).
+Weights are rotated among copies totalling more than 2x the L2 (FP4 weights of 8192^2 are 36 MB and would
+otherwise stay in the 50 MB L2), the same for the peer's fp16 weights. TFLOP/s = 2 M N K / t; weight GB/s =
+bytes of the FP4 tensor (data + scales) / t.
 The epilogue variant adds bias + silu: fused in fp4_matmul, a CuPy elementwise kernel after cupy.matmul.
 --w4a4: the activations are an FP4Tensor (quantized once, outside the timing; the call's conversion of them
 to FP8 is timed), the peer the same cuBLAS fp16 product (its epilogue variant has no epilogue).
@@ -75,24 +76,10 @@ def time_us(fn, inner=10, reps=15):
     return 1e3 * _timing.time_ms(lambda: fn(next(calls)), warmup=3, rep=reps, inner=inner)
 
 
-def interleaved_us(ours, peer, rounds=6):
-    """(ours us, peer us, ratio): `rounds` rounds of `time_us` each, the order flipped every round (an even
-    count: each side goes first equally often), the medians of each side's times, and the median of the
-    per-round ratios peer / ours (not the ratio of the two medians). The card's clock and power state drift
-    during a run, and on a power-capped H100 the kernel timed first runs cool: timed ours-first, once each,
-    our ratio read 1-27% higher."""
-    t_ours, t_peer = [], []
-    for r in range(rounds):
-        for side in ((ours, t_ours), (peer, t_peer))[::1 if r % 2 == 0 else -1]:
-            side[1].append(time_us(side[0], reps=7))
-    ratio = float(np.median([p / o for o, p in zip(t_ours, t_peer)]))
-    return float(np.median(t_ours)), float(np.median(t_peer)), ratio
-
-
 def measure(M, N, K, fmt="nvfp4", epilogue=False, check=True, w4a4=False, w4a8=False):
     ours, peer, (a, w, bias, act), wbytes = setup(M, N, K, fmt, epilogue, w4a4=w4a4, w4a8=w4a8)
     quantized = w4a4 or w4a8
-    t_ours, t_peer, ratio = interleaved_us(ours, peer)
+    t_ours, t_peer, ratio = _timing.alternating(lambda: time_us(ours, reps=7), lambda: time_us(peer, reps=7))
     row = {"M": M, "N": N, "K": K, "fmt": fmt, "epilogue": "bias+silu" if epilogue else "-",
            "ours_us": t_ours, "peer_us": t_peer, "ratio": ratio,
            "tflops": 2 * M * N * K / t_ours / 1e6, "peer_tflops": 2 * M * N * K / t_peer / 1e6,

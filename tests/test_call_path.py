@@ -482,3 +482,22 @@ def test_check_errors_rejects_an_unknown_op():
     for bad in ("abc", [0], 1.5, True, -1):
         with pytest.raises(ValueError, match="device: expected None or a device id"):
             vc.check_errors(device=bad)
+
+
+def test_alternating_flips_the_order_and_takes_median_ratios():
+    """_timing.alternating (no GPU): each side goes first in half the rounds; the result is each side's median
+    and the median of the per-round ratios (here b is always 2x a, though both drift)."""
+    from vbw_cupy import _timing
+    order = []
+
+    def a():
+        order.append("a")
+        return 1.1 ** ((len(order) - 1) // 2)    # the card drifts from round to round
+
+    def b():
+        order.append("b")
+        return 2 * 1.1 ** ((len(order) - 1) // 2)
+    ma, mb, ratio = _timing.alternating(a, b, rounds=6)
+    firsts = order[::2]
+    assert firsts.count("a") == firsts.count("b") == 3 and len(order) == 12
+    assert abs(ratio - 2.0) < 1e-12 and ma < mb

@@ -31,6 +31,18 @@ def time_ms(fn, warmup: int = 3, rep: int = 20, inner: int = 1, before=None) -> 
     return float(np.median(times))
 
 
+def alternating(time_a, time_b, rounds: int = 6) -> tuple[float, float, float]:
+    """(a, b, b / a): two timings (callables returning a time each) in `rounds` rounds, the order flipped every
+    round (an even count: each goes first equally often); each side's median and the median of the per-round
+    ratios. On a power-capped card the side timed first after a pause runs cooler: timed once each, ours first,
+    fp4_matmul's ratio to cuBLAS read up to 27% higher on the H100 (notes/session-2026-11-27n.md)."""
+    ta, tb = [], []
+    for r in range(rounds):
+        for fn, out in ((time_a, ta), (time_b, tb))[::1 if r % 2 == 0 else -1]:
+            out.append(fn())
+    return float(np.median(ta)), float(np.median(tb)), float(np.median([b / a for a, b in zip(ta, tb)]))
+
+
 def graph_time_ms(fns, target_ms: float = 30.0, reps: int = 5) -> float:
     """Median milliseconds per call of back-to-back calls of `fns` (rotated) replayed from one CUDA graph on a
     private stream: no host launch cost at all. Each fn must be capturable; they run once eagerly first."""
