@@ -241,7 +241,7 @@ def test_cache_round_trip_across_reload(env, monkeypatch):
     assert at.stats()["disk_hits"] == 1 and at.stats()["timer_calls"] == 0
     # a key another process wrote after this one loaded the file is still found (re-read on a miss)
     other = at.make_key("t_fake", {"M": 5000, "K": 128}, "float16")
-    at._store(other, {**entry, "config": {"BM": 32, "W": 2}})
+    at._store(other, {**entry, "config": {"BM": 32, "W": 2}}, "t_fake")
     at._memory.pop(other)
     assert at.pick("t_fake", {"M": 5000, "K": 128}, "float16", noop) == {"BM": 32, "W": 2}
 
@@ -291,7 +291,7 @@ _WRITER = textwrap.dedent("""
         time.sleep(0.001)
     for i in range(n):
         at._memory.clear()
-        at._store(f"k|{tag}|{i}", {"kernel": "k", "config": {"i": i, "tag": tag}, "ms": 1.0})
+        at._store(f"k|{tag}|{i}", {"kernel": "k", "config": {"i": i, "tag": tag}, "ms": 1.0}, "k")
 """)
 
 
@@ -722,7 +722,7 @@ def test_settled_arch_uses_the_tuned_cache_but_never_times(env, monkeypatch):
         assert at.pick("t_fake", {"M": 64, "K": 128}, "float16", noop) == DEFAULTS[90] and not env.calls
     assert len(loads) == 1
     key = at.make_key("t_fake", {"M": 64, "K": 128}, "float16")
-    at._store(key, {"config": {"BM": 32, "W": 2}, "ms": 1.0, "default": DEFAULTS[90], "default_ms": 2.0})
+    at._store(key, {"config": {"BM": 32, "W": 2}, "ms": 1.0, "default": DEFAULTS[90], "default_ms": 2.0}, "t_fake")
     at.reset()
     assert at.pick("t_fake", {"M": 64, "K": 128}, "float16", noop) == {"BM": 32, "W": 2} and not env.calls
     monkeypatch.setenv("VBW_CUPY_AUTOTUNE", "1")

@@ -16,7 +16,7 @@ import pytest
 import fake_cupy as fc
 from vbw_cupy import _checks, _errors
 from vbw_cupy import _runtime as rt
-from vbw_cupy import _plans, attention, autotune, fp4, paged
+from vbw_cupy import _plans, attention, autotune, fp4, gemm, paged
 from vbw_cupy import reference as ref
 
 
@@ -593,6 +593,40 @@ def test_flash_ab_switches_are_plan_variants(kernels, monkeypatch):
     monkeypatch.setattr(attention, "_EXTRA_OPTIONS", ())
     attention.flash_attention(*d)
     assert full_calls == ["_flash_gpu", "_flash_gpu"]  # the first plan again
+
+
+def test_a_tuning_store_replans_only_its_own_op(kernels, monkeypatch, tmp_path):
+    """Plan keys hold autotune.generation(family): a store for paged decode's or fp4_matmul's Tunables leaves
+    flash_attention's plan in use (every op used to replan after any store); a store for an attention head
+    dim's Tunable (the family "attention_fwd"), or autotune.reset(), replans it."""
+    monkeypatch.setattr(autotune, "_generations", {})
+    monkeypatch.setattr(autotune, "_memory", {})
+    monkeypatch.setenv("VBW_CUPY_CACHE_DIR", str(tmp_path))
+    d = _attn_case()   # D = 64
+    attention.flash_attention(*d)
+    attention.flash_attention(*d)
+    assert full_calls == ["_flash_gpu"]
+    for other in ("paged_decode", gemm._TUNABLES[0][1].name):
+        autotune._store(f"{other}|key", {"config": {}, "ms": 1.0}, other)
+        attention.flash_attention(*d)
+        assert full_calls == ["_flash_gpu"], other
+    autotune._store("attention_fwd_d128|key", {"config": {}, "ms": 1.0}, attention._tunable_name(128))
+    attention.flash_attention(*d)
+    assert full_calls == ["_flash_gpu"] * 2
+    monkeypatch.setattr(autotune, "_generation", autotune._generation + 1)   # reset() / register()
+    attention.flash_attention(*d)
+    assert full_calls == ["_flash_gpu"] * 3
+
+
+def test_store_bumps_only_its_tunable_and_forgets_only_its_picks(monkeypatch, tmp_path):
+    monkeypatch.setenv("VBW_CUPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_generations", {"a": 3})
+    monkeypatch.setattr(autotune, "_memory", {})
+    monkeypatch.setattr(autotune, "_picked", {("a", 0, "f16", (), False): {"X": 1}, ("b", 0, "f16", (), False): {}})
+    g = autotune.generation("b")
+    autotune._store("b|key", {"config": {"X": 2}, "ms": 1.0}, "b")
+    assert autotune.generation("a") == (autotune._generation, 3) and autotune.generation("b") == (g[0], 1)
+    assert list(autotune._picked) == [("a", 0, "f16", (), False)]
 
 
 @pytest.mark.parametrize("good, bad", [

@@ -383,6 +383,9 @@ def _tunable_name(head_dim: int) -> str:
     return f"attention_fwd_d{head_dim}"
 
 
+_FAMILY = "attention_fwd"  # every head dim's Tunable: a store for one replans flash_attention's calls only
+
+
 def _make_bench(head_dim: int):
     def bench(shape: dict, dtype):
         cp = rt.require_cupy()
@@ -421,7 +424,7 @@ if _autotune is not None:
             standard_shapes=tuple(({"Sq": s, "Sk": s, "masked": m, "B": 16384 // s, "H": 16}, dt)
                                   for s in (1024, 4096) for m in (0, 1) for dt in ("float16",)) if _hd in (64, 128)
             else (),
-            bench=_make_bench(_hd)))
+            bench=_make_bench(_hd), family=_FAMILY))
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -780,7 +783,8 @@ def _fast_key(q, k, v, causal, softmax_scale, window, softcap, return_lse):
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, type(causal), causal, type(softmax_scale),
                softmax_scale, type(window), window, type(softcap), softcap, type(return_lse), return_lse,
                cp.cuda.runtime.getDevice(), _plans.stream_key(),
-               _autotune is not None and _autotune.mode(), getattr(_autotune, "_generation", 0), _variant(),
+               _autotune is not None and _autotune.mode(), _autotune is not None and _autotune.generation(_FAMILY),
+               _variant(),
                tuple(map(type, window)) if type(window) is tuple else None)
         hash(key)
     except TypeError:  # a list window, an odd scalar: the full path

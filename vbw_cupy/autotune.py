@@ -81,8 +81,9 @@ Tests replace the timer: ``autotune._timer = lambda run, cfg, **kw: ms`` (keywor
 ``cutoff_ms``, ``flush``), and ``autotune._device_info`` to run without a GPU; ``autotune.reset()`` forgets the
 memory cache, warnings and counters (a "new process").
 
-Launch-plan caches in the op modules put ``autotune._generation`` in their keys: it changes whenever a stored
-config may change (``reset``, a store, ``register``).
+Launch-plan caches in the op modules put ``autotune.generation(name)`` in their keys: it changes whenever a
+config that Tunable `name` picks may change (a store for `name`; ``reset`` and ``register`` change it for every
+name), so tuning one kernel does not send every other op's calls back through their full, checked path.
 """
 from __future__ import annotations
 
@@ -141,6 +142,8 @@ class Tunable:
     interleaved in one process): there ``pick`` keeps the defaults unless VBW_CUPY_AUTOTUNE=1 asks for tuning.
     default_for: (shape, arch, defaults' config) -> the default of that shape, for kernels whose best default
     depends on the shape (attention's long sequences); None: defaults[arch] for every shape.
+    family: the name whose ``generation`` a store for this Tunable changes ("": its own name); Tunables that one
+    op chooses among by shape (fp4_matmul's regimes) share one, so the op's plan keys need not compute which.
     """
     name: str
     params: tuple[str, ...]
@@ -154,6 +157,7 @@ class Tunable:
     warm_l2: bool = False
     settled: tuple[int, ...] = ()
     default_for: Callable[[dict, int, dict], dict] | None = None
+    family: str = ""
 
     def __post_init__(self):
         if not self.defaults:
@@ -315,7 +319,14 @@ _memory: dict[str, dict] = {}
 _picked: dict[tuple, dict] = {}
 _MAX_PICKED = 4096
 # Bumped whenever a stored config may change: launch-plan caches in the op modules include it in their keys.
-_generation = 0
+_generation = 0                   # bumped by reset() / register(): every Tunable's picks may change
+_generations: dict[str, int] = {}  # per Tunable name, bumped by a store for that name
+
+
+def generation(name) -> tuple[int, int]:
+    """What plan keys hold for Tunable `name` (or a Tunable family): it changes whenever a config it picks may
+    change."""
+    return _generation, _generations.get(name, 0)
 _stats = {"timer_calls": 0, "tuned": 0, "memory_hits": 0, "disk_hits": 0, "defaults": 0, "failed": 0,
           "retimed": 0, "compiled": 0, "compile_s": 0.0, "timing_s": 0.0}
 
@@ -395,13 +406,16 @@ def _file_lock(path: pathlib.Path):
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def _store(key: str, entry: dict) -> None:
-    """Put one entry in memory and merge it into the JSON file (lock, re-read, update, atomic replace)."""
-    global _generation
+def _store(key: str, entry: dict, name: str) -> None:
+    """Put one entry (of Tunable `name`) in memory and merge it into the JSON file (lock, re-read, update,
+    atomic replace)."""
     with _lock:
         _memory[key] = entry
-        _picked.clear()  # a re-tuned key must not be shadowed by pick()'s shortcut
-        _generation += 1
+        for k in [k for k in _picked if k[0] == name]:  # a re-tuned key must not be shadowed by pick()'s shortcut
+            del _picked[k]
+        t = _registry.get(name)
+        fam = (t.family if t is not None else "") or name
+        _generations[fam] = _generations.get(fam, 0) + 1
         path = cache_path()
         try:
             rt.make_private_dir(path.parent)
@@ -756,9 +770,10 @@ def _capturing() -> bool:
 def _remember(fast, cfg: dict) -> None:
     """pick()'s shortcut for this exact (name, device, dtype, shape); called under _lock."""
     if fast is not None:
-        if len(_picked) >= _MAX_PICKED:
-            _picked.clear()
+        _picked.pop(fast, None)
         _picked[fast] = cfg
+        while len(_picked) > _MAX_PICKED:  # the oldest remembered out first
+            del _picked[next(iter(_picked))]
 
 
 def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
@@ -808,7 +823,7 @@ def pick(name: str, shape: dict, dtype, run: Callable[[dict], None]) -> dict:
             _memory[key] = {**e, "config": e["default"]}
             return dict(e["default"])
         _stats["tuned"] += 1
-        _store(key, e)
+        _store(key, e, name)
         _remember(fast, e["config"])
         return dict(e["config"])
 
@@ -864,7 +879,7 @@ def tune(names=None, shapes=None, progress: bool = True, force: bool = False) ->
                          bucket=_bucket_str(t, shape), shape=_json_shape(shape))
                 if e["config"] is not None:
                     _stats["tuned"] += 1
-                    _store(key, e)
+                    _store(key, e, t.name)
                 del run
         row = {"kernel": t.name, "shape": dict(shape), "dtype": _dtype_name(dtype), "bucket": _bucket_str(t, shape),
                "default": e.get("default"), "default_ms": e.get("default_ms"),

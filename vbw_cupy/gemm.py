@@ -238,6 +238,7 @@ _STD = {
 }
 
 _TUNABLES = []
+_FAMILY = "fp4_gemm"  # the regimes' shared autotune family: a store for any of them replans fp4_matmul's calls
 # sm_90: tuned 0.88-1.07x the defaults on an H100 (notes/autotune.md): the defaults are used unless
 # VBW_CUPY_AUTOTUNE=1
 _SETTLED = (90,)
@@ -246,7 +247,7 @@ for _name, _mmax, _defs, _cands in _REGIMES:
     _TUNABLES.append((_mmax, autotune.register(autotune.Tunable(
         name=_name, params=_PARAMS, candidates=tuple(_cands), defaults=_defaults, bucket=_bucket,
         fits=_fits, source=(_SOURCE, _SOURCE_SM90), standard_shapes=tuple(_STD[_name]), bench=_bench_factory,
-        settled=_SETTLED))))
+        settled=_SETTLED, family=_FAMILY))))
 
 
 def _regime(M: int):
@@ -547,7 +548,7 @@ def _matmul_gpu(a2, w, bias, act, out_dtype, cfg=None, out=None):
         return out, plan
     tuned = autotune.mode()
     key = (M, K, lda, adt, bias_kind, act, out_dtype.name, cp.cuda.Device().id, _plans.stream_key(),
-           tuned, autotune._generation, _variant())
+           tuned, autotune.generation(_FAMILY), _variant())
     plans = w._cache.get("gemm_v1_plans")
     if plans is None:
         plans = w._cache.setdefault("gemm_v1_plans", _plans.PlanCache())
@@ -569,7 +570,7 @@ def _matmul_gpu(a2, w, bias, act, out_dtype, cfg=None, out=None):
 def chosen_config(a, w) -> dict | None:
     """The config the last fp4_matmul of this a-shape/dtype on w used (for benchmarks and tests)."""
     M = math.prod(a.shape[:-1])
-    # most recently used first: plans of earlier tuning generations (autotune._generation) stay in the cache
+    # most recently used first: plans of earlier tuning generations (autotune.generation) stay in the cache
     plans = w._cache.get("gemm_v1_plans")
     for key, plan in reversed(plans.items() if plans is not None else []):
         if key[0] == M and key[3] == np.dtype(a.dtype).name:
@@ -597,7 +598,7 @@ def _fast_key(a, bias, activation, out_dtype):
     cp = rt.cupy
     return (a.shape, a.dtype.char, activation, out_dtype,
             None if bias is None else (bias.shape, bias.dtype.char, bias.flags.c_contiguous, bias.data.device_id),
-            cp.cuda.runtime.getDevice(), _plans.stream_key(), autotune.mode(), autotune._generation,
+            cp.cuda.runtime.getDevice(), _plans.stream_key(), autotune.mode(), autotune.generation(_FAMILY),
             _variant())
 
 

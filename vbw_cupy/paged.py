@@ -397,7 +397,7 @@ def _fast_key(cp, q, k_cache, v_cache, block_table, seq_lens, softmax_scale, sof
             type(softcap), softcap, type(window), window, tuple(map(type, window)), type(check), check,
             type(max_seqlen), max_seqlen, None if out is None else (type(out), out.shape, out.dtype),
             cp.cuda.runtime.getDevice(), _plans.stream_key(), autotune.mode(),
-            getattr(autotune, "_generation", 0), _FAST_LAUNCH)
+            autotune.generation(TUNABLE.name), _FAST_LAUNCH)
 
 
 class _Signature:
