@@ -581,6 +581,24 @@ def test_zero_d_array_options_launch_as_their_scalars(kernels):
                for x, y in zip(g[3], w[3]) if isinstance(x, (np.generic, int, float)))
 
 
+def test_flash_plan_made_during_a_capture_is_not_kept(kernels, monkeypatch):
+    """A first call made while a graph is being captured is not stored as the fast plan (its persistent tile
+    would lack the balanced schedule, which is not built during a capture, and keep replaying without it); the
+    first call after the capture takes the full path and stores its plan."""
+    attention.flash_attention(*_attn_case(Sq=7))   # the device's first call (not allowed during a capture)
+    full_calls.clear()
+    d = _attn_case()
+    capturing = {"on": True}
+    monkeypatch.setattr(fc._Stream, "is_capturing", lambda self: capturing["on"])
+    attention.flash_attention(*d)
+    attention.flash_attention(*d)
+    assert full_calls == ["_flash_gpu"] * 2 and len(attention._fast_plans) == 1   # (the first call's)
+    capturing["on"] = False
+    attention.flash_attention(*d)
+    attention.flash_attention(*d)
+    assert full_calls == ["_flash_gpu"] * 3 and len(attention._fast_plans) == 2
+
+
 def test_flash_ab_switches_are_plan_variants(kernels, monkeypatch):
     """Flipping an A/B switch (attention._EXTRA_OPTIONS here) builds a new plan instead of replaying the old."""
     d = _attn_case()

@@ -761,7 +761,10 @@ def _flash_gpu(q, k, v, *, causal, softmax_scale, window, softcap, return_lse, o
                    else cp.empty((B, Hq, Sq), dtype=cp.float32))
         launch = _Launch.dense(q, k, v, scale=scale, window=win, softcap=softcap, out=o, lse=lse)
         bound = launch.run(launch.pick(config))
-    if fast_key is not None and q.size and q.data.device_id == cp.cuda.runtime.getDevice():
+    # not stored while a graph is being captured: the persistent tile's balanced schedule is not made then
+    # (Launch.schedule), and the plan would go on replaying the static rounds after the capture
+    if fast_key is not None and q.size and q.data.device_id == cp.cuda.runtime.getDevice() and \
+            not cp.cuda.get_current_stream().is_capturing():
         prev = _fast_plans.get(fast_key)  # the same key replans the same launch: keep its packed launches
         launches = _plans.PlanCache(_LAUNCHES_PER_PLAN) if prev is None else prev[-1]
         _fast_plans.put(fast_key, bound + (launch.vec, q.data.device_id, launches))
