@@ -7,7 +7,6 @@ that can differ between same-signature calls is still checked (bad values, optio
 alignment, devices), and that FP4Tensor's private constructor builds what the checked one builds. The GPU
 halves (results against the reference) are in test_attention.py, test_paged.py and test_fp4.py.
 """
-import collections
 import dataclasses
 
 import numpy as np
@@ -889,8 +888,7 @@ def test_tensor_map_cache_drops_the_least_recently_used(monkeypatch):
         encoded.append(ptr)
         return 0
     monkeypatch.setattr(rt, "_tensor_map_encoder", lambda: encoder)
-    monkeypatch.setattr(rt, "_tmap_cache", collections.OrderedDict())
-    monkeypatch.setattr(rt, "_TMAP_CACHE_MAX", 4)
+    monkeypatch.setattr(rt, "_tmap_cache", rt.PlanCache(4))
 
     def get(ptr):
         return rt.tensor_map(ptr, (64, 8), (128,), (64, 8))

@@ -16,15 +16,16 @@ replays under a lock), and the stream orders their use of its scratch.
 """
 from __future__ import annotations
 
-import collections
 import threading
 
 import numpy as np
 
 from . import _runtime as rt
 
+# the bounded plan cache (defined in _runtime, whose tensor-map cache is one too)
+PlanCache, MAX_PLANS = rt.PlanCache, rt.MAX_PLANS
 
-MAX_PLANS = 256  # plans a cache keeps by default
+
 _PER_THREAD_STREAM = 2  # cudaStreamPerThread: the handle of every thread's own default stream
 
 
@@ -34,49 +35,6 @@ def stream_key(stream=None):
     calling thread."""
     ptr = (stream if stream is not None else rt.cupy.cuda.get_current_stream()).ptr
     return ptr if ptr != _PER_THREAD_STREAM else (ptr, threading.get_ident())
-
-
-class PlanCache:
-    """A bounded mapping key -> plan; a hit moves the key to the back, a full cache drops the oldest."""
-
-    def __init__(self, maxsize: int = MAX_PLANS):
-        self.maxsize = int(maxsize)
-        self._d: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key):
-        d = self._d
-        plan = d.get(key)
-        if plan is not None:
-            try:
-                d.move_to_end(key)
-            except KeyError:  # dropped by another thread in between
-                pass
-        return plan
-
-    def put(self, key, plan) -> None:
-        with self._lock:
-            self._d[key] = plan
-            self._d.move_to_end(key)
-            while len(self._d) > self.maxsize:
-                self._d.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._d.clear()
-
-    def __iter__(self):
-        return iter(list(self._d))
-
-    def values(self) -> list:
-        return list(self._d.values())
-
-    def items(self) -> list:
-        """(key, plan) pairs, least recently used first."""
-        return list(self._d.items())
-
-    def __len__(self) -> int:
-        return len(self._d)
 
 
 _scratch_lock = threading.Lock()

@@ -682,6 +682,53 @@ def launch_programmatic(fptr: int, dims, shared_mem: int, stream_ptr: int, param
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
 
 
+# ---- the bounded caches of launch plans (`_plans`, the op modules) and of tensor maps (below)
+MAX_PLANS = 256  # plans a cache keeps by default
+
+
+class PlanCache:
+    """A bounded mapping key -> plan; a hit moves the key to the back, a full cache drops the oldest."""
+
+    def __init__(self, maxsize: int = MAX_PLANS):
+        self.maxsize = int(maxsize)
+        self._d: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        d = self._d
+        plan = d.get(key)
+        if plan is not None:
+            try:
+                d.move_to_end(key)
+            except KeyError:  # dropped by another thread in between
+                pass
+        return plan
+
+    def put(self, key, plan) -> None:
+        with self._lock:
+            self._d[key] = plan
+            self._d.move_to_end(key)
+            while len(self._d) > self.maxsize:
+                self._d.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+
+    def __iter__(self):
+        return iter(list(self._d))
+
+    def values(self) -> list:
+        return list(self._d.values())
+
+    def items(self) -> list:
+        """(key, plan) pairs, least recently used first."""
+        return list(self._d.items())
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
 # ---- TMA tensor maps (Hopper): encoded on the host by the driver's cuTensorMapEncodeTiled, which CuPy does not
 # wrap, so it is called through ctypes. A map is 128 opaque bytes passed to the kernel by value (a size-one
 # NumPy array of dtype V128 is passed by value by CuPy's launcher).
@@ -692,8 +739,8 @@ _TMAP_SWIZZLE_128B = 3
 _TMAP_L2_256B = 3
 _TMAP_UINT8, _TMAP_UINT16 = 0, 1  # CUtensorMapDataType
 _tmap_fn = None          # the driver function, False when it cannot be loaded
-_tmap_cache: collections.OrderedDict = collections.OrderedDict()  # key -> map, least recently used out
 _TMAP_CACHE_MAX = 1024
+_tmap_cache = PlanCache(_TMAP_CACHE_MAX)  # key -> map, least recently used out
 
 
 def _tensor_map_encoder():
@@ -727,10 +774,6 @@ def tensor_map(ptr: int, dims: tuple, strides: tuple, box: tuple, elem_bytes: in
     key = (ptr, dims, strides, box, elem_bytes)
     m = _tmap_cache.get(key)
     if m is not None:
-        try:
-            _tmap_cache.move_to_end(key)
-        except KeyError:  # dropped by another thread in between
-            pass
         return m
     fn = _tensor_map_encoder()
     if not fn:
@@ -745,12 +788,8 @@ def tensor_map(ptr: int, dims: tuple, strides: tuple, box: tuple, elem_bytes: in
              (ctypes.c_uint32 * rank)(*([1] * rank)), 0, _TMAP_SWIZZLE_128B, _TMAP_L2_256B, 0)
     if res != 0:
         return None
-    m = _tmap_cache[key] = out.view(f"V{TENSOR_MAP_BYTES}")
-    while len(_tmap_cache) > _TMAP_CACHE_MAX:
-        try:
-            _tmap_cache.popitem(last=False)
-        except KeyError:  # emptied by another thread
-            break
+    m = out.view(f"V{TENSOR_MAP_BYTES}")
+    _tmap_cache.put(key, m)
     return m
 
 
