@@ -165,8 +165,9 @@ class TPGroup:
         check_tp(config, size)
         require_gpus(size)
         comms = NcclComm.init_all(range(size))
-        # a rank that fails aborts every communicator: its peers, waiting in NCCL for it, get errors, not a hang
-        run = RankThreads(comms, on_error=lambda: [c.abort() for c in comms])
+        # a rank that fails aborts every communicator (RankThreads' default for NCCL comms): its peers, waiting in
+        # NCCL for it, get errors, not a hang
+        run = RankThreads(comms)
         try:
             models = run(lambda comm: TPLlamaGPU(config, weights, comm, weight_format, act_dtype=act_dtype))
         except BaseException:
