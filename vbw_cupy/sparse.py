@@ -257,9 +257,7 @@ def block_sparse_attention(q, k, v, indptr, indices, *, block_q, block_k, causal
     >>> o = block_sparse_attention(q, k, v, indptr, indices, block_q=128, block_k=128)
     """
     for name, a in (("q", q), ("k", k), ("v", v)):
-        if not (_is_host(a) or rt.is_gpu_array(a) or hasattr(a, "__dlpack__") or
-                hasattr(a, "__cuda_array_interface__")):
-            raise TypeError(f"{name}: expected a NumPy, CuPy or DLPack GPU array, got {type(a).__name__}")
+        _checks.check_array_like(name, a)
     if all(_is_host(a) for a in (q, k, v)):
         for name, a in (("indptr", indptr), ("indices", indices)):
             if not _is_host(a):
