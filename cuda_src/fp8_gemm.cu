@@ -72,9 +72,10 @@
 //      activations' conversion at 4096 x 14336 38.8 -> 36.8 us (0.89 of copy). bench_fp4_gemm with ours and
 //      cuBLAS fp16 in alternating rounds (H100): W4A4 1.21 / 1.19 / 1.19x, W4A8 1.13-1.29x; timed ours-first
 //      (as every figure above) the same kernels read W4A4 1.20-1.36x, W4A8 1.33-1.43x: the power-capped card
-//      flatters whichever runs first. Tried, not kept: the conversion inside the GEMM, in the consumer warpgroups or in the producer
-//      warpgroup (registers moved to it, raw boxes by TMA): correct, both 2x slower (the converting warps cannot
-//      issue ~280 instructions a k-tile and thread in a k-tile's time; notes/attempts/fp8-fused-conversion-*).
+//      flatters whichever runs first. Tried, not kept: the conversion inside the GEMM, in the consumer
+//      warpgroups or in the producer warpgroup (registers moved to it, raw boxes by TMA): correct, both 2x slower
+//      (the converting warps cannot issue ~280 instructions a k-tile and thread in a k-tile's time;
+//      notes/attempts/fp8-fused-conversion-*).
 //   Next: silu's epilogue.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
