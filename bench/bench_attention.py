@@ -16,14 +16,19 @@ Standalone (one device call can test and benchmark):
     python bench/bench_attention.py --quick --graph  the same, plus both sides replayed from a CUDA graph (no host
                                                    time at all: torch's per-call cost, ~100 us for CUDNN at
                                                    S = 512 on the H100, no longer counts against the peer)
+    python bench/bench_attention.py --sustained [SECONDS]  ours vs torch's CUDNN, each side's calls back to back
+                                                   (SECONDS warm-up, then SECONDS timed, two rounds of flipped
+                                                   order), the SM clock each ran at beside: the card sits at its
+                                                   power cap here, and a short timing inherits the other side's
+                                                   clock
     python bench/bench_attention.py --sweep        every tile config of vbw_cupy.attention at D 64/128/256
     python bench/bench_attention.py --precompile   compile every kernel instance in parallel (disk cache)
     python bench/bench_attention.py --fp8          flash_attention_fp8 against our float16 flash_attention on the
-                                                   same data (D = 128, S = 4k / 8k / 16k, CUDA-graph replay; the
-                                                   FP8 side includes its V transpose; the two timed in 4 rounds of
-                                                   flipped order, the median per-round ratio reported), and
-                                                   cuDNN's FP16 where torch is (issue bar: 1.5x our float16 from
-                                                   S = 4k)
+                                                   same data (D = 128, S = 4k / 8k / 16k; the FP8 side includes
+                                                   its V transpose). Sustained timing (`_timing.steady_ms`: 1 s
+                                                   of calls, then 1 s timed), the two in 2 rounds of flipped
+                                                   order, the SM clock each ran at beside (issue bar: 1.5x our
+                                                   float16 from S = 4k)
 """
 from __future__ import annotations
 
@@ -288,6 +293,38 @@ def quick(Ds=(64, 128, 256), Ss=GRID_S, dtypes=("float16", "bfloat16"), rep=10, 
     return rows
 
 
+def sustained(Ds=GRID_D, Ss=GRID_S, dtypes=("float16",), warm_s=1.0, time_s=1.0, out=sys.stdout):
+    """Ours against torch SDPA's CUDNN backend in sustained use (`_timing.steady_pair`: each side's calls back to
+    back for warm_s, then timed for time_s, two rounds of flipped order), with the SM clock each ran at: at
+    these sizes the card runs at its power cap, and a short timing inherits the clock the other side left."""
+    if _torch() is None:
+        print("--sustained needs torch (the CUDNN peer)", file=out)
+        return []
+    print(f"{'D':>4} {'S':>6} {'BxH':>6} {'causal':>6} {'dtype':>8} | {'ours ms':>8} {'TFLOP/s':>7} {'MHz':>5} | "
+          f"{'CUDNN ms':>8} {'TFLOP/s':>7} {'MHz':>5} | ratio", file=out, flush=True)
+    rows = []
+    for D in Ds:
+        for S in Ss:
+            for causal in (False, True):
+                for dt in dtypes:
+                    case = Case(D, S, causal, dt)
+                    peer = case.torch_peer("CUDNN")
+                    if peer is None:
+                        continue
+                    r = _timing.steady_pair(case.ours(), peer, warm_s=warm_s, time_s=time_s)
+                    rows.append(r)
+                    print(f"{D:>4} {S:>6} {case.B:>3}x{case.H:<2} {str(causal):>6} {dt:>8} | {r['a_ms']:>8.3f} "
+                          f"{case.tflops(r['a_ms']):>7.1f} {r['a_mhz']:>5.0f} | {r['b_ms']:>8.3f} "
+                          f"{case.tflops(r['b_ms']):>7.1f} {r['b_mhz']:>5.0f} | {r['ratio']:.3f}x", file=out,
+                          flush=True)
+                    del case
+    if rows:
+        ratios = [r["ratio"] for r in rows]
+        print(f"vs CUDNN, sustained: geomean {statistics.geometric_mean(ratios):.3f}x, worst {min(ratios):.2f}x "
+              f"({len(ratios)} shapes)", file=out, flush=True)
+    return rows
+
+
 def sweep(Ds=(64, 128, 256), Ss=(4096,), rep=10, out=sys.stdout):
     from vbw_cupy import attention as A
     arch = _device.device_arch()
@@ -407,11 +444,13 @@ def precompile(ab_variants=False):
 
 
 def fp8(Ss=(4096, 8192, 16384), D=128, out=sys.stdout):
-    """FP8 vs float16 on the same values (the FP8 codes from quantize_e4m3 of the float16 inputs), graph replay."""
+    """FP8 vs float16 on the same values (the FP8 codes from quantize_e4m3 of the float16 inputs), sustained
+    plain calls: the card runs at its power cap here, and a short timing inherits the clock the other side
+    left (notes/session-2026-11-27o.md)."""
     import cupy as cp
     import vbw_cupy as vc
-    print(f"{'D':>4} {'S':>6} {'BxH':>6} {'causal':>6} | {'fp8 ms':>7} {'TFLOP/s':>7} | {'fp16 ms':>7} {'TFLOP/s':>7} | "
-          f"{'fp8 / fp16':>10}", file=out, flush=True)
+    print(f"{'D':>4} {'S':>6} {'BxH':>6} {'causal':>6} | {'fp8 ms':>7} {'TFLOP/s':>7} {'MHz':>5} | {'fp16 ms':>7} "
+          f"{'TFLOP/s':>7} {'MHz':>5} | {'fp8 / fp16':>10}", file=out, flush=True)
     rows = []
     for S in Ss:
         B, H = shape_for(D, S)
@@ -419,14 +458,15 @@ def fp8(Ss=(4096, 8192, 16384), D=128, out=sys.stdout):
         qs = [vc.quantize_e4m3(x) for x in xs]
         codes, ds = [c for c, _ in qs], cp.concatenate([d for _, d in qs])
         for causal in (False, True):
-            # the two in rounds of flipped order: the one timed first after a pause runs cooler
-            t8, t16, speedup = _timing.alternating(
-                lambda: _timing.graph_time_ms([lambda: vc.flash_attention_fp8(*codes, ds, causal=causal)], reps=3),
-                lambda: _timing.graph_time_ms([lambda: vc.flash_attention(*xs, causal=causal)], reps=3), rounds=4)
+            # the two sustained, in rounds of flipped order
+            r = _timing.steady_pair(lambda: vc.flash_attention_fp8(*codes, ds, causal=causal),
+                                    lambda: vc.flash_attention(*xs, causal=causal))
+            t8, t16, speedup, mhz = r["a_ms"], r["b_ms"], r["ratio"], (r["a_mhz"], r["b_mhz"])
             f = flops(B, H, S, D, causal)
-            rows.append({"D": D, "S": S, "causal": causal, "fp8_ms": t8, "fp16_ms": t16, "speedup": speedup})
-            print(f"{D:>4} {S:>6} {B:>3}x{H:<2} {str(causal):>6} | {t8:>7.3f} {f / t8 / 1e9:>7.0f} | {t16:>7.3f} "
-                  f"{f / t16 / 1e9:>7.0f} | {speedup:>9.2f}x", file=out, flush=True)
+            rows.append({"D": D, "S": S, "causal": causal, "fp8_ms": t8, "fp16_ms": t16, "speedup": speedup,
+                         "fp8_mhz": mhz[0], "fp16_mhz": mhz[1]})
+            print(f"{D:>4} {S:>6} {B:>3}x{H:<2} {str(causal):>6} | {t8:>7.3f} {f / t8 / 1e9:>7.0f} {mhz[0]:>5.0f} | "
+                  f"{t16:>7.3f} {f / t16 / 1e9:>7.0f} {mhz[1]:>5.0f} | {speedup:>9.2f}x", file=out, flush=True)
     return rows
 
 
@@ -439,6 +479,10 @@ def main(argv=None):
     p.add_argument("--fp8", action="store_true", help="flash_attention_fp8 vs our float16 (D = 128)")
     p.add_argument("--ab", action="store_true", help="A/B of code variants x tiles vs FLASH, then --quick with "
                    "the best (in this process only)")
+    p.add_argument("--sustained", type=float, nargs="?", const=1.0, metavar="SECONDS",
+                   help="ours vs torch's CUDNN in sustained use (SECONDS of warm-up, then SECONDS timed, per side "
+                        "and round; default 1), SM clocks beside; --D / --S / --dtype pick the shapes (float16 "
+                        "by default)")
     p.add_argument("--D", type=int, nargs="*")
     p.add_argument("--S", type=int, nargs="*")
     p.add_argument("--dtype", nargs="*")
@@ -457,6 +501,9 @@ def main(argv=None):
         sweep(Ds=tuple(a.D or (64, 128, 256)), Ss=tuple(a.S or [4096]), rep=a.rep)
     if a.fp8:
         fp8(Ss=tuple(a.S or (4096, 8192, 16384)))
+    if a.sustained:
+        sustained(Ds=tuple(a.D or GRID_D), Ss=tuple(a.S or GRID_S), dtypes=tuple(a.dtype or ("float16",)),
+                  warm_s=a.sustained, time_s=a.sustained)
     if a.quick:
         quick(Ds=tuple(a.D or GRID_D), Ss=tuple(a.S or GRID_S), dtypes=tuple(a.dtype or ("float16", "bfloat16")),
               rep=a.rep, graph=a.graph)

@@ -3,9 +3,15 @@
 pytest bench/bench_fp4_gemm.py --benchmark-only       (pytest-benchmark; ratios in extra_info)
 python bench/bench_fp4_gemm.py [--quick] [--fmt nvfp4|mxfp4] (prints the table)
 
-Timing: CUDA events around 10 back-to-back calls after warm-up, median of 7 such groups, divided by 10 (so
-host launch overhead counts only where it starves the GPU); ours and the peer in 6 rounds, the order flipped
-each round, each side's median time and the median of the per-round ratios reported (`_timing.alternating`).
+Timing, M < 1024 (memory-bound): CUDA events around 10 back-to-back calls after warm-up, median of 7 such
+groups, divided by 10 (so host launch overhead counts only where it starves the GPU); ours and the peer in 6
+rounds, the order flipped each round, each side's median time and the median of the per-round ratios reported
+(`_timing.alternating`).
+Timing, M >= 1024 (compute-bound, the card at its power cap): sustained, `_timing.steady_ms` (1 s of calls, then
+1 s timed in ~50 ms windows), ours and the peer in 2 rounds of flipped order; the SM clock each side ran at is
+printed (NVML). Short bursts inherit the clock the previous work left (cuBLAS fp16 settles lower than the FP8
+GEMM at 700 W): timed that way W4A8 read 1.18-1.29x where sustained it runs 1.31-1.33x
+(notes/session-2026-11-27o.md).
 Weights are rotated among copies totalling more than 2x the L2 (FP4 weights of 8192^2 are 36 MB and would
 otherwise stay in the 50 MB L2), the same for the peer's fp16 weights. TFLOP/s = 2 M N K / t; weight GB/s =
 bytes of the FP4 tensor (data + scales) / t.
@@ -30,6 +36,7 @@ from vbw_cupy.fp8 import quantize_fp8  # noqa: E402
 MS = (1, 16, 64, 256, 4096)
 NKS = ((8192, 8192), (14336, 4096), (4096, 14336))
 ROTATE_BYTES = 120e6
+STEADY_FROM_M = 1024  # rows from this M are timed sustained (_timing.steady_ms)
 
 _silu_bias = None
 
@@ -76,12 +83,20 @@ def time_us(fn, inner=10, reps=15):
     return 1e3 * _timing.time_ms(lambda: fn(next(calls)), warmup=3, rep=reps, inner=inner)
 
 
-def measure(M, N, K, fmt="nvfp4", epilogue=False, check=True, w4a4=False, w4a8=False):
+def measure(M, N, K, fmt="nvfp4", epilogue=False, check=True, w4a4=False, w4a8=False, steady=None):
     ours, peer, (a, w, bias, act), wbytes = setup(M, N, K, fmt, epilogue, w4a4=w4a4, w4a8=w4a8)
     quantized = w4a4 or w4a8
-    t_ours, t_peer, ratio = _timing.alternating(lambda: time_us(ours, reps=7), lambda: time_us(peer, reps=7))
+    steady = M >= STEADY_FROM_M if steady is None else steady
+    mhz = (float("nan"), float("nan"))
+    if steady:  # sustained, the weights rotated as in the bursts
+        ca, cb = iter(range(1 << 62)), iter(range(1 << 62))
+        r = _timing.steady_pair(lambda: ours(next(ca)), lambda: peer(next(cb)))
+        t_ours, t_peer, ratio, mhz = 1e3 * r["a_ms"], 1e3 * r["b_ms"], r["ratio"], (r["a_mhz"], r["b_mhz"])
+    else:
+        t_ours, t_peer, ratio = _timing.alternating(lambda: time_us(ours, reps=7), lambda: time_us(peer, reps=7))
     row = {"M": M, "N": N, "K": K, "fmt": fmt, "epilogue": "bias+silu" if epilogue else "-",
-           "ours_us": t_ours, "peer_us": t_peer, "ratio": ratio,
+           "ours_us": t_ours, "peer_us": t_peer, "ratio": ratio, "timing": "sustained" if steady else "burst",
+           "ours_mhz": mhz[0], "peer_mhz": mhz[1],
            "tflops": 2 * M * N * K / t_ours / 1e6, "peer_tflops": 2 * M * N * K / t_peer / 1e6,
            "weight_GBs": wbytes / t_ours / 1e3,
            "config": {"KIND": "fp8_mx" if w._cache.get("fp8_v1") else "f32"} if quantized else gemm.chosen_config(a, w)}
@@ -115,20 +130,26 @@ def test_fp4_matmul(benchmark, M, N, K, epi):
         stream.synchronize()
     benchmark.pedantic(timed, rounds=20, warmup_rounds=3)
     benchmark.extra_info.update({k: row[k] for k in ("ours_us", "peer_us", "ratio", "tflops", "peer_tflops",
-                                                     "weight_GBs")})
+                                                     "weight_GBs", "timing", "ours_mhz", "peer_mhz")})
     benchmark.extra_info["config"] = str(row["config"])
 
 
 def print_table(rows, out=sys.stdout):
     print(f"{'M':>5} {'N':>6} {'K':>6} {'fmt':6} {'epilogue':9} {'ours us':>9} {'cuBLAS us':>9} {'ratio':>6} "
-          f"{'TFLOP/s':>8} {'cuBLAS':>7} {'wGB/s':>7} {'error':>9} {'bound':>9}  config", file=out)
+          f"{'TFLOP/s':>8} {'cuBLAS':>7} {'wGB/s':>7} {'error':>9} {'bound':>9} {'timing':>9} {'MHz':>9}  config",
+          file=out)
     for r in rows:
         cfg = r["config"] or {}
         cs = f"{cfg.get('KIND', '?')}" + (f" {cfg['BR']}x{cfg['BC']}x{cfg['BK']} s{cfg['SPLIT']}" if "BR" in cfg else "")
         print(f"{r['M']:>5} {r['N']:>6} {r['K']:>6} {r['fmt']:6} {r['epilogue']:9} {r['ours_us']:9.1f} "
               f"{r['peer_us']:9.1f} {r['ratio']:6.2f} {r['tflops']:8.1f} {r['peer_tflops']:7.1f} "
-              f"{r['weight_GBs']:7.0f} {r.get('error', float('nan')):9.2e} {r.get('bound', float('nan')):9.2e}  {cs}",
-              file=out, flush=True)
+              f"{r['weight_GBs']:7.0f} {r.get('error', float('nan')):9.2e} {r.get('bound', float('nan')):9.2e} "
+              f"{r['timing']:>9} {_mhz(r):>9}  {cs}", file=out, flush=True)
+    print("MHz: the SM clock ours / cuBLAS ran at (sustained rows; NVML)", file=out)
+
+
+def _mhz(r):
+    return "-" if math.isnan(r["ours_mhz"]) else f"{r['ours_mhz']:.0f}/{r['peer_mhz']:.0f}"
 
 
 def diagnose(out=sys.stdout):

@@ -403,6 +403,58 @@ def test_gpu_graph_time_ms_times_a_replayed_kernel():
 
 
 @pytest.mark.gpu
+def test_gpu_steady_ms_times_sustained_calls_and_reads_the_clock():
+    """_timing.steady_ms (the benchmarks' sustained timer): warm-up, then windows; a 64 MB fill takes about its
+    bandwidth's time, and the info dict gets the SM clock and board power NVML read (the driver ships NVML)."""
+    import cupy as cp
+    from vbw_cupy import _device, _timing
+    a = cp.empty(16 << 20, dtype=cp.float32)
+    info = {}
+    ms = _timing.steady_ms(lambda: a.fill(2.0), warm_s=0.2, time_s=0.2, info=info)
+    assert 1e-3 < ms < 5.0 and float(a[-1]) == 2.0
+    assert 100 <= info["mhz"] <= 4000 and 0 < info["watts"] < 2000, info
+    mhz, watts = _device.clock_and_power()
+    assert 100 <= mhz <= 4000 and 0 < watts < 2000
+
+
+def test_steady_pair_flips_the_order_and_reports_each_sides_clock(monkeypatch):
+    """_timing.steady_pair (no GPU; steady_ms stubbed): two rounds, each side first once, every timing
+    sustained with its own clock reading; the ratio is the per-round b / a and the clocks each side's median."""
+    from vbw_cupy import _timing
+    calls = []
+
+    def fake_steady(fn, info=None, **kw):
+        side = fn()
+        calls.append(side)
+        info["mhz"] = 1500.0 if side == "a" else 1400.0 + len(calls)
+        return 1.0 if side == "a" else 1.3
+    monkeypatch.setattr(_timing, "steady_ms", fake_steady)
+    r = _timing.steady_pair(lambda: "a", lambda: "b")
+    assert calls == ["a", "b", "b", "a"]
+    assert abs(r["ratio"] - 1.3) < 1e-12 and r["a_ms"] == 1.0 and r["b_ms"] == 1.3
+    assert r["a_mhz"] == 1500.0 and r["b_mhz"] == 1402.5
+
+
+def test_clock_and_power_is_none_without_nvml(monkeypatch):
+    """_device.clock_and_power: None (never an exception) where NVML cannot be loaded, so a benchmark still
+    times on a machine without it; the result is cached per device, so the fake library must be in place
+    before the first lookup."""
+    import ctypes
+    from vbw_cupy import _device
+    from tests import fake_cupy
+    fake_cupy.install(monkeypatch)
+    _device._nvml_handle.cache_clear()
+
+    def no_lib(*args, **kwargs):
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+    monkeypatch.setattr(ctypes, "CDLL", no_lib)
+    try:
+        assert _device.clock_and_power() is None
+    finally:
+        _device._nvml_handle.cache_clear()
+
+
+@pytest.mark.gpu
 def test_gpu_programmatic_launches_equal_plain_launches():
     """Programmatic dependent launch (cuda_src/pdl.cuh; the model's decode graph uses it): a chain where each
     kernel reads what the one before wrote (M = 1 GEMV -> paged attention -> GEMV ...), launched plainly,

@@ -81,3 +81,42 @@ def query_device() -> dict:
     }
     _device_cache[dev.id] = info
     return info
+
+
+def clock_and_power(device_id: int | None = None) -> tuple[float, float] | None:
+    """(SM clock in MHz, board power in W) of a device right now, read through NVML (the driver's
+    libnvidia-ml); None where NVML cannot be loaded or read. The benchmarks print it beside sustained timings:
+    a power-capped card runs each kernel at the clock its own power draw allows."""
+    cp = rt.require_cupy()
+    try:
+        handle = _nvml_handle(cp.cuda.Device(device_id).id)
+    except Exception:  # (no usable GPU or driver: a reading, never a failure)
+        return None
+    if handle is None:
+        return None
+    import ctypes
+    lib, h = handle
+    mhz, mw = ctypes.c_uint(), ctypes.c_uint()
+    if lib.nvmlDeviceGetClockInfo(h, 1, ctypes.byref(mhz)) != 0:  # 1: NVML_CLOCK_SM
+        return None
+    if lib.nvmlDeviceGetPowerUsage(h, ctypes.byref(mw)) != 0:
+        return None
+    return float(mhz.value), mw.value / 1e3
+
+
+@functools.lru_cache(maxsize=None)
+def _nvml_handle(device_id: int):
+    """(library, device handle) for CUDA device `device_id`, matched by PCI bus id (CUDA and NVML may number
+    devices differently), or None."""
+    import ctypes
+    try:
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if lib.nvmlInit_v2() != 0:
+            return None
+        bus = rt.cupy.cuda.runtime.deviceGetPCIBusId(device_id)
+        h = ctypes.c_void_p()
+        if lib.nvmlDeviceGetHandleByPciBusId_v2(bus.encode() if isinstance(bus, str) else bus, ctypes.byref(h)) != 0:
+            return None
+        return lib, h
+    except Exception:  # (no NVML, no such device: a reading, never a failure)
+        return None
