@@ -216,5 +216,5 @@ if __name__ == "__main__":
     if args.w4a4 or args.w4a8:
         for r in rows:
             if r["epilogue"] == "-":
-                print(f"bar: {r['N']}x{r['K']} {r['fmt']} {r['ratio']:.2f}x cuBLAS fp16 (>= 1.3x: "
+                print(f"bar: {r['N']}x{r['K']} {r['fmt']} {r['ratio']:.3f}x cuBLAS fp16 (>= 1.3x: "
                       f"{'met' if r['ratio'] >= 1.3 else 'NOT met'})")
