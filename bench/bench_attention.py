@@ -311,6 +311,7 @@ def sustained(Ds=GRID_D, Ss=GRID_S, dtypes=("float16",), warm_s=1.0, time_s=1.0,
                     peer = case.torch_peer("CUDNN")
                     if peer is None:
                         continue
+                    # (CuPy's events time torch's calls too: both run on the legacy default stream here)
                     r = _timing.steady_pair(case.ours(), peer, warm_s=warm_s, time_s=time_s)
                     rows.append(r)
                     print(f"{D:>4} {S:>6} {case.B:>3}x{case.H:<2} {str(causal):>6} {dt:>8} | {r['a_ms']:>8.3f} "
@@ -501,7 +502,7 @@ def main(argv=None):
         sweep(Ds=tuple(a.D or (64, 128, 256)), Ss=tuple(a.S or [4096]), rep=a.rep)
     if a.fp8:
         fp8(Ss=tuple(a.S or (4096, 8192, 16384)))
-    if a.sustained:
+    if a.sustained is not None:
         sustained(Ds=tuple(a.D or GRID_D), Ss=tuple(a.S or GRID_S), dtypes=tuple(a.dtype or ("float16",)),
                   warm_s=a.sustained, time_s=a.sustained)
     if a.quick:

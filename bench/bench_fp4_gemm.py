@@ -10,7 +10,7 @@ rounds, the order flipped each round, each side's median time and the median of 
 Timing, M >= 1024 (compute-bound, the card at its power cap): sustained, `_timing.steady_ms` (1 s of calls, then
 1 s timed in ~50 ms windows), ours and the peer in 2 rounds of flipped order; the SM clock each side ran at is
 printed (NVML). Short bursts inherit the clock the previous work left (cuBLAS fp16 settles lower than the FP8
-GEMM at 700 W): timed that way W4A8 read 1.18-1.29x where sustained it runs 1.31-1.33x
+GEMM at 700 W): timed that way W4A8 read 1.18-1.29x where sustained it runs 1.29-1.33x
 (notes/session-2026-11-27o.md).
 Weights are rotated among copies totalling more than 2x the L2 (FP4 weights of 8192^2 are 36 MB and would
 otherwise stay in the 50 MB L2), the same for the peer's fp16 weights. TFLOP/s = 2 M N K / t; weight GB/s =
@@ -83,15 +83,16 @@ def time_us(fn, inner=10, reps=15):
     return 1e3 * _timing.time_ms(lambda: fn(next(calls)), warmup=3, rep=reps, inner=inner)
 
 
-def measure(M, N, K, fmt="nvfp4", epilogue=False, check=True, w4a4=False, w4a8=False, steady=None):
+def measure(M, N, K, fmt="nvfp4", epilogue=False, check=True, w4a4=False, w4a8=False):
     ours, peer, (a, w, bias, act), wbytes = setup(M, N, K, fmt, epilogue, w4a4=w4a4, w4a8=w4a8)
     quantized = w4a4 or w4a8
-    steady = M >= STEADY_FROM_M if steady is None else steady
-    mhz = (float("nan"), float("nan"))
+    steady = M >= STEADY_FROM_M
+    mhz = (None, None)
     if steady:  # sustained, the weights rotated as in the bursts
         ca, cb = iter(range(1 << 62)), iter(range(1 << 62))
         r = _timing.steady_pair(lambda: ours(next(ca)), lambda: peer(next(cb)))
-        t_ours, t_peer, ratio, mhz = 1e3 * r["a_ms"], 1e3 * r["b_ms"], r["ratio"], (r["a_mhz"], r["b_mhz"])
+        t_ours, t_peer, ratio = 1e3 * r["a_ms"], 1e3 * r["b_ms"], r["ratio"]
+        mhz = tuple(None if math.isnan(r[k]) else r[k] for k in ("a_mhz", "b_mhz"))
     else:
         t_ours, t_peer, ratio = _timing.alternating(lambda: time_us(ours, reps=7), lambda: time_us(peer, reps=7))
     row = {"M": M, "N": N, "K": K, "fmt": fmt, "epilogue": "bias+silu" if epilogue else "-",
@@ -145,11 +146,12 @@ def print_table(rows, out=sys.stdout):
               f"{r['peer_us']:9.1f} {r['ratio']:6.2f} {r['tflops']:8.1f} {r['peer_tflops']:7.1f} "
               f"{r['weight_GBs']:7.0f} {r.get('error', float('nan')):9.2e} {r.get('bound', float('nan')):9.2e} "
               f"{r['timing']:>9} {_mhz(r):>9}  {cs}", file=out, flush=True)
-    print("MHz: the SM clock ours / cuBLAS ran at (sustained rows; NVML)", file=out)
+    if any(r["timing"] == "sustained" for r in rows):
+        print("MHz: the SM clock ours / cuBLAS ran at (sustained rows; NVML, '-' where it cannot be read)", file=out)
 
 
 def _mhz(r):
-    return "-" if math.isnan(r["ours_mhz"]) else f"{r['ours_mhz']:.0f}/{r['peer_mhz']:.0f}"
+    return "/".join("-" if r[k] is None else f"{r[k]:.0f}" for k in ("ours_mhz", "peer_mhz"))
 
 
 def diagnose(out=sys.stdout):

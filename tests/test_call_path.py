@@ -405,13 +405,20 @@ def test_gpu_graph_time_ms_times_a_replayed_kernel():
 @pytest.mark.gpu
 def test_gpu_steady_ms_times_sustained_calls_and_reads_the_clock():
     """_timing.steady_ms (the benchmarks' sustained timer): warm-up, then windows; a 64 MB fill takes about its
-    bandwidth's time, and the info dict gets the SM clock and board power NVML read (the driver ships NVML)."""
+    bandwidth's time. Where the driver's NVML is mounted (the benchmark machines), the info dict gets the SM
+    clock and board power it read."""
+    import ctypes
     import cupy as cp
     from vbw_cupy import _device, _timing
     a = cp.empty(16 << 20, dtype=cp.float32)
     info = {}
     ms = _timing.steady_ms(lambda: a.fill(2.0), warm_s=0.2, time_s=0.2, info=info)
     assert 1e-3 < ms < 5.0 and float(a[-1]) == 2.0
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        assert info == {} and _device.clock_and_power() is None
+        pytest.skip("the timing is checked; NVML (libnvidia-ml) is not mounted here, so no clock to check")
     assert 100 <= info["mhz"] <= 4000 and 0 < info["watts"] < 2000, info
     mhz, watts = _device.clock_and_power()
     assert 100 <= mhz <= 4000 and 0 < watts < 2000
@@ -433,25 +440,66 @@ def test_steady_pair_flips_the_order_and_reports_each_sides_clock(monkeypatch):
     assert calls == ["a", "b", "b", "a"]
     assert abs(r["ratio"] - 1.3) < 1e-12 and r["a_ms"] == 1.0 and r["b_ms"] == 1.3
     assert r["a_mhz"] == 1500.0 and r["b_mhz"] == 1402.5
+    monkeypatch.setattr(_timing, "steady_ms", lambda fn, info=None, **kw: 1.0)  # no clock readable (no NVML)
+    r = _timing.steady_pair(lambda: "a", lambda: "b")
+    assert r["ratio"] == 1.0 and np.isnan(r["a_mhz"]) and np.isnan(r["b_mhz"])
 
 
-def test_clock_and_power_is_none_without_nvml(monkeypatch):
-    """_device.clock_and_power: None (never an exception) where NVML cannot be loaded, so a benchmark still
-    times on a machine without it; the result is cached per device, so the fake library must be in place
-    before the first lookup."""
+class _FakeNvml:
+    """The four NVML entry points clock_and_power calls, answering through their ctypes pointers."""
+
+    def __init__(self, fail=()):
+        self.calls, self.fail = [], set(fail)
+
+    def _ret(self, name, *args):
+        self.calls.append((name, args))
+        return 999 if name in self.fail else 0
+
+    def nvmlInit_v2(self):
+        return self._ret("init")
+
+    def nvmlDeviceGetHandleByPciBusId_v2(self, bus, handle):
+        handle._obj.value = 0xABC
+        return self._ret("handle", bus)
+
+    def nvmlDeviceGetClockInfo(self, h, clock_type, out):
+        out._obj.value = 1575
+        return self._ret("clock", h.value, clock_type)
+
+    def nvmlDeviceGetPowerUsage(self, h, out):
+        out._obj.value = 698_500  # milliwatts
+        return self._ret("power", h.value)
+
+
+@pytest.mark.parametrize("fail", [(), ("init",), ("handle",), ("clock",), ("power",), ("no library",)])
+def test_clock_and_power_reads_nvml_or_gives_none(monkeypatch, fail):
+    """_device.clock_and_power against a fake NVML: the SM clock (NVML_CLOCK_SM = 1) in MHz and the power in W
+    (NVML gives mW), the device found by its PCI bus id; None (never an exception) when the library is missing
+    or any call fails, so a benchmark still times on a machine without NVML."""
     import ctypes
     from vbw_cupy import _device
     from tests import fake_cupy
     fake_cupy.install(monkeypatch)
-    _device._nvml_handle.cache_clear()
+    monkeypatch.setattr(fake_cupy.cuda.runtime, "deviceGetPCIBusId", lambda dev: f"0000:{dev + 0x1b:02x}:00.0",
+                        raising=False)
+    lib = _FakeNvml(fail)
 
-    def no_lib(*args, **kwargs):
-        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
-    monkeypatch.setattr(ctypes, "CDLL", no_lib)
+    def cdll(name):
+        if "no library" in fail:
+            raise OSError(f"{name}: cannot open shared object file")
+        assert name == "libnvidia-ml.so.1"
+        return lib
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    _device._nvml_handle.cache_clear()
     try:
-        assert _device.clock_and_power() is None
+        got = _device.clock_and_power()
     finally:
         _device._nvml_handle.cache_clear()
+    if fail:
+        assert got is None
+        return
+    assert got == (1575.0, 698.5)
+    assert lib.calls == [("init", ()), ("handle", (b"0000:1b:00.0",)), ("clock", (0xABC, 1)), ("power", (0xABC,))]
 
 
 @pytest.mark.gpu

@@ -1,7 +1,9 @@
-"""Facts about the CUDA device: architecture, SM count, attributes, the limits the tuner and plans read.
-Each is cached per device (CuPy's Device().attributes reads every attribute, ~0.1 ms)."""
+"""Facts about the CUDA device: architecture, SM count, attributes, the limits the tuner and plans read, each
+cached per device (CuPy's Device().attributes reads every attribute, ~0.1 ms); and one live reading, the SM
+clock and board power (NVML), for the benchmarks."""
 from __future__ import annotations
 
+import ctypes
 import functools
 
 from . import _runtime as rt
@@ -83,10 +85,14 @@ def query_device() -> dict:
     return info
 
 
+_NVML_CLOCK_SM = 1  # nvmlClockType_t NVML_CLOCK_SM
+
+
 def clock_and_power(device_id: int | None = None) -> tuple[float, float] | None:
-    """(SM clock in MHz, board power in W) of a device right now, read through NVML (the driver's
-    libnvidia-ml); None where NVML cannot be loaded or read. The benchmarks print it beside sustained timings:
-    a power-capped card runs each kernel at the clock its own power draw allows."""
+    """(SM clock in MHz, board power in W) of a device now, through NVML (the driver's libnvidia-ml; on Hopper
+    the power is NVML's one-second trailing average); None where NVML cannot be loaded or read (a container
+    without the driver's utility libraries, no GPU). The benchmarks print it beside sustained timings: a
+    power-capped card runs each kernel at the clock its own power draw allows."""
     cp = rt.require_cupy()
     try:
         handle = _nvml_handle(cp.cuda.Device(device_id).id)
@@ -94,12 +100,11 @@ def clock_and_power(device_id: int | None = None) -> tuple[float, float] | None:
         return None
     if handle is None:
         return None
-    import ctypes
     lib, h = handle
     mhz, mw = ctypes.c_uint(), ctypes.c_uint()
-    if lib.nvmlDeviceGetClockInfo(h, 1, ctypes.byref(mhz)) != 0:  # 1: NVML_CLOCK_SM
+    if lib.nvmlDeviceGetClockInfo(h, _NVML_CLOCK_SM, ctypes.byref(mhz)) != 0:
         return None
-    if lib.nvmlDeviceGetPowerUsage(h, ctypes.byref(mw)) != 0:
+    if lib.nvmlDeviceGetPowerUsage(h, ctypes.byref(mw)) != 0:  # milliwatts
         return None
     return float(mhz.value), mw.value / 1e3
 
@@ -107,8 +112,7 @@ def clock_and_power(device_id: int | None = None) -> tuple[float, float] | None:
 @functools.lru_cache(maxsize=None)
 def _nvml_handle(device_id: int):
     """(library, device handle) for CUDA device `device_id`, matched by PCI bus id (CUDA and NVML may number
-    devices differently), or None."""
-    import ctypes
+    devices differently), or None (kept for the process, as the handle is)."""
     try:
         lib = ctypes.CDLL("libnvidia-ml.so.1")
         if lib.nvmlInit_v2() != 0:

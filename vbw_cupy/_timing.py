@@ -51,10 +51,10 @@ def steady_ms(fn, warm_s: float = 1.0, time_s: float = 1.0, window_ms: float = 5
     """fn's milliseconds per call in sustained use: back-to-back calls for `warm_s` seconds first, so that a
     power-capped card's clock settles where this work's own power draw puts it, then timed by CUDA events over
     windows of about `window_ms` for `time_s` seconds; the median window. A short timing instead inherits the
-    clock that the previous work left: on the H100 (700 W cap) cuBLAS fp16 settles ~100 MHz below the FP8 GEMM,
-    so timed right after it our call ran up to 10% slow (notes/session-2026-11-27o.md). `info`, if given,
-    receives the median SM clock ("mhz") and board power ("watts") read at the end of each window (NVML; absent
-    where it cannot be read)."""
+    clock that the previous work left: on the H100 (700 W cap) cuBLAS fp16 settles 170-300 MHz below our FP8
+    GEMM, so timed right after it our call ran up to 10% slow (notes/session-2026-11-27o.md). `info`, if given,
+    receives the median SM clock ("mhz") and board power ("watts", NVML's trailing average) over readings taken
+    once per window while it runs (NVML; absent where it cannot be read)."""
     cp = rt.require_cupy()
     stream = cp.cuda.get_current_stream()
     fn()
