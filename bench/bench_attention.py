@@ -241,6 +241,18 @@ if pytest is not None:
 
 
 # ---------------------------------------------------------------------------------------------- standalone
+def _grid(Ds, Ss, dtypes):
+    """The table's cases in order: each D, S, full then causal, each dtype. One Case (its inputs) alive at a
+    time: the previous one is dropped before the next is made (callers also drop theirs)."""
+    for D in Ds:
+        for S in Ss:
+            for causal in (False, True):
+                for dt in dtypes:
+                    case = Case(D, S, causal, dt)
+                    yield case
+                    del case
+
+
 def quick(Ds=(64, 128, 256), Ss=GRID_S, dtypes=("float16", "bfloat16"), rep=10, out=sys.stdout, graph=False):
     """The table. graph: also both sides replayed from CUDA graphs (columns "graph": ours, and each peer's
     ratio), which leaves out the host time of every call."""
@@ -252,38 +264,35 @@ def quick(Ds=(64, 128, 256), Ss=GRID_S, dtypes=("float16", "bfloat16"), rep=10, 
         (" || graph: ours TF/s | " + " | ".join(f"{p:>6} TF/s  ratio" for p in peers) if graph else "")
     print(head, file=out, flush=True)
     rows = []
-    for D in Ds:
-        for S in Ss:
-            for causal in (False, True):
-                for dt in dtypes:
-                    case = Case(D, S, causal, dt)
-                    # each peer timed before and after ours, its faster time kept: a slow moment of the GPU
-                    # during one peer timing does not flatter our ratio
-                    before = {p: _time_peer(case, p, rep) for p in peers}
-                    ms = cuda_ms(case.ours(), warmup=3, rep=rep)
-                    row = {"D": D, "S": S, "B": case.B, "H": case.H, "causal": causal, "dtype": dt, "ms": ms,
-                           "tflops": case.tflops(ms)}
-                    cells = []
-                    for p in peers:
-                        pms = min((t for t in (before[p], _time_peer(case, p, rep)) if t), default=None)
-                        row[p] = case.tflops(pms)
-                        row[f"ratio_{p}"] = pms / ms if pms else None
-                        cells.append(f"{row[p]:>11.1f} {row[f'ratio_{p}']:>5.2f}x" if pms else f"{'-':>11} {'-':>6}")
-                    if graph:
-                        gms = _timing.graph_time_ms([case.ours()], target_ms=20, reps=3)
-                        row["graph_tflops"] = case.tflops(gms)
-                        gcells = []
-                        for p in peers:
-                            pg = _time_peer_graph(case, p)
-                            row[f"{p}_graph"] = case.tflops(pg) if pg else None
-                            row[f"ratio_graph_{p}"] = pg / gms if pg else None
-                            gcells.append(f"{row[f'{p}_graph']:>11.1f} {row[f'ratio_graph_{p}']:>5.2f}x" if pg
-                                          else f"{'-':>11} {'-':>6}")
-                        cells.append(f"| {row['graph_tflops']:>10.1f} | " + " | ".join(gcells))
-                    rows.append(row)
-                    print(f"{D:>4} {S:>6} {case.B:>3}x{case.H:<2} {str(causal):>6} {dt:>8} | {ms:>8.3f} "
-                          f"{row['tflops']:>7.1f} | " + " | ".join(cells), file=out, flush=True)
-                    del case
+    for case in _grid(Ds, Ss, dtypes):
+        D, S, causal, dt = case.D, case.S, case.causal, case.dtype_name
+        # each peer timed before and after ours, its faster time kept: a slow moment of the GPU during one peer
+        # timing does not flatter our ratio
+        before = {p: _time_peer(case, p, rep) for p in peers}
+        ms = cuda_ms(case.ours(), warmup=3, rep=rep)
+        row = {"D": D, "S": S, "B": case.B, "H": case.H, "causal": causal, "dtype": dt, "ms": ms,
+               "tflops": case.tflops(ms)}
+        cells = []
+        for p in peers:
+            pms = min((t for t in (before[p], _time_peer(case, p, rep)) if t), default=None)
+            row[p] = case.tflops(pms)
+            row[f"ratio_{p}"] = pms / ms if pms else None
+            cells.append(f"{row[p]:>11.1f} {row[f'ratio_{p}']:>5.2f}x" if pms else f"{'-':>11} {'-':>6}")
+        if graph:
+            gms = _timing.graph_time_ms([case.ours()], target_ms=20, reps=3)
+            row["graph_tflops"] = case.tflops(gms)
+            gcells = []
+            for p in peers:
+                pg = _time_peer_graph(case, p)
+                row[f"{p}_graph"] = case.tflops(pg) if pg else None
+                row[f"ratio_graph_{p}"] = pg / gms if pg else None
+                gcells.append(f"{row[f'{p}_graph']:>11.1f} {row[f'ratio_graph_{p}']:>5.2f}x" if pg
+                              else f"{'-':>11} {'-':>6}")
+            cells.append(f"| {row['graph_tflops']:>10.1f} | " + " | ".join(gcells))
+        rows.append(row)
+        print(f"{D:>4} {S:>6} {case.B:>3}x{case.H:<2} {str(causal):>6} {dt:>8} | {ms:>8.3f} "
+              f"{row['tflops']:>7.1f} | " + " | ".join(cells), file=out, flush=True)
+        del case
     for p in peers:
         for key, label in ((f"ratio_{p}", "single calls"), (f"ratio_graph_{p}", "CUDA graphs")):
             r = [row[key] for row in rows if row.get(key)]
@@ -303,22 +312,17 @@ def sustained(Ds=GRID_D, Ss=GRID_S, dtypes=("float16",), warm_s=1.0, time_s=1.0,
     print(f"{'D':>4} {'S':>6} {'BxH':>6} {'causal':>6} {'dtype':>8} | {'ours ms':>8} {'TFLOP/s':>7} {'MHz':>5} | "
           f"{'CUDNN ms':>8} {'TFLOP/s':>7} {'MHz':>5} | ratio", file=out, flush=True)
     rows = []
-    for D in Ds:
-        for S in Ss:
-            for causal in (False, True):
-                for dt in dtypes:
-                    case = Case(D, S, causal, dt)
-                    peer = case.torch_peer("CUDNN")
-                    if peer is None:
-                        continue
-                    # (CuPy's events time torch's calls too: both run on the legacy default stream here)
-                    r = _timing.steady_pair(case.ours(), peer, warm_s=warm_s, time_s=time_s)
-                    rows.append(r)
-                    print(f"{D:>4} {S:>6} {case.B:>3}x{case.H:<2} {str(causal):>6} {dt:>8} | {r['a_ms']:>8.3f} "
-                          f"{case.tflops(r['a_ms']):>7.1f} {r['a_mhz']:>5.0f} | {r['b_ms']:>8.3f} "
-                          f"{case.tflops(r['b_ms']):>7.1f} {r['b_mhz']:>5.0f} | {r['ratio']:.3f}x", file=out,
-                          flush=True)
-                    del case
+    for case in _grid(Ds, Ss, dtypes):
+        peer = case.torch_peer("CUDNN")
+        if peer is None:
+            continue
+        # (CuPy's events time torch's calls too: both run on the legacy default stream here)
+        r = _timing.steady_pair(case.ours(), peer, warm_s=warm_s, time_s=time_s)
+        rows.append(r)
+        print(f"{case.D:>4} {case.S:>6} {case.B:>3}x{case.H:<2} {str(case.causal):>6} {case.dtype_name:>8} | "
+              f"{r['a_ms']:>8.3f} {case.tflops(r['a_ms']):>7.1f} {r['a_mhz']:>5.0f} | {r['b_ms']:>8.3f} "
+              f"{case.tflops(r['b_ms']):>7.1f} {r['b_mhz']:>5.0f} | {r['ratio']:.3f}x", file=out, flush=True)
+        del case
     if rows:
         ratios = [r["ratio"] for r in rows]
         print(f"vs CUDNN, sustained: geomean {statistics.geometric_mean(ratios):.3f}x, worst {min(ratios):.2f}x "

@@ -76,11 +76,15 @@ def setup(M, N, K, fmt="nvfp4", epilogue=False, seed=0, w4a4=False, w4a8=False):
     return ours, peer, (a, ws[0], bias, act), w0.nbytes
 
 
-def time_us(fn, inner=10, reps=15):
-    """Median microseconds of fn(i), i counting up across calls (callers rotate weight copies by it), `inner`
-    back-to-back calls between events (`_timing.time_ms`)."""
+def _counted(fn):
+    """fn(i) as a call without arguments, i counting up across calls (callers rotate weight copies by it)."""
     calls = iter(range(1 << 62))
-    return 1e3 * _timing.time_ms(lambda: fn(next(calls)), warmup=3, rep=reps, inner=inner)
+    return lambda: fn(next(calls))
+
+
+def time_us(fn, inner=10, reps=15):
+    """Median microseconds of fn(i) (`_counted`), `inner` back-to-back calls between events (`_timing.time_ms`)."""
+    return 1e3 * _timing.time_ms(_counted(fn), warmup=3, rep=reps, inner=inner)
 
 
 def measure(M, N, K, fmt="nvfp4", epilogue=False, check=True, w4a4=False, w4a8=False):
@@ -89,8 +93,7 @@ def measure(M, N, K, fmt="nvfp4", epilogue=False, check=True, w4a4=False, w4a8=F
     steady = M >= STEADY_FROM_M
     mhz = (None, None)
     if steady:  # sustained, the weights rotated as in the bursts
-        ca, cb = iter(range(1 << 62)), iter(range(1 << 62))
-        r = _timing.steady_pair(lambda: ours(next(ca)), lambda: peer(next(cb)))
+        r = _timing.steady_pair(_counted(ours), _counted(peer))
         t_ours, t_peer, ratio = 1e3 * r["a_ms"], 1e3 * r["b_ms"], r["ratio"]
         mhz = tuple(None if math.isnan(r[k]) else r[k] for k in ("a_mhz", "b_mhz"))
     else:
