@@ -9,6 +9,12 @@
 //   the descale. Bit-exact with vbw_cupy.reference.quantize_e4m3_tensor (float32
 //   divisions, IEEE rounding).
 //
+// quantize_e4m3_heads<T, PER>: the same with one descale a group of heads: x viewed as [rows, groups, G] (G = the
+//   elements of a group of heads in a row, groups descales; amax [groups] from abs_max_heads, which reduces each
+//   group's max |x| as float bits with atomicMax, a NaN's bits above Inf's). grid (cx, groups): a CTA works on
+//   one group, so its descale is computed once; 256 / (G / PER) rows of it an iteration (G >= 256 PER: one row,
+//   the threads over its chunks). PER = 16 / sizeof(T) (16-byte chunks: G % PER == 0, x 16-byte aligned) or 1.
+//
 // vt_permute: v [B, Sk, Hkv, D] bytes (C-contiguous) -> vt [B, Hkv, D, Skp] (Skp = Sk rounded up to 128): row
 //   (b, h, d) holds V[b, :, h, d] with, inside every group of 32 keys, key 32 g + pi(p) at position 32 g + p,
 //   pi(p) = 16 (p / 16) + 2 ((p % 16) / 4) + p % 2 + 8 ((p / 2) % 2): the order in which attn_fwd_wg packs P's
@@ -16,8 +22,10 @@
 //   the [64][D] block is read with 16-byte loads into shared memory, then each thread gathers 16 permuted keys
 //   of one row d and writes them as one 16-byte store. (Batch and key block share grid.x: any B.)
 //
-// decode_e4m3<O>: out[i] = E4M3(codes[i]) * descale[which] (descale null: 1), as O: dequantize_e4m3, and the
-//   fallback of GPUs without the FP8 kernel (attention_fp8.py decodes, then runs flash_attention).
+// decode_e4m3<O>: out[i] = E4M3(codes[i]) * descale[(i / bsz) * ds_bs + ((i % row) / grp) * ds_hs] (descale
+//   null: 1; ds_bs = ds_hs = 0: descale[0]) as O: dequantize_e4m3 (one descale, or one a group of heads), and
+//   the fallback of GPUs without the FP8 kernel (attention_fp8.py decodes, then runs flash_attention; a
+//   batch's elements are bsz, a row's row, a KV head's group of heads grp).
 //
 // History: v1 (2026-11-26) first version; the copy is ~4% of an S = 4096 FP8 call (measured in
 // notes/session-2026-11-26b.md). v2 quantize: 16-byte steps, Markstein-corrected division, the hardware E4M3
@@ -39,9 +47,12 @@ __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2
 
 template <typename O>
 __global__ void __launch_bounds__(256) decode_e4m3(const u8* __restrict__ codes, long long n,
-                                                   const float* __restrict__ descale, int which, O* __restrict__ out) {
-  const float ds = descale != nullptr ? descale[which] : 1.f;
+                                                   const float* __restrict__ descale, long long bsz, long long row,
+                                                   long long grp, int ds_bs, int ds_hs, O* __restrict__ out) {
+  const float ds0 = descale != nullptr ? descale[0] : 1.f;
+  const bool each = descale != nullptr && (ds_bs | ds_hs) != 0;
   for (long long i = blockIdx.x * 256LL + threadIdx.x; i < n; i += (long long)gridDim.x * 256) {
+    const float ds = each ? descale[(i / bsz) * ds_bs + ((i % row) / grp) * ds_hs] : ds0;
     store(out + i, vbw::e4m3_decode(codes[i]) * ds);
   }
 }
@@ -55,40 +66,112 @@ __device__ __forceinline__ float div_ds(float x, float ds, float rcp, bool fast)
   return fast ? copysignf(vbw::div_markstein(x, ds, rcp), x) : __fdiv_rn(x, ds);
 }
 
+// The descale of a max |x| (float bits): amax / 448 (at least 2^-149: amax < 448 * 2^-150, float32 only, would
+// make it 0 and the codes NaN / 448), 1 for 0, NaN where amax is not finite (then every code is NaN).
+struct Scale {
+  float ds, rcp;
+  bool finite, fast;
+  __device__ __forceinline__ explicit Scale(unsigned amax_bits) {
+    const float a = __uint_as_float(amax_bits);
+    finite = a <= 3.402823466e38f;  // (false for NaN and Inf)
+    ds = a == 0.f ? 1.f : (finite ? fmaxf(__fdiv_rn(a, 448.f), 0x1p-149f) : __int_as_float(0x7fc00000));
+    rcp = __frcp_rn(ds);
+    fast = ds >= 0x1p-90f && ds <= 0x1p100f;
+  }
+  // the codes of PER elements (a multiple of 4) as PER / 4 words, fp4.cuh's e4m3x4
+  template <typename T, int PER> __device__ __forceinline__ void codes4(const T (&v)[PER], unsigned (&w)[PER / 4]) const {
+#pragma unroll
+    for (int q = 0; q < PER / 4; ++q) {
+      float f[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f[e] = div_ds(as_float(v[4 * q + e]), ds, rcp, fast);
+      w[q] = finite ? vbw::e4m3x4(f[0], f[1], f[2], f[3]) : 0x7F7F7F7Fu;  // (ds NaN: every code NaN)
+    }
+  }
+  template <typename T> __device__ __forceinline__ u8 code(T x) const {
+    return (u8)vbw::e4m3_code(div_ds(as_float(x), ds, rcp, fast));
+  }
+};
+
+// 16 bytes of PER elements a chunk: loaded as one, their codes stored together (8 or 4 bytes).
+template <typename T> union Chunk { uint4 u; T v[16 / sizeof(T)]; };
+template <int PER> __device__ __forceinline__ void store_codes(u8* dst, const unsigned (&w)[PER / 4]) {
+  if constexpr (PER == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  else *reinterpret_cast<unsigned*>(dst) = w[0];
+}
+
 // 16 bytes of x a thread step (x and codes 16-byte aligned), their codes stored together (fp4.cuh's e4m3x4), the
 // last n % PER elements one at a time.
 template <typename T>
 __global__ void __launch_bounds__(256) quantize_e4m3_tensor(const T* __restrict__ x, long long n,
                                                             const unsigned* __restrict__ amax, u8* __restrict__ codes,
                                                             float* __restrict__ descale) {
-  const float a = __uint_as_float(*amax);
-  const bool finite = a <= 3.402823466e38f;  // (false for NaN and Inf: then every code is NaN)
-  // (at least the smallest denormal: amax < 448 * 2^-150, float32 only, would make it 0 and the codes NaN / 448)
-  const float ds = a == 0.f ? 1.f : (finite ? fmaxf(__fdiv_rn(a, 448.f), 0x1p-149f) : __int_as_float(0x7fc00000));
-  if (blockIdx.x == 0 && threadIdx.x == 0) *descale = ds;
-  const float rcp = __frcp_rn(ds);
-  const bool fast = ds >= 0x1p-90f && ds <= 0x1p100f;
+  const Scale sc(*amax);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *descale = sc.ds;
   const long long stride = (long long)gridDim.x * 256, i0 = blockIdx.x * 256LL + threadIdx.x;
   constexpr int PER = 16 / sizeof(T);
   const long long nv = n / PER;
-  {
-    for (long long j = i0; j < nv; j += stride) {
-      union { uint4 u; T v[PER]; } p;
-      p.u = __ldg(reinterpret_cast<const uint4*>(x) + j);
-      unsigned w[PER / 4];
-#pragma unroll
-      for (int q = 0; q < PER / 4; ++q) {
-        float f[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) f[e] = div_ds(as_float(p.v[4 * q + e]), ds, rcp, fast);
-        w[q] = finite ? vbw::e4m3x4(f[0], f[1], f[2], f[3]) : 0x7F7F7F7Fu;  // (ds NaN: every code NaN)
-      }
-      if constexpr (PER == 8) reinterpret_cast<uint2*>(codes)[j] = make_uint2(w[0], w[PER / 4 - 1]);
-      else reinterpret_cast<unsigned*>(codes)[j] = w[0];
+  for (long long j = i0; j < nv; j += stride) {
+    Chunk<T> p;
+    p.u = __ldg(reinterpret_cast<const uint4*>(x) + j);
+    unsigned w[PER / 4];
+    sc.codes4<T, PER>(p.v, w);
+    store_codes<PER>(codes + j * PER, w);
+  }
+  for (long long i = nv * PER + i0; i < n; i += stride) codes[i] = sc.code(x[i]);
+}
+
+// Group g's elements of x [rows, groups, G], PER (16 / sizeof(T), 16-byte chunks, or 1) at a time: f(offset) for
+// each chunk's first element. A CTA iteration covers 256 / (G / PER) rows (at least one).
+template <int PER, typename F>
+__device__ __forceinline__ void for_group_chunks(long long rows, int groups, int G, int g, F&& f) {
+  const int cpr = G / PER;  // chunks of a group in a row
+  const int rpi = cpr >= 256 ? 1 : 256 / cpr;
+  for (long long r0 = (long long)blockIdx.x * rpi; r0 < rows; r0 += (long long)gridDim.x * rpi) {
+    for (int t = threadIdx.x; t < rpi * cpr; t += 256) {
+      const long long r = r0 + t / cpr;
+      if (r >= rows) break;  // (r grows with t)
+      f((r * groups + g) * G + (long long)(t % cpr) * PER);
     }
   }
-  for (long long i = nv * PER + i0; i < n; i += stride)
-    codes[i] = (u8)vbw::e4m3_code(div_ds(as_float(x[i]), ds, rcp, fast));
+}
+
+template <typename T, int PER>
+__global__ void __launch_bounds__(256) abs_max_heads(const T* __restrict__ x, long long rows, int groups, int G,
+                                                     unsigned* __restrict__ amax) {
+  unsigned b = 0;
+  for_group_chunks<PER>(rows, groups, G, blockIdx.y, [&](long long i) {
+    if constexpr (PER == 1) {
+      b = max(b, __float_as_uint(fabsf(as_float(x[i]))));
+    } else {
+      Chunk<T> p;
+      p.u = __ldg(reinterpret_cast<const uint4*>(x + i));
+#pragma unroll
+      for (int e = 0; e < PER; ++e) b = max(b, __float_as_uint(fabsf(as_float(p.v[e]))));
+    }
+  });
+#pragma unroll
+  for (int o = 16; o; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
+  if ((threadIdx.x & 31) == 0) atomicMax(amax + blockIdx.y, b);
+}
+
+template <typename T, int PER>
+__global__ void __launch_bounds__(256) quantize_e4m3_heads(const T* __restrict__ x, long long rows, int groups, int G,
+                                                           const unsigned* __restrict__ amax, u8* __restrict__ codes,
+                                                           float* __restrict__ descale) {
+  const Scale sc(amax[blockIdx.y]);
+  if (blockIdx.x == 0 && threadIdx.x == 0) descale[blockIdx.y] = sc.ds;
+  for_group_chunks<PER>(rows, groups, G, blockIdx.y, [&](long long i) {
+    if constexpr (PER == 1) {
+      codes[i] = sc.code(x[i]);
+    } else {
+      Chunk<T> p;
+      p.u = __ldg(reinterpret_cast<const uint4*>(x + i));
+      unsigned w[PER / 4];
+      sc.codes4<T, PER>(p.v, w);
+      store_codes<PER>(codes + i, w);
+    }
+  });
 }
 
 __device__ __forceinline__ int key_of(int p) {  // pi(p) of the header, p in [0, 32)

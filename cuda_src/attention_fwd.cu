@@ -118,6 +118,11 @@
 //      replay, D = 128 S = 512-4k, bf16 512 / 1k, FP8 1k / 4k): geomean 1.027 / 1.022x, causal 1.02-1.09x, full
 //      0.98-1.03x. The storers' first hand-off (a lane's mbarrier arrival for its warp, then bar.arrive /
 //      bar.sync pairs) drew racecheck hazards on the staged rows; every consumer thread arriving itself is clean.
+//   v15 (H100, 2026-11-27, sixteenth session) FP8 descales per work tile: one a tensor, a KV head or a batch and
+//      KV head (descale + b ds_bs + (h / group) ds_hs; ds_ts apart for q, k, v), folded into the tile's score
+//      scale (a product <= 0: a prescale of that tile's scores) and its output. Sustained, per-head / per-tensor:
+//      1.000-1.006x (S = 4k / 16k, Hkv = 16 / 4). Tried: FP8 with three consumer warpgroups and 64-key tiles
+//      (notes/attempts/attention-fp8-three-warpgroups-64-keys.patch): 0.79-1.02x of the 128-key pair.
 //
 // Files, by role (as FlashAttention-3's hopper/): this file holds the two kernels and their main loops;
 //   attention_mask.cuh      the CTA's work and visible key band, varlen offset checks, tile range, tile masks
@@ -160,7 +165,8 @@ static_assert(128 * VBW_WS_PRODUCER_REGS + 256 * VBW_WS_CONSUMER_REGS <= 384 * 1
 
 namespace vbw_attn {
 // attn_fwd_wg's element types: T = __half / __nv_bfloat16 (inputs and output of that type), or E4M3<O>: q, k, v
-// as e4m3 (fn) bytes with a float32 descale each (descale[0..2]), the output O.
+// as e4m3 (fn) bytes with float32 descales (one a tensor, or one a KV head, or a batch and KV head: see the
+// work tile's score transform in attn_fwd_wg), the output O.
 template <typename O> struct E4M3 {};
 template <typename T> struct Elems { using in = T; using out = T; static constexpr bool fp8 = false; };
 template <typename O> struct Elems<E4M3<O>> { using in = unsigned char; using out = O; static constexpr bool fp8 = true; };
@@ -523,7 +529,8 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
             float cap_prescale, int win_left, int win_right,
             long long q_rs, long long kv_rs, long long lse_stride_h, int* __restrict__ err,
             const int* __restrict__ sp_indptr, const int* __restrict__ sp_indices, long long sp_ptr_stride,
-            long long sp_idx_stride, int sp_nnz, int sp_nkb, const float* __restrict__ descale,
+            long long sp_idx_stride, int sp_nnz, int sp_nkb, const float* __restrict__ descale, int ds_ts,
+            int ds_bs, int ds_hs,
             const __grid_constant__ vbw::TmaDesc tm_q, const __grid_constant__ vbw::TmaDesc tm_k,
             const __grid_constant__ vbw::TmaDesc tm_v) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -570,20 +577,6 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
   constexpr u32 Q_LOAD = BLOCK_M * HEAD_DIM * sizeof(TI);
   constexpr u32 Q_BYTES = BLOCK_M * HEAD_DIM * 2;  // Q, then the epilogue's staged 16-bit O (PERSIST: O's own)
   constexpr u32 KV_BYTES = BLOCK_N * HEAD_DIM * sizeof(TI);  // one K or V tile (FP8: V^T [HEAD_DIM][BLOCK_N])
-  // FP8: the inputs' descales fold into the score scale (S is in e4m3 units) and the output; P is stored as
-  // 256 p (<= 256 < 448, e4m3's subnormals then reach p = 2^-17), which the row sums carry too.
-  float v_descale = 1.f;
-  if constexpr (FP8) {
-    if (descale != nullptr) {
-      const float qk = descale[0] * descale[1];
-      // scale_log2 must stay > 0 (the softmax subtracts the row max): a product <= 0 (or NaN) becomes a
-      // prescale of the scores instead, as attention.py's score_transform does for softmax_scale <= 0
-      if (score_mode != 0) cap_prescale *= qk;
-      else if (qk > 0.f) scale_log2 *= qk;
-      else { score_mode = 2; cap_prescale = qk; }
-      v_descale = descale[2];
-    }
-  }
   const float NEG_INF = __int_as_float(0xff800000);
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -691,6 +684,24 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
                                         lse_stride_h, err))
     return;
   if (cta.m0 >= cta.sq) return;
+  // The work tile's score transform. FP8: its descales (q, k, v: descale[0], [ds_ts], [2 ds_ts] past the
+  // offset of batch b and KV head h / group, ds_bs / ds_hs 0 for one value a tensor) fold into the score scale
+  // (S is in e4m3 units) and the output; P is stored as 256 p (<= 256 < 448, e4m3's subnormals then reach
+  // p = 2^-17), which the row sums carry too.
+  float sl2 = scale_log2, pre = cap_prescale, v_ds = 1.f;
+  int mode = score_mode;
+  if constexpr (FP8) {
+    if (descale != nullptr) {
+      const float* ds = descale + (long long)cta.b * ds_bs + (long long)(cta.h / group) * ds_hs;
+      const float qk = ds[0] * ds[ds_ts];
+      // sl2 must stay > 0 (the softmax subtracts the row max): a product <= 0 (or NaN) becomes a prescale of
+      // the scores instead, as attention.py's score_transform does for softmax_scale <= 0
+      if (mode != 0) pre *= qk;
+      else if (qk > 0.f) sl2 *= qk;
+      else { mode = 2; pre = qk; }
+      v_ds = ds[2 * ds_ts];
+    }
+  }
   const int sk = cta.sk;
   const int rows_q = min(BLOCK_M, cta.sq - cta.m0);
   const TI* kg = k + cta.k_start * kv_rs + (long long)(cta.h / group) * d;
@@ -842,12 +853,12 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     // softmax_s: the same, leaving P(m) in s as floats (pack_p then packs it).
     auto softmax_s = [&](float (&s)[NS], int it) -> float2 {
       const int m = tile(it);
-      if (score_mode == 1) {
+      if (mode == 1) {
 #pragma unroll
-        for (int i = 0; i < NS; ++i) s[i] = tanhf(s[i] * cap_prescale);
-      } else if (score_mode == 2) {
+        for (int i = 0; i < NS; ++i) s[i] = tanhf(s[i] * pre);
+      } else if (mode == 2) {
 #pragma unroll
-        for (int i = 0; i < NS; ++i) s[i] *= cap_prescale;
+        for (int i = 0; i < NS; ++i) s[i] *= pre;
       }
       if (m < nm_lo || m >= nm_hi) {
         // (recomputed, not read from cta_sh: it runs on the uniform datapath, so it takes no registers at the
@@ -864,15 +875,15 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
       float msc[2], corr[2];
       {
         const bool moved =
-            vbw_attn::online_max<NN>(*reinterpret_cast<float(*)[NN][4]>(s), row_max, scale_log2, msc, corr);
+            vbw_attn::online_max<NN>(*reinterpret_cast<float(*)[NN][4]>(s), row_max, sl2, msc, corr);
         if (!__any_sync(0xffffffffu, moved)) corr[0] = corr[1] = 1.f;
         row_sum[0] *= corr[0];
         row_sum[1] *= corr[1];
       }
 #pragma unroll
       for (int i = 0; i < NS; ++i) {
-        s[i] = FP8 ? fast_exp2(fmaf(s[i] - msc[(i >> 1) & 1], scale_log2, 8.f))   // 256 p
-                   : fast_exp2((s[i] - msc[(i >> 1) & 1]) * scale_log2);
+        s[i] = FP8 ? fast_exp2(fmaf(s[i] - msc[(i >> 1) & 1], sl2, 8.f))   // 256 p
+                   : fast_exp2((s[i] - msc[(i >> 1) & 1]) * sl2);
         row_sum[(i >> 1) & 1] += s[i];
       }
       return make_float2(corr[0], corr[1]);
@@ -1157,7 +1168,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     float sum = row_sum[hf];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float inv = sum > 0.f ? v_descale / sum : vbw_attn::nan_or(sum, 0.f);  // NaN scores: NaN row
+    const float inv = sum > 0.f ? v_ds / sum : vbw_attn::nan_or(sum, 0.f);  // NaN scores: NaN row
     const int r = wg * 64 + warp * 16 + (lane >> 2) + hf * 8;
 #pragma unroll
     for (int j = 0; j < ND; ++j) {
@@ -1167,7 +1178,7 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     }
     if (lse != nullptr && (lane & 3) == 0 && r < rows_e) {
       // (FP8: the sums are of 256 p)
-      const float val = sum > 0.f ? (row_max[hf] * scale_log2 + __log2f(sum) - (FP8 ? 8.f : 0.f)) * 0.69314718055994531f
+      const float val = sum > 0.f ? (row_max[hf] * sl2 + __log2f(sum) - (FP8 ? 8.f : 0.f)) * 0.69314718055994531f
                                   : vbw_attn::nan_or(sum, NEG_INF);
       lse[lse_base + m0 + r] = val;
     }

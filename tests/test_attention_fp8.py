@@ -111,6 +111,88 @@ def test_emulation_bound_is_a_real_bound():
     assert 1e-4 < base < 0.05 and base < inputs, (base, inputs)
 
 
+def test_quantize_e4m3_heads_is_one_tensor_quantization_a_group():
+    """heads = n: each group of H / n heads quantized as a tensor of its own (its own max |x|), NaN / Inf and
+    all-zero groups included; dequantize_e4m3 with the n descales undoes it group by group."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((2, 5, 6, 8)) * np.exp2(np.arange(6) * 3.0)[:, None]).astype(np.float32)
+    x[:, :, 2:4] = 0
+    x[1, 3, 5, 1] = np.nan
+    codes, ds = vc.quantize_e4m3(x, heads=3)
+    assert codes.shape == x.shape and ds.shape == (3,) and ds.dtype == np.float32
+    for g in range(3):
+        cg, dg = ref.quantize_e4m3_tensor(x[:, :, 2 * g:2 * g + 2])
+        np.testing.assert_array_equal(codes[:, :, 2 * g:2 * g + 2], cg)
+        np.testing.assert_array_equal(ds[g:g + 1], dg)
+    assert ds[1] == 1 and np.isnan(ds[2]) and np.isfinite(ds[0])
+    back = vc.dequantize_e4m3(codes, ds)
+    np.testing.assert_array_equal(back[:, :, :2], vc.dequantize_e4m3(codes[:, :, :2], ds[:1]))
+    np.testing.assert_array_equal(back[:, :, 2:4], 0)
+    assert np.isnan(back[:, :, 4:]).all()
+    # one group: the per-tensor quantization, bit for bit
+    for a, b in zip(vc.quantize_e4m3(x[..., :2, :], heads=1), vc.quantize_e4m3(x[..., :2, :])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_quantize_e4m3_heads_errors():
+    x = np.ones((2, 3, 6, 8), np.float16)
+    for bad, err, msg in ((0, ValueError, r"heads: expected a divisor of the 6 heads"),
+                          (4, ValueError, r"heads: expected a divisor of the 6 heads of x \(axis -2 of \(2, 3, 6, 8\)\), got 4"),
+                          (True, TypeError, "heads: expected None or an int, got bool"),
+                          ("2", TypeError, "heads: expected None or an int, got str"),
+                          (2.0, TypeError, "heads: expected None or an int, got float")):
+        with pytest.raises(err, match=msg):
+            vc.quantize_e4m3(x, heads=bad)
+    with pytest.raises(ValueError, match=r"heads: needs x with a head axis"):
+        vc.quantize_e4m3(np.ones(8, np.float16), heads=1)
+
+
+def test_fp8_reference_per_head_descales():
+    """descale [3, Hkv] and [3, B, Hkv]: the reference decodes each KV head (a query head: its KV head's) with
+    its own value, as the inputs E4M3(code) * descale decoded by hand and run through flash_attention say; equal
+    values everywhere are the per-tensor descale."""
+    rng = np.random.default_rng(12)
+    B, S, Hq, Hkv, D = 2, 40, 6, 2, 16
+    q, k, v = (rng.integers(0, 0x7E, (B, S, h, D), dtype=np.uint8) for h in (Hq, Hkv, Hkv))
+    ds = rng.uniform(0.01, 0.1, (3, B, Hkv)).astype(np.float32)
+    for d in (ds[:, 0], ds):
+        per = [ref.e4m3_decode(c).astype(np.float64) * ref.fp8_head_descale(d[i], c.shape)
+               for i, c in enumerate((q, k, v))]
+        for (b, h) in ((0, 0), (1, 5)):   # a head of the second KV group in the second batch: by hand
+            want = ref.e4m3_decode(q[b, :, h]).astype(np.float64) * (d[0][b, h // 3] if d.ndim == 3 else d[0][h // 3])
+            np.testing.assert_array_equal(per[0][b, :, h], want)
+        o, lse = ref.flash_attention_fp8(q, k, v, d, causal=True, return_lse=True, out_dtype=np.float32)
+        o_want, lse_want = ref.flash_attention(*per, causal=True, return_lse=True)
+        np.testing.assert_array_equal(o, o_want.astype(np.float32))
+        np.testing.assert_array_equal(lse, lse_want)
+        np.testing.assert_array_equal(vc.flash_attention_fp8(q, k, v, d, causal=True), o_want.astype(np.float16))
+    same = np.full((3, Hkv), 0.05, np.float32)
+    np.testing.assert_array_equal(vc.flash_attention_fp8(q, k, v, same), vc.flash_attention_fp8(q, k, v, same[:, 0]))
+    for bad in (np.ones((3, Hkv + 1), np.float32), np.ones((3, B + 1, Hkv), np.float32), np.ones((2, Hkv), np.float32),
+                np.ones((3, 1, 1, Hkv), np.float32)):
+        with pytest.raises(ValueError, match=r"descale: expected shape \(3,\), \(3, 2\) or \(3, 2, 2\).*got " +
+                           str(bad.shape).replace("(", r"\(").replace(")", r"\)")):
+            vc.flash_attention_fp8(q, k, v, bad)
+
+
+def test_fp8_per_head_descales_keep_small_heads():
+    """Why one descale a head: heads whose magnitudes differ by 2^18 quantized with one descale lose the small
+    ones to E4M3's bottom (their codes are mostly 0 or subnormal); with one a head each keeps E4M3's relative
+    precision. Against float64 attention on the unquantized values, the per-head error is far below."""
+    rng = np.random.default_rng(13)
+    B, S, H, D = 1, 64, 4, 32
+    mag = np.exp2(-6.0 * np.arange(H))[None, None, :, None]
+    xs = [(rng.standard_normal((B, S, H, D)) * mag).astype(np.float32) for _ in range(3)]
+    exact = ref.flash_attention(*[x.astype(np.float64) for x in xs], softmax_scale=1.0)
+    errs = []
+    for heads in (None, H):
+        qs = [vc.quantize_e4m3(x, heads=heads) for x in xs]
+        ds = np.stack([d for _, d in qs]) if heads else np.concatenate([d for _, d in qs])
+        o = vc.flash_attention_fp8(*[c for c, _ in qs], ds, softmax_scale=1.0, out_dtype=BF16)
+        errs.append(ref.rel_error(o[:, :, -1].astype(np.float64), exact[:, :, -1]))   # the smallest head
+    assert errs[1] < 0.05 and errs[0] > 0.5, errs
+
+
 @pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])
 def test_dequantize_e4m3_reference(dtype):
     """dequantize_e4m3 on NumPy codes: E4M3(codes) * descale in float32, then dtype; every code incl. NaN."""
@@ -133,7 +215,14 @@ def test_dequantize_e4m3_errors():
     with pytest.raises(TypeError, match="dtype"):
         vc.dequantize_e4m3(codes, None, np.int32)
     with pytest.raises(ValueError, match=r"descale: expected one value"):
+        vc.dequantize_e4m3(codes, np.ones((2, 2), np.float32))
+    with pytest.raises(ValueError, match=r"descale: expected one value"):
+        vc.dequantize_e4m3(codes, np.ones(0, np.float32))
+    # several values are one a group of heads: codes [..., H, D] with H a multiple of their number
+    with pytest.raises(ValueError, match=r"descale: 3 values are one a group of heads.*shape \(4,\)"):
         vc.dequantize_e4m3(codes, np.ones(3, np.float32))
+    with pytest.raises(ValueError, match=r"descale: 3 values .* H a multiple of 3.*\(2, 4, 8\)"):
+        vc.dequantize_e4m3(np.zeros((2, 4, 8), np.uint8), np.ones(3, np.float32))
     with pytest.raises(TypeError, match="descale"):
         vc.dequantize_e4m3(codes, "x")
     with pytest.raises(TypeError, match="codes"):
@@ -167,17 +256,31 @@ def test_gpu_dequantize_e4m3_bit_exact(dtype):
 def _gpu_case(B, Sq, Sk, Hq, Hkv, D, causal, out_dtype=np.float16, seed=0, descale="quantize", **opts):
     """One GPU call against the reference on the decoded inputs, within 2x the float32 emulation's error.
     descale: "quantize" (quantize_e4m3's), None (codes of the values themselves, N(0, 1)), "negq" (q's
-    negated) or "zeroq" (q's 0: uniform attention). The emulation's output is rounded to out_dtype as the
-    kernel's is (where P is exact, as with a zero descale, that rounding is all the error there is)."""
+    negated) or "zeroq" (q's 0: uniform attention); "heads" (quantize_e4m3(heads=Hkv)'s, [3, Hkv], on values
+    whose KV heads differ in magnitude by up to 2^(2 (Hkv - 1))), "batch_heads" (the same a batch, [3, B,
+    Hkv]), "heads_negq" (KV head 0's q descale negated, the others' not). The emulation's output is rounded to
+    out_dtype as the kernel's is (where P is exact, as with a zero descale, that rounding is all the error there
+    is)."""
     cp = pytest.importorskip("cupy")
     rng = np.random.default_rng(seed)
     xs = [cp.asarray(rng.standard_normal(s).astype(np.float16)) for s in ((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D))]
-    qs = [vc.quantize_e4m3(x) for x in xs]
-    codes, ds = [c for c, _ in qs], cp.concatenate([d for _, d in qs])
+    per_head = descale in ("heads", "batch_heads", "heads_negq")
+    if per_head:   # KV head h (its query heads too) scaled by 2^-2h
+        xs = [(x.astype(cp.float32) * cp.asarray(np.repeat(np.exp2(-2.0 * np.arange(Hkv)), x.shape[2] // Hkv))[:, None]
+               ).astype(cp.float16) for x in xs]
+    if descale == "batch_heads":
+        qs = [[vc.quantize_e4m3(x[b], heads=Hkv) for b in range(B)] for x in xs]
+        codes = [cp.stack([c for c, _ in q]) for q in qs]
+        ds = cp.stack([cp.stack([d for _, d in q]) for q in qs])
+    else:
+        qs = [vc.quantize_e4m3(x, heads=Hkv if per_head else None) for x in xs]
+        codes, ds = [c for c, _ in qs], (cp.stack if per_head else cp.concatenate)([d for _, d in qs])
     if descale is None:
         codes, ds = [cp.asarray(ref.e4m3_codes(x.get())) for x in xs], None
     elif descale in ("negq", "zeroq"):
         ds[0] = -ds[0] if descale == "negq" else 0
+    elif descale == "heads_negq":
+        ds[0, 0] = -ds[0, 0]
     o, lse = vc.flash_attention_fp8(*codes, ds, causal=causal, return_lse=True, out_dtype=out_dtype, **opts)
     hc, hd = [c.get() for c in codes], None if ds is None else ds.get()
     o64, lse64 = ref.flash_attention_fp8(*hc, hd, causal=causal, return_lse=True, out_dtype=np.float32, **opts)
@@ -276,6 +379,51 @@ def test_gpu_fp8_persistent_and_long_tiles(monkeypatch, Sk, causal):
 
 
 @gpu
+@pytest.mark.parametrize("descale", ["heads", "batch_heads", "heads_negq"])
+@pytest.mark.parametrize("Sk,causal", [(700, True), (8192, False)])
+def test_gpu_fp8_per_head_descales(monkeypatch, descale, Sk, causal):
+    """Descales a KV head (a batch and KV head) on values whose heads differ in magnitude, GQA (4 query heads a
+    KV head): the persistent tile on 3 CTAs, each walking work tiles of several heads (the descales fold into
+    each tile's score scale, a negative one into a prescale of that head only), and from 8k keys the
+    non-persistent one."""
+    monkeypatch.setattr(F._attn._device, "num_sms", lambda: 3)
+    _gpu_case(2, 300 if Sk < 8192 else 128, Sk, 8, 2, 128, causal, seed=Sk + 1, descale=descale)
+
+
+@gpu
+@pytest.mark.parametrize("descale", ["heads", "batch_heads"])
+def test_gpu_fp8_per_head_fallback(monkeypatch, descale):
+    """Off sm_90 (here forced) per-head descales decode each KV head's values (a query head's: its group's)."""
+    monkeypatch.setattr(F, "_fp8_kernel_runs", lambda *args: False)
+    _gpu_case(2, 200, 200, 6, 3, 128, True, descale=descale)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("shape,heads", [((2, 300, 8, 128), 8), ((2, 300, 8, 128), 2), ((3, 7, 6, 5), 3),
+                                         ((1, 4099, 4, 16), 1), ((5, 3, 2, 4), 2)])
+def test_gpu_quantize_e4m3_heads_bit_exact(dtype, shape, heads):
+    """quantize_e4m3(heads=n) and dequantize_e4m3 with its n descales, bit-exact with the reference: 16-byte
+    chunks (a group's row a multiple of them) and element by element (G = 15, 5 or 4 elements: not), heads of
+    magnitudes 2^-12 .. 1, one group NaN and one all zero where there are enough."""
+    cp = pytest.importorskip("cupy")
+    dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(sum(shape) + heads)
+    x = rng.standard_normal(shape) * np.exp2(-12.0 * rng.random(shape[-2]))[:, None]
+    if heads >= 3:
+        x[..., :shape[-2] // heads, :] = 0
+        x[0, 0, -1, 0] = np.nan
+    x = x.astype(dt)
+    codes, ds = vc.quantize_e4m3(cp.asarray(x), heads=heads)
+    want_codes, want_ds = ref.quantize_e4m3_tensor(x, heads)
+    np.testing.assert_array_equal(codes.get(), want_codes)
+    np.testing.assert_array_equal(ds.get(), want_ds)
+    for out in ("float32", "float16"):
+        np.testing.assert_array_equal(vc.dequantize_e4m3(codes, ds, out).get(),
+                                      vc.dequantize_e4m3(want_codes, want_ds, out))
+
+
+@gpu
 def test_gpu_fp8_attention_bfloat16_out():
     _gpu_case(1, 384, 384, 2, 2, 128, True, out_dtype=BF16)
 
@@ -289,7 +437,7 @@ def test_gpu_fp8_fallback_within_bound(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("with_descale", [True, False])
+@pytest.mark.parametrize("with_descale", [True, False, "heads"])
 def test_gpu_fp8_repeated_call_replays_the_same_launches(with_descale):
     """The second call of a signature takes the packed fast path: identical results, new array addresses and
     values included (compared with the full path run after clearing the plans), and a strided input after it
@@ -299,6 +447,9 @@ def test_gpu_fp8_repeated_call_replays_the_same_launches(with_descale):
 
     def inputs():
         xs = [cp.asarray(rng.standard_normal((2, 200, 4, 128)).astype(np.float16)) for _ in range(3)]
+        if with_descale == "heads":
+            qs = [vc.quantize_e4m3(x, heads=4) for x in xs]
+            return [c for c, _ in qs], cp.stack([d for _, d in qs])
         qs = [vc.quantize_e4m3(x) for x in xs]
         return [c for c, _ in qs], (cp.concatenate([d for _, d in qs]) if with_descale else None)
 

@@ -217,12 +217,12 @@ def _rand(shape, dtype=F16):
     return lambda rng: cp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
 
 
-def _fp8_attention(q, k, v):
-    """quantize_e4m3 of each input, then flash_attention_fp8; returns every array the graph writes (so none goes
-    back to the pool while the graph lives)."""
+def _fp8_attention(q, k, v, heads=None):
+    """quantize_e4m3 of each input (heads: one descale a KV head), then flash_attention_fp8; returns every array
+    the graph writes (so none goes back to the pool while the graph lives)."""
     import cupy as cp
-    qs = [vc.quantize_e4m3(x) for x in (q, k, v)]
-    ds = cp.concatenate([d for _, d in qs])
+    qs = [vc.quantize_e4m3(x, heads=heads) for x in (q, k, v)]
+    ds = (cp.concatenate if heads is None else cp.stack)([d for _, d in qs])
     return (vc.flash_attention_fp8(*[c for c, _ in qs], ds, causal=True), ds) + tuple(c for c, _ in qs)
 
 
@@ -238,6 +238,9 @@ GRAPH_CASES = {
                                                _rand((1, 333, 4, 80), BF16)(r)],
                                     lambda q, k, v: attention.flash_attention(q, k, v, window=(50, 3))),
     "quantize_e4m3 + flash_attention_fp8": (lambda r: [_rand((1, 300, 4, 128))(r) for _ in range(3)], _fp8_attention),
+    "quantize_e4m3 heads + flash_attention_fp8": (lambda r: [_rand((2, 300, 4, 128))(r), _rand((2, 300, 2, 128))(r),
+                                                             _rand((2, 300, 2, 128))(r)],
+                                                  lambda q, k, v: _fp8_attention(q, k, v, heads=2)),
 }
 
 

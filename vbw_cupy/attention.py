@@ -468,12 +468,14 @@ class _Launch:
     """Everything one kernel launch needs except the tile config (so the tuner can re-run it)."""
 
     def __init__(self, q, k, v, o, lse, cu_q, cu_k, B, seqlen_q, seqlen_k, max_q, max_k, Hq, Hkv, D,
-                 scale, left, right, softcap, lse_stride_h, sparse=(), descale=None):
+                 scale, left, right, softcap, lse_stride_h, sparse=(), descale=None, ds_strides=(1, 0, 0)):
         self.q, self.k, self.v, self.o = q, k, v, o
-        # FP8 (attention_fp8.py): q, k E4M3 codes, v the transposed copy vt_permute wrote; descale: float32 [3].
+        # FP8 (attention_fp8.py): q, k E4M3 codes, v the transposed copy vt_permute wrote; descale: float32 [3],
+        # [3, Hkv] or [3, B, Hkv], indexed by its element strides (tensor, batch, KV head).
         # Its one compiled width is 128 (smaller head dims are zero-padded by the tensor maps).
         self.fp8 = q.dtype == np.uint8
         self.descale = rt.NULL if descale is None else descale
+        self.ds_args = tuple(np.int32(x) for x in ds_strides)
         self.B, self.max_q, self.max_k, self.Hq, self.Hkv, self.D = B, max_q, max_k, Hq, Hkv, D
         self.varlen = cu_q is not None
         self.head_dim = 128 if self.fp8 else head_dim_bucket(D)
@@ -536,7 +538,7 @@ class _Launch:
             if self.masked:  # (the block list's place carries the work-tile schedule)
                 sparse_args = (rt.NULL, self.schedule(num_m, cfg, ctas)) + sparse_args[2:]
         scalars = self.head_args[7:] + (np.int32(num_m), np.int32(self.sect_heads)) + divs + self.tail_args + \
-            (sparse_args + (self.descale,) if wg else ())
+            (sparse_args + (self.descale,) + self.ds_args if wg else ())
         smem = smem_bytes(self.head_dim, cfg, self.q.dtype.itemsize) + (self.sparse_smem if wg else 0)
         return kern, (ctas,), (cfg["WARPS"] * 32,), smem, scalars, wg, boxes
 

@@ -1,6 +1,7 @@
-"""FP8 attention (docs/attention.md, "FP8 attention"): `flash_attention_fp8` takes q, k, v as E4M3 (fn) codes with a
-float32 descale each, `quantize_e4m3` makes such codes from a float16 / bfloat16 / float32 tensor and
-`dequantize_e4m3` turns them back into values.
+"""FP8 attention (docs/attention.md, "FP8 attention"): `flash_attention_fp8` takes q, k, v as E4M3 (fn) codes with
+float32 descales (one a tensor, or one a KV head, or one a batch and KV head), `quantize_e4m3` makes such codes
+from a float16 / bfloat16 / float32 tensor (one descale, or one a group of heads) and `dequantize_e4m3` turns them
+back into values.
 
 NumPy inputs run `vbw_cupy.reference` (float64 on the decoded values); CuPy inputs on an sm_90 GPU run the
 warp-specialized attention kernel with E4M3 tensor-core products (cuda_src/attention_fwd.cu, attn_fwd_wg<E4M3<O>,
@@ -12,7 +13,7 @@ the output dtype and run `flash_attention` instead (within the same bound, slowe
 there). Nothing synchronizes the device: the descales stay on the GPU, so both functions can be captured in a
 CUDA graph. A repeated call of the same signature replays its two launches from packed argument blocks (`_fast`).
 
-Not supported: varlen / paged inputs and per-head descales (one float per tensor).
+Not supported: varlen / paged inputs.
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def _codes(x):
 def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
     out = [(SOURCE, f"{_NS}vt_permute")]
     out += [(SOURCE, f"{_NS}quantize_e4m3_tensor<{rt.ctype(t)}>") for t in _checks.FLOAT_DTYPES]
+    out += [(SOURCE, f"{_NS}{kern}<{rt.ctype(t)}, {per}>") for kern in ("abs_max_heads", "quantize_e4m3_heads")
+            for t in _checks.FLOAT_DTYPES for per in (_per_chunk(t), 1)]
     out += [(fp4._SOURCE, f"abs_max<{rt.ctype(t)}>") for t in _checks.FLOAT_DTYPES]  # quantize_e4m3's amax pass
     out += [(SOURCE, f"{_NS}decode_e4m3<{rt.ctype(t)}>") for t in _checks.FLOAT_DTYPES]
     if arch in (None, 90):
@@ -66,13 +69,18 @@ def kernel_instances(arch: int | None = None) -> list[tuple[str, str]]:
     return out
 
 
+def _per_chunk(dtype) -> int:
+    """Elements of a 16-byte chunk of dtype (float16, bfloat16 or float32)."""
+    return 4 if np.dtype(dtype).name == "float32" else 8
+
+
 def _blocks(n: int) -> tuple:
     """Grid of the element-wise grid-stride kernels: enough CTAs for n elements, at most 8 an SM."""
     return (max(1, min(rt.cdiv(n, _THREADS), 8 * _device.num_sms())),)
 
 
 # ------------------------------------------------------------------------------------------------ quantize
-def quantize_e4m3(x):
+def quantize_e4m3(x, heads=None):
     """E4M3 (fn) codes of x (float16, bfloat16 or float32) with one float32 descale for the whole tensor: (codes
     uint8 of x's shape, descale float32 [1]), x ~= E4M3(codes) * descale, descale = max|x| / 448, at least 2^-149
     (1 for an all-zero x, NaN when x holds
@@ -80,17 +88,26 @@ def quantize_e4m3(x):
     even. NumPy in, NumPy out (`vbw_cupy.reference.quantize_e4m3_tensor`); GPU arrays (CuPy, or anything with
     __dlpack__) in, CuPy out, bit-identical, no synchronization (max|x| is reduced on the device).
 
+    heads = n (an int dividing H of x [..., H, D]): one descale for each of n equal groups of heads instead,
+    descale float32 [n], x[..., h, :] ~= E4M3(codes[..., h, :]) * descale[h // (H / n)]. For attention, n = Hkv
+    for q, k and v alike (`flash_attention_fp8` takes the three stacked: [3, Hkv]), so a head whose values are
+    small keeps its precision beside one whose values are large.
+
     >>> import cupy as cp
     >>> x = cp.random.standard_normal((2, 1024, 8, 128)).astype(cp.float16)
     >>> codes, ds = quantize_e4m3(x)             # uint8 [2, 1024, 8, 128], float32 [1]
+    >>> codes, ds = quantize_e4m3(x, heads=8)    # float32 [8]: one a head
     """
     _checks.check_array_like("x", x)
     if not isinstance(x, np.ndarray):
         x = rt.as_gpu_array(x, "x")
     _checks.check_float_dtype("x", x.dtype)
+    heads = _check_heads(x.shape, heads)
     if isinstance(x, np.ndarray):
-        return ref.quantize_e4m3_tensor(x)
+        return ref.quantize_e4m3_tensor(x, heads)
     cp = rt.require_cupy()
+    if heads is not None:
+        return _quantize_heads(x, heads)
     with x.device:
         x = rt.ensure_aligned16(x)
         codes = cp.empty(x.shape, dtype=cp.uint8)
@@ -105,12 +122,60 @@ def quantize_e4m3(x):
     return codes, descale
 
 
+def _check_heads(shape, heads):
+    """heads (None, or an int n >= 1 dividing the head axis H of x [..., H, D]) checked against x's shape."""
+    if heads is None:
+        return None
+    if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)):
+        raise TypeError(f"heads: expected None or an int, got {type(heads).__name__}")
+    heads = int(heads)
+    if len(shape) < 2:
+        raise ValueError(f"heads: needs x with a head axis ([..., H, D]), got x of shape {tuple(shape)}")
+    if heads < 1 or shape[-2] % heads:
+        raise ValueError(f"heads: expected a divisor of the {shape[-2]} heads of x (axis -2 of "
+                         f"{tuple(shape)}), got {heads}")
+    return heads
+
+
+def _head_grid(rows: int, groups: int, G: int, per: int) -> tuple:
+    """Grid of the per-group kernels (attention_fp8.cu for_group_chunks): enough CTAs along x for the rows,
+    `groups` along y, at most 8 CTAs an SM in all."""
+    rows_per_cta = max(1, _THREADS // max(1, G // per))
+    return (max(1, min(rt.cdiv(rows, rows_per_cta), max(1, 8 * _device.num_sms() // groups))), groups)
+
+
+def _quantize_heads(x, heads: int):
+    """quantize_e4m3(x, heads) on the GPU: max |x| of each group of heads, then the codes (16-byte chunks where
+    a group's row is a whole number of them)."""
+    cp = rt.cupy
+    with x.device:
+        x = rt.ensure_aligned16(x)
+        codes = cp.empty(x.shape, dtype=cp.uint8)
+        descale = cp.empty(heads, dtype=cp.float32)
+        G = x.shape[-2] // heads * x.shape[-1]   # a group's elements in a row
+        if heads > 65535 or G >= 2**31:
+            raise ValueError(f"heads: the GPU kernel takes at most 65535 groups of fewer than 2^31 elements a "
+                             f"row, got {heads} groups of {G} (x of shape {tuple(x.shape)})")
+        rows = int(x.size) // (heads * G) if G else 0
+        if rows == 0:
+            descale.fill(1)
+            return codes, descale
+        per = _per_chunk(x.dtype) if G % _per_chunk(x.dtype) == 0 else 1
+        amax = _plans.scratch("quantize_e4m3 amax", 4 * heads)
+        amax.data.memset_async(0, 4 * heads, cp.cuda.get_current_stream())
+        t = f"{rt.ctype(x.dtype)}, {per}"
+        grid, args = _head_grid(rows, heads, G, per), (x, np.int64(rows), np.int32(heads), np.int32(G), amax)
+        rt.launch(rt.get_kernel(SOURCE, f"{_NS}abs_max_heads<{t}>"), grid, (_THREADS,), args)
+        rt.launch(rt.get_kernel(SOURCE, f"{_NS}quantize_e4m3_heads<{t}>"), grid, (_THREADS,), args + (codes, descale))
+    return codes, descale
+
+
 def dequantize_e4m3(codes, descale=None, dtype=np.float32):
     """The values of E4M3 (fn) codes: E4M3(codes) * descale, computed in float32 and rounded to dtype (float16,
     bfloat16 or float32), so `dequantize_e4m3(*quantize_e4m3(x))` is x to E4M3's precision. codes: uint8 of any
-    shape (or a NumPy ml_dtypes.float8_e4m3fn array, read as its codes); descale: None (1) or one float32
-    value, as quantize_e4m3 returns it ([1]). Codes 0x7F / 0xFF are NaN;
-    values past the dtype's range become +-Inf.
+    shape (or a NumPy ml_dtypes.float8_e4m3fn array, read as its codes); descale: None (1), one float32 value, as
+    quantize_e4m3 returns it ([1]), or n values for n groups of heads (quantize_e4m3's heads=n: codes [..., H, D],
+    n dividing H). Codes 0x7F / 0xFF are NaN; values past the dtype's range become +-Inf.
     NumPy in, NumPy out; GPU codes (CuPy, or anything with __dlpack__) in, CuPy out, bit-identical, no
     synchronization (a GPU descale stays on the GPU).
 
@@ -125,58 +190,79 @@ def dequantize_e4m3(codes, descale=None, dtype=np.float32):
         raise TypeError(f"codes: expected uint8 E4M3 codes, got {codes.dtype}")
     dt = _checks.check_float_dtype("dtype", dtype)
     host = isinstance(codes, np.ndarray)
+    heads = None
     if descale is not None:
         if host:
             if not isinstance(descale, (np.ndarray, np.generic, float, int)) or isinstance(descale, bool):
-                raise TypeError(f"descale: expected one float32 value (quantize_e4m3's [1]) or None, got "
+                raise TypeError(f"descale: expected float32 values (quantize_e4m3's [1] or [heads]) or None, got "
                                 f"{type(descale).__name__}")
             d = np.asarray(descale)
-            if d.dtype.kind not in "fiu" or d.size != 1 or d.ndim > 1:
-                raise ValueError(f"descale: expected one value (shape () or (1,)), got shape {d.shape} {d.dtype}")
-            descale = d.astype(np.float32).reshape(1)
+            if d.dtype.kind not in "fiu" or d.ndim > 1 or d.size == 0:
+                raise ValueError(f"descale: expected one value (shape () or (1,)) or one a group of heads (n,), "
+                                 f"got shape {d.shape} {d.dtype}")
+            descale = d.astype(np.float32).reshape(-1)
         else:
             descale = rt.as_gpu_array(descale, "descale")
-            if descale.dtype != np.float32 or descale.shape not in ((), (1,)):
-                raise ValueError(f"descale: expected a float32 GPU array of one value (quantize_e4m3's [1]), got "
-                                 f"shape {tuple(descale.shape)} {descale.dtype}")
+            if descale.dtype != np.float32 or descale.ndim > 1 or descale.size == 0 or \
+                    not descale.flags.c_contiguous:
+                raise ValueError(f"descale: expected a contiguous float32 GPU array of one value (quantize_e4m3's "
+                                 f"[1]) or one a group of heads (n,), got shape {tuple(descale.shape)} "
+                                 f"{descale.dtype}")
             rt.check_same_device(codes=codes, descale=descale)
+        if descale.size > 1:
+            heads = descale.size
+            if codes.ndim < 2 or codes.shape[-2] % heads:
+                raise ValueError(f"descale: {heads} values are one a group of heads, which needs codes [..., H, "
+                                 f"D] with H a multiple of {heads}; got codes of shape {tuple(codes.shape)}")
     if host:
         with np.errstate(over="ignore", invalid="ignore"):   # past the dtype's range: Inf, as on the GPU
             v = ref.e4m3_decode(codes)
             if descale is not None:
-                v = v * descale[0]
+                v = v * (descale[0] if heads is None else np.repeat(descale, codes.shape[-2] // heads)[:, None])
             return v.astype(dt)
     cp = rt.require_cupy()
     with codes.device:
         codes = rt.ensure_contiguous(codes)
         out = cp.empty(codes.shape, dtype=dt)
-        n = int(codes.size)
-        if n:
-            rt.launch(rt.get_kernel(SOURCE, f"{_NS}decode_e4m3<{rt.ctype(dt)}>"), _blocks(n), (_THREADS,),
-                      (codes, np.int64(n), rt.NULL if descale is None else descale, np.int32(0), out))
+        grp = 1 if heads is None else codes.shape[-2] // heads * codes.shape[-1]
+        _launch_decode(codes, descale, 0, heads or 1, grp, 0 if heads is None else 1, out)
     return out
 
 
+def _launch_decode(codes, descale, bsz, row_groups, grp, ds_hs, out, ds_bs=0):
+    """decode_e4m3 (attention_fp8.cu) of codes into out: element i takes descale[(i / bsz) * ds_bs + ((i % row)
+    / grp) * ds_hs], row = row_groups * grp (descale None: 1)."""
+    n = int(codes.size)
+    if n:
+        rt.launch(rt.get_kernel(SOURCE, f"{_NS}decode_e4m3<{rt.ctype(out.dtype)}>"), _blocks(n), (_THREADS,),
+                  (codes, np.int64(n), rt.NULL if descale is None else descale, np.int64(max(bsz, 1)),
+                   np.int64(max(row_groups * grp, 1)), np.int64(max(grp, 1)), np.int32(ds_bs), np.int32(ds_hs),
+                   out))
+
+
 # ------------------------------------------------------------------------------------------------ attention
-def _check_descale(descale, host: bool):
+def _check_descale(descale, host: bool, B: int, Hkv: int):
+    """descale (None, or float32 q, k, v descales: [3] one a tensor, [3, Hkv] one a KV head, [3, B, Hkv] one a
+    batch and KV head) checked; returns it (NumPy float32 on the host) and its element strides (tensor, batch,
+    KV head), which the kernels index it by (a stride 0 where the values do not vary)."""
     if descale is None:
-        return None
+        return None, (1, 0, 0)
+    forms = f"(3,), (3, {Hkv}) or (3, {B}, {Hkv}) (q, k, v: one a tensor, one a KV head, one a batch and KV head)"
     if host:
         d = np.asarray(descale)
         if d.dtype.kind not in "fiu":
-            raise TypeError(f"descale: expected 3 numbers (q, k, v), got {d.dtype}")
-        if d.shape != (3,):
-            raise ValueError(f"descale: expected 3 values (q, k, v), got shape {d.shape} (quantize_e4m3's descales "
-                             f"are [1] each: concatenate the three)")
-        return d.astype(np.float32)
-    d = rt.as_gpu_array(descale, "descale")
-    if d.dtype != np.float32:
-        raise TypeError(f"descale: expected a float32 GPU array (q, k, v), got {d.dtype}")
-    if d.shape != (3,) or not d.flags.c_contiguous:
-        raise ValueError(f"descale: expected a contiguous GPU array of shape (3,) (q, k, v), got shape "
-                         f"{tuple(d.shape)}{'' if d.flags.c_contiguous else ', strided'} (quantize_e4m3's "
-                         f"descales are [1] each: cupy.concatenate the three)")
-    return d
+            raise TypeError(f"descale: expected float32 numbers (q, k, v), got {d.dtype}")
+    else:
+        d = rt.as_gpu_array(descale, "descale")
+        if d.dtype != np.float32:
+            raise TypeError(f"descale: expected a float32 GPU array (q, k, v), got {d.dtype}")
+        if not d.flags.c_contiguous:
+            raise ValueError(f"descale: expected a contiguous GPU array of shape {forms}, got a strided one")
+    strides = {(3,): (1, 0, 0), (3, Hkv): (Hkv, 0, 1), (3, B, Hkv): (B * Hkv, Hkv, 1)}.get(tuple(d.shape))
+    if strides is None:
+        raise ValueError(f"descale: expected shape {forms}, got {tuple(d.shape)} (quantize_e4m3's descales are [1] "
+                         f"each, [Hkv] with heads=Hkv: concatenate or stack the three)")
+    return (d.astype(np.float32) if host else d), strides
 
 
 def _fp8_kernel_runs(q, k, v, D: int) -> bool:
@@ -192,9 +278,11 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
 
     q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]: uint8 E4M3 codes (from `quantize_e4m3`, or any FP8 producer;
     NumPy ml_dtypes.float8_e4m3fn arrays are read as their codes);
-    descale: None (all 1) or 3 float32 values (q, k, v): the inputs are E4M3(code) * descale, a CuPy float32
-    array [3] for GPU inputs (e.g. `cupy.concatenate([dq, dk, dv])` of quantize_e4m3's descales), a NumPy array
-    or sequence for NumPy inputs. causal, softmax_scale (applied to the decoded values' scores), window,
+    descale: None (all 1) or float32 descales of q, k, v: the inputs are E4M3(code) * descale, [3] one a tensor
+    (e.g. `cupy.concatenate([dq, dk, dv])` of quantize_e4m3's descales), [3, Hkv] one a KV head (`cupy.stack` of
+    quantize_e4m3(t, heads=Hkv)'s; query head h takes that of its KV head h // (Hq / Hkv), as FlashAttention-3
+    does) or [3, B, Hkv] one a batch and KV head; a CuPy array for GPU inputs, a NumPy array or sequence for
+    NumPy inputs. causal, softmax_scale (applied to the decoded values' scores), window,
     softcap, return_lse: as in `flash_attention`. Returns o [B, Sq, Hq, D] in out_dtype (float16 or bfloat16)
     and with return_lse also lse float32 [B, Hq, Sq].
 
@@ -208,6 +296,8 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
     >>> x = [cp.random.standard_normal((2, 4096, 16, 128)).astype(cp.float16) for _ in range(3)]
     >>> (q, dq), (k, dk), (v, dv) = (quantize_e4m3(t) for t in x)
     >>> o = flash_attention_fp8(q, k, v, cp.concatenate([dq, dk, dv]), causal=True)
+    >>> (q, dq), (k, dk), (v, dv) = (quantize_e4m3(t, heads=16) for t in x)    # one descale a head
+    >>> o = flash_attention_fp8(q, k, v, cp.stack([dq, dk, dv]), causal=True)
     """
     cp = rt.cupy
     key = None
@@ -232,7 +322,7 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
     if out_dtype.name not in OUT_DTYPES:
         raise TypeError(f"out_dtype: expected float16 or bfloat16, got {out_dtype}")
     return_lse = _checks.check_flag("return_lse", return_lse)
-    ds = _check_descale(descale, host)
+    ds, ds_strides = _check_descale(descale, host, shape[0], shape[4])
     if host:
         return ref.flash_attention_fp8(q, k, v, ds, causal=causal, softmax_scale=softmax_scale, window=window,
                                        softcap=softcap, return_lse=return_lse, out_dtype=out_dtype)
@@ -249,7 +339,7 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
     with q.device:
         q, k, v = rt.ensure_contiguous(q), rt.ensure_contiguous(k), rt.ensure_contiguous(v)
         if not _fp8_kernel_runs(q, k, v, D):
-            return _decoded(q, k, v, ds, out_dtype, causal=causal, softmax_scale=softmax_scale, window=window,
+            return _decoded(q, k, v, ds, ds_strides, out_dtype, causal=causal, softmax_scale=softmax_scale, window=window,
                             softcap=softcap, return_lse=return_lse)
         Skp = rt.cdiv(Sk, 128) * 128
         vt = _plans.scratch("flash_attention_fp8 v^T", B * Hkv * D * Skp)[:B * Hkv * D * Skp].reshape(B, Hkv, D, Skp)
@@ -259,7 +349,7 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
         o = cp.empty(q.shape, dtype=out_dtype)
         lse = cp.empty((B, Hq, Sq), dtype=cp.float32) if return_lse else None
         launch = _attn._Launch(q, k, vt, o, lse, None, None, B, Sq, Sk, Sq, Sk, Hq, Hkv, D, scale, left, right,
-                               _checks.check_softcap(softcap), Sq, descale=ds)
+                               _checks.check_softcap(softcap), Sq, descale=ds, ds_strides=ds_strides)
         kern, grid, block, smem, scalars, _, _ = launch.run(_config(Sk))
     # (a call made on another device than q's is not replayed: the fast path allocates and launches on the
     # current one)
@@ -281,7 +371,8 @@ _LAUNCHES_PER_PLAN = 64  # packed attention launches a plan keeps, one per (q, k
 def _fast_key(q, k, v, descale, causal, softmax_scale, window, softcap, return_lse, out_dtype):
     cp = rt.cupy
     try:
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, descale is None, type(causal), causal,
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None if descale is None else descale.shape,
+               type(causal), causal,
                type(softmax_scale), softmax_scale, type(window), window,
                tuple(map(type, window)) if type(window) is tuple else None, type(softcap), softcap,
                type(return_lse), return_lse, out_dtype, cp.cuda.runtime.getDevice(), _plans.stream_key(),
@@ -301,7 +392,7 @@ def _fast(key, q, k, v, descale, return_lse):
     arrays = (q, k, v) if descale is None else (q, k, v, descale)
     if not all(a.flags.c_contiguous and a.data.device_id == dev for a in arrays) or \
             (q.data.ptr | k.data.ptr | v.data.ptr) % 16 or \
-            (descale is not None and (descale.dtype != np.float32 or descale.shape != (3,))):
+            (descale is not None and (descale.dtype != np.float32 or not descale.flags.c_contiguous)):
         return None
     cp = rt.cupy
     ptrs = (q.data.ptr, k.data.ptr)
@@ -315,7 +406,7 @@ def _fast(key, q, k, v, descale, return_lse):
     if launch is None:
         args = (q, k, vt, o, rt.NULL if lse is None else lse, rt.NULL, rt.NULL) + scalars + maps
         dynamic = (3,) + ((4,) if lse is not None else ()) + \
-            ((7 + len(scalars) - 1,) if descale is not None else ())   # descale: the last scalar
+            ((7 + len(scalars) - 4,) if descale is not None else ())   # descale: before its three strides
         launch = _plans.Launch(kern, grid, block, args, dynamic, smem)
         launches.put(ptrs, launch)
     stream = cp.cuda.get_current_stream().ptr
@@ -325,15 +416,18 @@ def _fast(key, q, k, v, descale, return_lse):
     return (o, lse) if lse is not None else o
 
 
-def _decoded(q, k, v, ds, out_dtype, **kw):
+def _decoded(q, k, v, ds, ds_strides, out_dtype, **kw):
     """The fallback: E4M3(codes) * descale in out_dtype (into the stream's buffers, not the pool: capturable),
-    then flash_attention."""
+    then flash_attention. Per-head descales are per KV head: a query head takes its group's."""
+    ts, bs, hs = ds_strides
     dec = []
     for i, (name, x) in enumerate((("q", q), ("k", k), ("v", v))):
         n = int(x.size)
         buf = _plans.scratch(f"flash_attention_fp8 decoded {name}", 2 * n).view(out_dtype)[:n].reshape(x.shape)
-        rt.launch(rt.get_kernel(SOURCE, f"{_NS}decode_e4m3<{rt.ctype(out_dtype)}>"), _blocks(n), (_THREADS,),
-                  (x, np.int64(n), rt.NULL if ds is None else ds, np.int32(i), buf))
+        B, S, H, D = x.shape
+        Hkv = k.shape[2]
+        _launch_decode(x, None if ds is None else ds.ravel()[i * ts:], S * H * D, Hkv, H // Hkv * D, hs, buf,
+                       ds_bs=bs)
         dec.append(buf)
     return _attn.flash_attention(*dec, **kw)
 
@@ -368,7 +462,7 @@ def _emulated(q, k, v, descale, causal, softmax_scale=None, window=(-1, -1), sof
     Hq == Hkv (repeat k / v heads first for GQA), masks as `reference.flash_attention`'s. A row that sees no
     key gets 0. Returns float32 o."""
     ds = np.ones(3, np.float32) if descale is None else np.asarray(descale, np.float32)
-    dq, dk, dv = (ref.e4m3_decode(c) * d for c, d in zip((q, k, v), ds))
+    dq, dk, dv = (ref.e4m3_decode(c) * ref.fp8_head_descale(d, c.shape).astype(np.float32) for c, d in zip((q, k, v), ds))
     B, Sq, H, D = dq.shape
     Sk = dk.shape[1]
     scale = np.float32(1.0 / np.sqrt(D) if softmax_scale is None else softmax_scale)

@@ -189,23 +189,26 @@ def dequantize_fp8(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return (e4m3_decode(codes) * np.asarray(scales, dtype=np.float32)[..., None]).astype(np.float32)
 
 
-def quantize_e4m3_tensor(x: np.ndarray):
+def quantize_e4m3_tensor(x: np.ndarray, heads: int | None = None):
     """E4M3 (fn) codes of x (any shape) with one float32 descale for the whole tensor: descale = amax / 448 in
     float32, at least 2^-149 (float32's smallest denormal: amax / 448 of a float32 amax below ~3e-43 would be 0);
     1 when x is all zero, NaN when amax is not finite; codes = E4M3(x / descale) (float32 division,
     then round to nearest even, magnitudes clamped to 448; NaN -> 0x7F). Returns (codes uint8, descale float32
-    array of shape (1,)); x ~= E4M3(codes) * descale."""
+    array of shape (1,)); x ~= E4M3(codes) * descale. heads = n: the same for each of n equal groups of the
+    head axis (axis -2: x [..., H, D], n dividing H), descale [n]; x ~= E4M3(codes) * descale[h // (H / n)]."""
     x32 = np.asarray(x).astype(np.float32)
-    amax = np.float32(np.max(np.abs(x32))) if x32.size else np.float32(0)
-    if amax == 0:
-        ds = np.float32(1)
-    elif np.isfinite(amax):
-        ds = max(np.float32(amax / np.float32(448)), np.float32(2.0 ** -149))
-    else:
-        ds = np.float32(np.nan)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        v = x32 / ds
-    return e4m3_codes(v), np.array([ds], dtype=np.float32)
+    n = 1 if heads is None else heads
+    if x32.size == 0:
+        return np.zeros(x32.shape, np.uint8), np.ones(n, np.float32)
+    # [rows, groups, elements of a group in a row]
+    groups = x32.reshape(1, 1, -1) if heads is None else x32.reshape(-1, n, x32.shape[-2] // n * x32.shape[-1])
+    amax = np.abs(groups).max(axis=(0, 2)).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        ds = np.where(amax == 0, np.float32(1),
+                      np.where(np.isfinite(amax), np.maximum(amax / np.float32(448), np.float32(2.0 ** -149)),
+                               np.float32(np.nan))).astype(np.float32)
+        v = (groups / ds[None, :, None]).astype(np.float32).reshape(x32.shape)
+    return e4m3_codes(v), ds
 
 
 _ACTIVATIONS = {
@@ -284,13 +287,26 @@ def _window(window, causal):
 def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0,
                         return_lse=False, out_dtype=np.float16):
     """FP8 attention: `flash_attention` in float64 on the inputs E4M3(q) * descale[0], E4M3(k) * descale[1],
-    E4M3(v) * descale[2] (q, k, v uint8 E4M3 codes; descale None = ones), o rounded once to out_dtype."""
+    E4M3(v) * descale[2] (q, k, v uint8 E4M3 codes [B, S, H, D]; descale None = ones), o rounded once to
+    out_dtype. descale [3] (one a tensor), [3, Hkv] (one a KV head: query head h takes that of KV head h // (Hq /
+    Hkv)) or [3, B, Hkv] (one a batch and KV head)."""
     ds = np.ones(3) if descale is None else np.asarray(descale, dtype=np.float32).astype(np.float64)
-    dq, dk, dv = (e4m3_decode(c).astype(np.float64) * ds[i] for i, c in enumerate((q, k, v)))
+    dq, dk, dv = (e4m3_decode(c).astype(np.float64) * fp8_head_descale(ds[i], c.shape)
+                  for i, c in enumerate((q, k, v)))
     o, lse = flash_attention(dq, dk, dv, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                              return_lse=True)
     o = _round_from_f64(o, out_dtype)
     return (o, lse) if return_lse else o
+
+
+def fp8_head_descale(ds, shape):
+    """One tensor's descales (a scalar, [Hkv] or [B, Hkv]) as an array that broadcasts over its values [B, S, H,
+    D]: H may be a multiple of Hkv (query heads share their KV head's)."""
+    ds = np.asarray(ds)
+    if ds.ndim == 0:
+        return ds
+    per = np.repeat(ds, shape[2] // ds.shape[-1], axis=-1)   # [H] or [B, H]
+    return per[None, None, :, None] if per.ndim == 1 else per[:, None, :, None]
 
 
 def _round_from_f64(x, dtype):
