@@ -694,10 +694,11 @@ attn_fwd_wg(const typename vbw_attn::Elems<T>::in* __restrict__ q, const typenam
     if (descale != nullptr) {
       const float* ds = descale + (long long)cta.b * ds_bs + (long long)(cta.h / group) * ds_hs;
       const float qk = ds[0] * ds[ds_ts];
-      // sl2 must stay > 0 (the softmax subtracts the row max): a product <= 0 (or NaN) becomes a prescale of
-      // the scores instead, as attention.py's score_transform does for softmax_scale <= 0
+      // sl2 must stay > 0 (the softmax subtracts the row max): a product that is not (qk <= 0 or NaN, or a
+      // tiny qk whose product with sl2 underflows to 0) becomes a prescale of the scores instead, as
+      // attention.py's score_transform does for softmax_scale <= 0
       if (mode != 0) pre *= qk;
-      else if (qk > 0.f) sl2 *= qk;
+      else if (sl2 * qk > 0.f) sl2 *= qk;
       else { mode = 2; pre = qk; }
       v_ds = ds[2 * ds_ts];
     }

@@ -145,6 +145,10 @@ def test_quantize_e4m3_heads_errors():
             vc.quantize_e4m3(x, heads=bad)
     with pytest.raises(ValueError, match=r"heads: needs x with a head axis"):
         vc.quantize_e4m3(np.ones(8, np.float16), heads=1)
+    with pytest.raises(ValueError, match=r"heads: expected a divisor of the 0 heads.*got 7"):
+        vc.quantize_e4m3(np.ones((2, 0, 8), np.float16), heads=7)
+    with pytest.raises(ValueError, match=r"heads: at most 65535 groups.*got 70000"):
+        vc.quantize_e4m3(np.ones((1, 70000, 1), np.float16), heads=70000)
 
 
 def test_fp8_reference_per_head_descales():
@@ -158,9 +162,10 @@ def test_fp8_reference_per_head_descales():
     for d in (ds[:, 0], ds):
         per = [ref.e4m3_decode(c).astype(np.float64) * ref.fp8_head_descale(d[i], c.shape)
                for i, c in enumerate((q, k, v))]
-        for (b, h) in ((0, 0), (1, 5)):   # a head of the second KV group in the second batch: by hand
-            want = ref.e4m3_decode(q[b, :, h]).astype(np.float64) * (d[0][b, h // 3] if d.ndim == 3 else d[0][h // 3])
-            np.testing.assert_array_equal(per[0][b, :, h], want)
+        for b in range(B):   # every query head by hand: head h takes KV head h // 3's descale
+            for h in range(Hq):
+                want = ref.e4m3_decode(q[b, :, h]).astype(np.float64) * (d[0][b, h // 3] if d.ndim == 3 else d[0][h // 3])
+                np.testing.assert_array_equal(per[0][b, :, h], want)
         o, lse = ref.flash_attention_fp8(q, k, v, d, causal=True, return_lse=True, out_dtype=np.float32)
         o_want, lse_want = ref.flash_attention(*per, causal=True, return_lse=True)
         np.testing.assert_array_equal(o, o_want.astype(np.float32))
@@ -168,6 +173,8 @@ def test_fp8_reference_per_head_descales():
         np.testing.assert_array_equal(vc.flash_attention_fp8(q, k, v, d, causal=True), o_want.astype(np.float16))
     same = np.full((3, Hkv), 0.05, np.float32)
     np.testing.assert_array_equal(vc.flash_attention_fp8(q, k, v, same), vc.flash_attention_fp8(q, k, v, same[:, 0]))
+    with pytest.raises(ValueError, match=r"descale: expected shape .*irregular"):
+        vc.flash_attention_fp8(q, k, v, [[1.0, 2.0], [3.0]])
     for bad in (np.ones((3, Hkv + 1), np.float32), np.ones((3, B + 1, Hkv), np.float32), np.ones((2, Hkv), np.float32),
                 np.ones((3, 1, 1, Hkv), np.float32)):
         with pytest.raises(ValueError, match=r"descale: expected shape \(3,\), \(3, 2\) or \(3, 2, 2\).*got " +
@@ -391,6 +398,26 @@ def test_gpu_fp8_per_head_descales(monkeypatch, descale, Sk, causal):
 
 
 @gpu
+def test_gpu_fp8_nan_in_one_kv_head_stays_there():
+    """One descale a KV head: a NaN in v's KV head 0 makes its descale NaN and the rows of its query heads NaN;
+    the other heads' outputs are bit for bit those of the same call without the NaN."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(21)
+    xs = [cp.asarray(rng.standard_normal((1, 256, h, 128)).astype(np.float16)) for h in (6, 3, 3)]
+    outs = []
+    for poison in (False, True):
+        v = xs[2].copy()
+        if poison:
+            v[0, 17, 0, 5] = np.nan
+        qs = [vc.quantize_e4m3(t, heads=3) for t in (xs[0], xs[1], v)]
+        assert bool(cp.isnan(qs[2][1][0])) == poison and bool(cp.isfinite(qs[2][1][1:]).all())
+        outs.append(vc.flash_attention_fp8(*[c for c, _ in qs], cp.stack([d for _, d in qs]), causal=True).get())
+    assert np.isnan(outs[1][:, :, :2]).all()                       # query heads 0, 1: KV head 0
+    np.testing.assert_array_equal(outs[1][:, :, 2:], outs[0][:, :, 2:])
+    assert np.isfinite(outs[0]).all()
+
+
+@gpu
 @pytest.mark.parametrize("descale", ["heads", "batch_heads"])
 def test_gpu_fp8_per_head_fallback(monkeypatch, descale):
     """Off sm_90 (here forced) per-head descales decode each KV head's values (a query head's: its group's)."""
@@ -401,12 +428,14 @@ def test_gpu_fp8_per_head_fallback(monkeypatch, descale):
 @gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("shape,heads", [((2, 300, 8, 128), 8), ((2, 300, 8, 128), 2), ((3, 7, 6, 5), 3),
-                                         ((1, 4099, 4, 16), 1), ((5, 3, 2, 4), 2)])
-def test_gpu_quantize_e4m3_heads_bit_exact(dtype, shape, heads):
+                                         ((1, 4099, 4, 16), 1), ((5, 3, 2, 4), 2), ((2, 64, 32, 128), 2)])
+def test_gpu_quantize_e4m3_heads_bit_exact(monkeypatch, dtype, shape, heads):
     """quantize_e4m3(heads=n) and dequantize_e4m3 with its n descales, bit-exact with the reference: 16-byte
-    chunks (a group's row a multiple of them) and element by element (G = 15, 5 or 4 elements: not), heads of
-    magnitudes 2^-12 .. 1, one group NaN and one all zero where there are enough."""
+    chunks (a group's row G a multiple of them) and element by element (G = 10, and G = 4 for 16-bit x), a
+    group's row of more chunks than a CTA has threads (G = 2048), a grid (patched to one SM) that walks the rows
+    several times, heads of magnitudes 2^-12 .. 1, one group NaN and one all zero where there are enough."""
     cp = pytest.importorskip("cupy")
+    monkeypatch.setattr(F._device, "num_sms", lambda: 1)
     dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng(sum(shape) + heads)
     x = rng.standard_normal(shape) * np.exp2(-12.0 * rng.random(shape[-2]))[:, None]
@@ -466,6 +495,13 @@ def test_gpu_fp8_repeated_call_replays_the_same_launches(with_descale):
     full = vc.flash_attention_fp8(*codes2, ds2, causal=True, return_lse=True)
     for a, b in zip(fast, full):
         np.testing.assert_array_equal(a.get(), b.get())
+    if with_descale is True:   # the same inputs with one descale a KV head: not this plan's kernel arguments
+        per_head = cp.stack([cp.broadcast_to(d, (4,)) for d in ds2]) * cp.asarray([1.0, 0.5, 2.0, 1.0], cp.float32)
+        got = vc.flash_attention_fp8(*codes2, per_head, causal=True, return_lse=True)
+        F._fast_plans.clear()
+        for a, b in zip(got, vc.flash_attention_fp8(*codes2, per_head, causal=True, return_lse=True)):
+            np.testing.assert_array_equal(a.get(), b.get())
+        assert not np.array_equal(got[0].get(), full[0].get())
     strided = cp.ascontiguousarray(cp.concatenate([codes2[0], codes2[0]], axis=3))[..., :128]   # a view
     np.testing.assert_array_equal(vc.flash_attention_fp8(strided, codes2[1], codes2[2], ds2, causal=True).get(),
                                   full[0].get())

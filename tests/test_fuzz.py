@@ -358,9 +358,15 @@ def fp8_attention_case(draw):
     B, Sq, Sk = draw(st.integers(1, 2)), draw(st.integers(1, 20)), draw(st.integers(1, 20))
     Hkv, g, D = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.sampled_from([1, 8, 16]))
     qs = [vc.quantize_e4m3(_rand(draw, s, F16)) for s in ((B, Sq, Hkv * g, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D))]
-    descale = draw(st.sampled_from(["given", None, (1.0, -2.0, 0.5), (0.0, 1.0, 1.0)]))
+    descale = draw(st.sampled_from(["given", None, (1.0, -2.0, 0.5), (0.0, 1.0, 1.0), "heads", "batch_heads"]))
     if descale == "given":
         descale = np.concatenate([d for _, d in qs])
+    elif descale == "heads":   # one a KV head: quantize_e4m3(heads=Hkv) of each input, stacked [3, Hkv]
+        qs = [vc.quantize_e4m3(_rand(draw, s, F16), heads=Hkv) for s in ((B, Sq, Hkv * g, D), (B, Sk, Hkv, D),
+                                                                           (B, Sk, Hkv, D))]
+        descale = np.stack([d for _, d in qs])
+    elif descale == "batch_heads":   # [3, B, Hkv], values of either sign
+        descale = np.random.default_rng(draw(st.integers(0, 2**32 - 1))).uniform(-2, 2, (3, B, Hkv)).astype(np.float32)
     elif descale is not None:
         descale = np.array(descale, np.float32)
     args = dict(q=qs[0][0], k=qs[1][0], v=qs[2][0], descale=descale, causal=draw(st.booleans()),
@@ -491,19 +497,24 @@ def _fp8_oracle(args, t):
 
 
 def _e4m3_oracle(args, out):
-    """quantize_e4m3: the tuple form, and every element within E4M3's rounding of x (finite x)."""
+    """quantize_e4m3: the tuple form, and every element within E4M3's rounding of x (finite x), the descale of
+    its group of heads (heads=n) or the tensor's."""
     x = np.asarray(args["x"], np.float64)
     codes, ds = out
-    assert codes.shape == x.shape and codes.dtype == np.uint8 and ds.shape == (1,) and ds.dtype == np.float32
+    n = args.get("heads") or 1
+    assert codes.shape == x.shape and codes.dtype == np.uint8 and ds.shape == (n,) and ds.dtype == np.float32
     if _finite(x):
-        d = np.asarray(vc.reference.e4m3_decode(codes), np.float64) * float(ds[0])
-        assert (np.abs(d - x) <= np.abs(x) * 2.0**-4 + float(ds[0]) * 2.0**-10).all()
+        per = np.float64(ds[0]) if args.get("heads") is None else \
+            np.repeat(ds.astype(np.float64), x.shape[-2] // n)[:, None]
+        d = np.asarray(vc.reference.e4m3_decode(codes), np.float64) * per
+        assert (np.abs(d - x) <= np.abs(x) * 2.0**-4 + per * 2.0**-10).all()
 
 
 def _fp8_attention_oracle(args, out):
     """flash_attention_fp8 (NumPy): the naive float64 attention on the decoded inputs."""
     ds = np.ones(3) if args["descale"] is None else np.asarray(args["descale"], np.float64)
-    q, k, v = (np.asarray(vc.reference.e4m3_decode(args[n]), np.float64) * ds[i] for i, n in enumerate("qkv"))
+    q, k, v = (np.asarray(vc.reference.e4m3_decode(args[n]), np.float64) *
+               vc.reference.fp8_head_descale(ds[i], args[n].shape) for i, n in enumerate("qkv"))
     win = tuple(int(w) for w in args["window"])
     allowed = window_mask(q.shape[1], k.shape[1], win, bool(args["causal"]))
     o, lse = naive_attention(q, k, v, allowed, _scale(args, q.shape[-1]), float(args["softcap"]))
@@ -530,7 +541,8 @@ def _fp8_attention_gpu_check(args, out, want):
     within 2e-3. Scores past 1e3 (codes used as values): shapes and finiteness only."""
     from vbw_cupy import attention_fp8 as F
     ds = np.ones(3) if args["descale"] is None else np.asarray(args["descale"], np.float64)
-    q, k, v = (np.asarray(vc.reference.e4m3_decode(args[n]), np.float64) * ds[i] for i, n in enumerate("qkv"))
+    q, k, v = (np.asarray(vc.reference.e4m3_decode(args[n]), np.float64) *
+               vc.reference.fp8_head_descale(ds[i], args[n].shape) for i, n in enumerate("qkv"))
     got_o, got_lse = out if isinstance(out, tuple) else (out, None)
     want_o = want[0] if isinstance(want, tuple) else want
     assert got_o.shape == want_o.shape and got_o.dtype == want_o.dtype
@@ -643,8 +655,22 @@ def test_fuzz_quantize_fp8(case):
     _run(vc.quantize_fp8, args, broken, arrays, _fp8_oracle)
 
 
+@st.composite
+def e4m3_case(draw):
+    """quantize_e4m3's x, and heads: None, a divisor of x's axis -2 (one descale a group of heads), or a bad one."""
+    args, broken, arrays = draw(fp8_case())
+    x = args["x"]
+    if broken is None and x.ndim >= 2 and draw(st.booleans()):
+        H = x.shape[-2]
+        args["heads"] = draw(st.sampled_from([d for d in range(1, H + 1) if H % d == 0]))
+        if draw(st.integers(0, 3)) == 0:   # a bad one: not a divisor, not an int
+            args["heads"] = draw(st.sampled_from([0, H + 1, -1, 2.0, True, "2"]))
+            broken = "heads"
+    return args, broken, arrays
+
+
 @FUZZ
-@given(fp8_case())
+@given(e4m3_case())
 def test_fuzz_quantize_e4m3(case):
     args, broken, arrays = case
     _run(vc.quantize_e4m3, args, broken, arrays, _e4m3_oracle, gpu_check=_e4m3_gpu_check)

@@ -131,9 +131,13 @@ def _check_heads(shape, heads):
     heads = int(heads)
     if len(shape) < 2:
         raise ValueError(f"heads: needs x with a head axis ([..., H, D]), got x of shape {tuple(shape)}")
-    if heads < 1 or shape[-2] % heads:
-        raise ValueError(f"heads: expected a divisor of the {shape[-2]} heads of x (axis -2 of "
-                         f"{tuple(shape)}), got {heads}")
+    H = shape[-2]
+    if heads < 1 or heads > max(H, 1) or (H and H % heads):
+        raise ValueError(f"heads: expected a divisor of the {H} heads of x (axis -2 of {tuple(shape)}), got {heads}")
+    # (the GPU kernels' grid: a row of CTAs a group; a group's row indexed in int32. The same limit for NumPy.)
+    if heads > 65535 or H // heads * shape[-1] >= 2**31:
+        raise ValueError(f"heads: at most 65535 groups of fewer than 2^31 elements a row, got {heads} groups of "
+                         f"{H // heads * shape[-1]} (x of shape {tuple(shape)})")
     return heads
 
 
@@ -152,10 +156,7 @@ def _quantize_heads(x, heads: int):
         x = rt.ensure_aligned16(x)
         codes = cp.empty(x.shape, dtype=cp.uint8)
         descale = cp.empty(heads, dtype=cp.float32)
-        G = x.shape[-2] // heads * x.shape[-1]   # a group's elements in a row
-        if heads > 65535 or G >= 2**31:
-            raise ValueError(f"heads: the GPU kernel takes at most 65535 groups of fewer than 2^31 elements a "
-                             f"row, got {heads} groups of {G} (x of shape {tuple(x.shape)})")
+        G = x.shape[-2] // heads * x.shape[-1]   # a group's elements in a row (< 2^31: _check_heads)
         rows = int(x.size) // (heads * G) if G else 0
         if rows == 0:
             descale.fill(1)
@@ -249,7 +250,10 @@ def _check_descale(descale, host: bool, B: int, Hkv: int):
         return None, (1, 0, 0)
     forms = f"(3,), (3, {Hkv}) or (3, {B}, {Hkv}) (q, k, v: one a tensor, one a KV head, one a batch and KV head)"
     if host:
-        d = np.asarray(descale)
+        try:
+            d = np.asarray(descale)
+        except ValueError as e:   # a ragged list
+            raise ValueError(f"descale: expected shape {forms}, got an irregular sequence ({e})") from None
         if d.dtype.kind not in "fiu":
             raise TypeError(f"descale: expected float32 numbers (q, k, v), got {d.dtype}")
     else:
@@ -350,13 +354,14 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
         lse = cp.empty((B, Hq, Sq), dtype=cp.float32) if return_lse else None
         launch = _attn._Launch(q, k, vt, o, lse, None, None, B, Sq, Sk, Sq, Sk, Hq, Hkv, D, scale, left, right,
                                _checks.check_softcap(softcap), Sq, descale=ds, ds_strides=ds_strides)
-        kern, grid, block, smem, scalars, _, _ = launch.run(_config(Sk))
+        kern, grid, block, smem, scalars, _, boxes = launch.run(_config(Sk))
     # (a call made on another device than q's is not replayed: the fast path allocates and launches on the
     # current one)
     if key is not None and q.size and _plans.kernel_ptr(kern) is not None and \
             _plans.kernel_ptr(vt_kern) is not None and q.data.device_id == cp.cuda.runtime.getDevice():
         _fast_plans.put(key, (_plans.Launch(vt_kern, vt_grid, (_THREADS,), vt_args, (0,)), kern, grid, block, smem,
-                              scalars, vt, q.data.device_id, out_dtype, _plans.PlanCache(_LAUNCHES_PER_PLAN)))
+                              scalars, vt, q.data.device_id, out_dtype, boxes,
+                              _plans.PlanCache(_LAUNCHES_PER_PLAN)))
     return (o, lse) if return_lse else o
 
 
@@ -388,7 +393,7 @@ def _fast(key, q, k, v, descale, return_lse):
     plan = _fast_plans.get(key)
     if plan is None:
         return None
-    vt_launch, kern, grid, block, smem, scalars, vt, dev, out_dtype, launches = plan
+    vt_launch, kern, grid, block, smem, scalars, vt, dev, out_dtype, boxes, launches = plan
     arrays = (q, k, v) if descale is None else (q, k, v, descale)
     if not all(a.flags.c_contiguous and a.data.device_id == dev for a in arrays) or \
             (q.data.ptr | k.data.ptr | v.data.ptr) % 16 or \
@@ -398,7 +403,7 @@ def _fast(key, q, k, v, descale, return_lse):
     ptrs = (q.data.ptr, k.data.ptr)
     launch = launches.get(ptrs)
     if launch is None:
-        maps = _attn._map_args_fp8(q, k, vt, (_CONFIGS[0]["BLOCK_M"], _CONFIGS[0]["BLOCK_N"]))  # (both the same)
+        maps = _attn._map_args_fp8(q, k, vt, boxes)  # (the tile the plan's kernel was built for)
         if maps is None:
             return None
     o = cp.empty(q.shape, dtype=out_dtype)
