@@ -136,8 +136,9 @@ def test_quantize_e4m3_heads_is_one_tensor_quantization_a_group():
 
 def test_quantize_e4m3_heads_errors():
     x = np.ones((2, 3, 6, 8), np.float16)
-    for bad, err, msg in ((0, ValueError, r"heads: expected a divisor of the 6 heads"),
-                          (4, ValueError, r"heads: expected a divisor of the 6 heads of x \(axis -2 of \(2, 3, 6, 8\)\), got 4"),
+    for bad, err, msg in ((0, ValueError, r"heads: expected a positive divisor of the 6 heads"),
+                          (4, ValueError, r"heads: expected a positive divisor of the 6 heads of x \(axis -2 of "
+                                          r"\(2, 3, 6, 8\)\), one of \[1, 2, 3, 6\], got 4"),
                           (True, TypeError, "heads: expected None or an int, got bool"),
                           ("2", TypeError, "heads: expected None or an int, got str"),
                           (2.0, TypeError, "heads: expected None or an int, got float")):
@@ -145,7 +146,7 @@ def test_quantize_e4m3_heads_errors():
             vc.quantize_e4m3(x, heads=bad)
     with pytest.raises(ValueError, match=r"heads: needs x with a head axis"):
         vc.quantize_e4m3(np.ones(8, np.float16), heads=1)
-    with pytest.raises(ValueError, match=r"heads: expected a divisor of the 0 heads.*got 7"):
+    with pytest.raises(ValueError, match=r"heads: expected a positive divisor of the 0 heads.*got 7"):
         vc.quantize_e4m3(np.ones((2, 0, 8), np.float16), heads=7)
     with pytest.raises(ValueError, match=r"heads: at most 65535 groups.*got 70000"):
         vc.quantize_e4m3(np.ones((1, 70000, 1), np.float16), heads=70000)
@@ -175,9 +176,13 @@ def test_fp8_reference_per_head_descales():
     np.testing.assert_array_equal(vc.flash_attention_fp8(q, k, v, same), vc.flash_attention_fp8(q, k, v, same[:, 0]))
     with pytest.raises(ValueError, match=r"descale: expected shape .*irregular"):
         vc.flash_attention_fp8(q, k, v, [[1.0, 2.0], [3.0]])
+    # a descale per query head (q quantized with heads=Hq): named as such
+    with pytest.raises(ValueError, match=r"descale: .*got \(3, 6\).*per query head are not supported: quantize q "
+                                         r"with heads=2"):
+        vc.flash_attention_fp8(q, k, v, np.ones((3, Hq), np.float32))
     for bad in (np.ones((3, Hkv + 1), np.float32), np.ones((3, B + 1, Hkv), np.float32), np.ones((2, Hkv), np.float32),
                 np.ones((3, 1, 1, Hkv), np.float32)):
-        with pytest.raises(ValueError, match=r"descale: expected shape \(3,\), \(3, 2\) or \(3, 2, 2\).*got " +
+        with pytest.raises(ValueError, match=r"descale: expected shape \(3,\), \(3, Hkv=2\) or \(3, B=2, Hkv=2\).*got " +
                            str(bad.shape).replace("(", r"\(").replace(")", r"\)")):
             vc.flash_attention_fp8(q, k, v, bad)
 
@@ -226,9 +231,9 @@ def test_dequantize_e4m3_errors():
     with pytest.raises(ValueError, match=r"descale: expected one value"):
         vc.dequantize_e4m3(codes, np.ones(0, np.float32))
     # several values are one a group of heads: codes [..., H, D] with H a multiple of their number
-    with pytest.raises(ValueError, match=r"descale: 3 values are one a group of heads.*shape \(4,\)"):
+    with pytest.raises(ValueError, match=r"descale: 3 values \(one per group of heads\).*shape \(4,\)"):
         vc.dequantize_e4m3(codes, np.ones(3, np.float32))
-    with pytest.raises(ValueError, match=r"descale: 3 values .* H a multiple of 3.*\(2, 4, 8\)"):
+    with pytest.raises(ValueError, match=r"descale: 3 values .* H a multiple of 3.*\(2, 4, 8\) \(H = 4\)"):
         vc.dequantize_e4m3(np.zeros((2, 4, 8), np.uint8), np.ones(3, np.float32))
     with pytest.raises(TypeError, match="descale"):
         vc.dequantize_e4m3(codes, "x")

@@ -1,6 +1,6 @@
 """FP8 attention (docs/attention.md, "FP8 attention"): `flash_attention_fp8` takes q, k, v as E4M3 (fn) codes with
-float32 descales (one a tensor, or one a KV head, or one a batch and KV head), `quantize_e4m3` makes such codes
-from a float16 / bfloat16 / float32 tensor (one descale, or one a group of heads) and `dequantize_e4m3` turns them
+float32 descales (one per tensor, or one per KV head, or one per batch and KV head), `quantize_e4m3` makes such codes
+from a float16 / bfloat16 / float32 tensor (one descale, or one per group of heads) and `dequantize_e4m3` turns them
 back into values.
 
 NumPy inputs run `vbw_cupy.reference` (float64 on the decoded values); CuPy inputs on an sm_90 GPU run the
@@ -93,10 +93,14 @@ def quantize_e4m3(x, heads=None):
     for q, k and v alike (`flash_attention_fp8` takes the three stacked: [3, Hkv]), so a head whose values are
     small keeps its precision beside one whose values are large.
 
+    For attention under grouped-query attention use heads = Hkv for q as well, not Hq: the Hq / Hkv query heads
+    of a group share one descale (there is no per-query-head form).
+
     >>> import cupy as cp
     >>> x = cp.random.standard_normal((2, 1024, 8, 128)).astype(cp.float16)
     >>> codes, ds = quantize_e4m3(x)             # uint8 [2, 1024, 8, 128], float32 [1]
-    >>> codes, ds = quantize_e4m3(x, heads=8)    # float32 [8]: one a head
+    >>> codes, ds = quantize_e4m3(x, heads=8)    # float32 [8]: one per head
+    >>> codes, ds = quantize_e4m3(x, heads=2)    # float32 [2]: one per group of 4 heads (q of 2 KV heads)
     """
     _checks.check_array_like("x", x)
     if not isinstance(x, np.ndarray):
@@ -133,7 +137,9 @@ def _check_heads(shape, heads):
         raise ValueError(f"heads: needs x with a head axis ([..., H, D]), got x of shape {tuple(shape)}")
     H = shape[-2]
     if heads < 1 or heads > max(H, 1) or (H and H % heads):
-        raise ValueError(f"heads: expected a divisor of the {H} heads of x (axis -2 of {tuple(shape)}), got {heads}")
+        divisors = [n for n in range(1, H + 1) if H % n == 0] if 0 < H <= 4096 else None
+        raise ValueError(f"heads: expected a positive divisor of the {H} heads of x (axis -2 of {tuple(shape)})"
+                         f"{f', one of {divisors}' if divisors and len(divisors) <= 16 else ''}, got {heads}")
     # (the GPU kernels' grid: a row of CTAs a group; a group's row indexed in int32. The same limit for NumPy.)
     if heads > 65535 or H // heads * shape[-1] >= 2**31:
         raise ValueError(f"heads: at most 65535 groups of fewer than 2^31 elements a row, got {heads} groups of "
@@ -199,7 +205,7 @@ def dequantize_e4m3(codes, descale=None, dtype=np.float32):
                                 f"{type(descale).__name__}")
             d = np.asarray(descale)
             if d.dtype.kind not in "fiu" or d.ndim > 1 or d.size == 0:
-                raise ValueError(f"descale: expected one value (shape () or (1,)) or one a group of heads (n,), "
+                raise ValueError(f"descale: expected one value (shape () or (1,)) or one per group of heads (n,), "
                                  f"got shape {d.shape} {d.dtype}")
             descale = d.astype(np.float32).reshape(-1)
         else:
@@ -207,14 +213,16 @@ def dequantize_e4m3(codes, descale=None, dtype=np.float32):
             if descale.dtype != np.float32 or descale.ndim > 1 or descale.size == 0 or \
                     not descale.flags.c_contiguous:
                 raise ValueError(f"descale: expected a contiguous float32 GPU array of one value (quantize_e4m3's "
-                                 f"[1]) or one a group of heads (n,), got shape {tuple(descale.shape)} "
+                                 f"[1]) or one per group of heads (n,), got shape {tuple(descale.shape)} "
                                  f"{descale.dtype}")
             rt.check_same_device(codes=codes, descale=descale)
         if descale.size > 1:
             heads = descale.size
             if codes.ndim < 2 or codes.shape[-2] % heads:
-                raise ValueError(f"descale: {heads} values are one a group of heads, which needs codes [..., H, "
-                                 f"D] with H a multiple of {heads}; got codes of shape {tuple(codes.shape)}")
+                H = codes.shape[-2] if codes.ndim >= 2 else None
+                raise ValueError(f"descale: {heads} values (one per group of heads) need codes [..., H, D] with H a "
+                                 f"multiple of {heads}; got codes of shape {tuple(codes.shape)}"
+                                 f"{f' (H = {H})' if H is not None else ''}")
     if host:
         with np.errstate(over="ignore", invalid="ignore"):   # past the dtype's range: Inf, as on the GPU
             v = ref.e4m3_decode(codes)
@@ -242,13 +250,14 @@ def _launch_decode(codes, descale, bsz, row_groups, grp, ds_hs, out, ds_bs=0):
 
 
 # ------------------------------------------------------------------------------------------------ attention
-def _check_descale(descale, host: bool, B: int, Hkv: int):
-    """descale (None, or float32 q, k, v descales: [3] one a tensor, [3, Hkv] one a KV head, [3, B, Hkv] one a
+def _check_descale(descale, host: bool, B: int, Hkv: int, Hq: int):
+    """descale (None, or float32 q, k, v descales: [3] one per tensor, [3, Hkv] one per KV head, [3, B, Hkv] one a
     batch and KV head) checked; returns it (NumPy float32 on the host) and its element strides (tensor, batch,
     KV head), which the kernels index it by (a stride 0 where the values do not vary)."""
     if descale is None:
         return None, (1, 0, 0)
-    forms = f"(3,), (3, {Hkv}) or (3, {B}, {Hkv}) (q, k, v: one a tensor, one a KV head, one a batch and KV head)"
+    forms = (f"(3,), (3, Hkv={Hkv}) or (3, B={B}, Hkv={Hkv}) (q, k, v: one per tensor, one per KV head, one per "
+             f"batch and KV head)")
     if host:
         try:
             d = np.asarray(descale)
@@ -264,8 +273,10 @@ def _check_descale(descale, host: bool, B: int, Hkv: int):
             raise ValueError(f"descale: expected a contiguous GPU array of shape {forms}, got a strided one")
     strides = {(3,): (1, 0, 0), (3, Hkv): (Hkv, 0, 1), (3, B, Hkv): (B * Hkv, Hkv, 1)}.get(tuple(d.shape))
     if strides is None:
+        hint = (f"; descales per query head are not supported: quantize q with heads={Hkv} (Hkv), as k and v"
+                if d.ndim >= 2 and d.shape[-1] == Hq != Hkv else "")
         raise ValueError(f"descale: expected shape {forms}, got {tuple(d.shape)} (quantize_e4m3's descales are [1] "
-                         f"each, [Hkv] with heads=Hkv: concatenate or stack the three)")
+                         f"each, [Hkv] with heads=Hkv: concatenate or stack the three){hint}")
     return (d.astype(np.float32) if host else d), strides
 
 
@@ -282,10 +293,10 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
 
     q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]: uint8 E4M3 codes (from `quantize_e4m3`, or any FP8 producer;
     NumPy ml_dtypes.float8_e4m3fn arrays are read as their codes);
-    descale: None (all 1) or float32 descales of q, k, v: the inputs are E4M3(code) * descale, [3] one a tensor
-    (e.g. `cupy.concatenate([dq, dk, dv])` of quantize_e4m3's descales), [3, Hkv] one a KV head (`cupy.stack` of
+    descale: None (all 1) or float32 descales of q, k, v: the inputs are E4M3(code) * descale, [3] one per tensor
+    (e.g. `cupy.concatenate([dq, dk, dv])` of quantize_e4m3's descales), [3, Hkv] one per KV head (`cupy.stack` of
     quantize_e4m3(t, heads=Hkv)'s; query head h takes that of its KV head h // (Hq / Hkv), as FlashAttention-3
-    does) or [3, B, Hkv] one a batch and KV head; a CuPy array for GPU inputs, a NumPy array or sequence for
+    does) or [3, B, Hkv] one per batch and KV head; a CuPy array for GPU inputs, a NumPy array or sequence for
     NumPy inputs. causal, softmax_scale (applied to the decoded values' scores), window,
     softcap, return_lse: as in `flash_attention`. Returns o [B, Sq, Hq, D] in out_dtype (float16 or bfloat16)
     and with return_lse also lse float32 [B, Hq, Sq].
@@ -300,8 +311,14 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
     >>> x = [cp.random.standard_normal((2, 4096, 16, 128)).astype(cp.float16) for _ in range(3)]
     >>> (q, dq), (k, dk), (v, dv) = (quantize_e4m3(t) for t in x)
     >>> o = flash_attention_fp8(q, k, v, cp.concatenate([dq, dk, dv]), causal=True)
-    >>> (q, dq), (k, dk), (v, dv) = (quantize_e4m3(t, heads=16) for t in x)    # one descale a head
-    >>> o = flash_attention_fp8(q, k, v, cp.stack([dq, dk, dv]), causal=True)
+    >>> # one descale per KV head (GQA: 32 query heads, 8 KV heads; q takes heads=8 too)
+    >>> q, k, v = (cp.random.standard_normal((2, 4096, h, 128)).astype(cp.float16) for h in (32, 8, 8))
+    >>> (q8, dq), (k8, dk), (v8, dv) = (quantize_e4m3(t, heads=8) for t in (q, k, v))
+    >>> o = flash_attention_fp8(q8, k8, v8, cp.stack([dq, dk, dv]), causal=True)    # descale [3, 8]
+    >>> # one per batch and KV head: each request quantized alone, descale [3, 2, 8]
+    >>> per = [[quantize_e4m3(t[b], heads=8) for b in range(2)] for t in (q, k, v)]
+    >>> codes = [cp.stack([c for c, _ in p]) for p in per]
+    >>> o = flash_attention_fp8(*codes, cp.stack([cp.stack([d for _, d in p]) for p in per]), causal=True)
     """
     cp = rt.cupy
     key = None
@@ -326,7 +343,7 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
     if out_dtype.name not in OUT_DTYPES:
         raise TypeError(f"out_dtype: expected float16 or bfloat16, got {out_dtype}")
     return_lse = _checks.check_flag("return_lse", return_lse)
-    ds, ds_strides = _check_descale(descale, host, shape[0], shape[4])
+    ds, ds_strides = _check_descale(descale, host, shape[0], shape[4], shape[3])
     if host:
         return ref.flash_attention_fp8(q, k, v, ds, causal=causal, softmax_scale=softmax_scale, window=window,
                                        softcap=softcap, return_lse=return_lse, out_dtype=out_dtype)

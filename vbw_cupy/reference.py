@@ -288,8 +288,8 @@ def flash_attention_fp8(q, k, v, descale=None, *, causal=False, softmax_scale=No
                         return_lse=False, out_dtype=np.float16):
     """FP8 attention: `flash_attention` in float64 on the inputs E4M3(q) * descale[0], E4M3(k) * descale[1],
     E4M3(v) * descale[2] (q, k, v uint8 E4M3 codes [B, S, H, D]; descale None = ones), o rounded once to
-    out_dtype. descale [3] (one a tensor), [3, Hkv] (one a KV head: query head h takes that of KV head h // (Hq /
-    Hkv)) or [3, B, Hkv] (one a batch and KV head)."""
+    out_dtype. descale [3] (one per tensor), [3, Hkv] (one per KV head: query head h takes that of KV head h // (Hq /
+    Hkv)) or [3, B, Hkv] (one per batch and KV head)."""
     ds = np.ones(3) if descale is None else np.asarray(descale, dtype=np.float32).astype(np.float64)
     dq, dk, dv = (e4m3_decode(c).astype(np.float64) * fp8_head_descale(ds[i], c.shape)
                   for i, c in enumerate((q, k, v)))
