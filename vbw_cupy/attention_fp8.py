@@ -110,19 +110,32 @@ def quantize_e4m3(x, heads=None):
     if isinstance(x, np.ndarray):
         return ref.quantize_e4m3_tensor(x, heads)
     cp = rt.require_cupy()
-    if heads is not None:
-        return _quantize_heads(x, heads)
+    n_ds = 1 if heads is None else heads
     with x.device:
         x = rt.ensure_aligned16(x)
         codes = cp.empty(x.shape, dtype=cp.uint8)
-        descale = cp.empty(1, dtype=cp.float32)
-        # max |x| in the stream's own 4 bytes (no pool memory inside a call: capturable), zeroed each call
-        amax = _plans.scratch("quantize_e4m3 amax", 4)
-        amax.data.memset_async(0, 4, cp.cuda.get_current_stream())
-        n = int(x.size)
-        fp4.launch_abs_max(x, amax)
-        rt.launch(rt.get_kernel(SOURCE, f"{_NS}quantize_e4m3_tensor<{rt.ctype(x.dtype)}>"), _blocks(n), (_THREADS,),
-                  (x, np.int64(n), amax, codes, descale))
+        descale = cp.empty(n_ds, dtype=cp.float32)
+        G = 0 if heads is None else x.shape[-2] // heads * x.shape[-1]   # a group's elements in a row (< 2^31)
+        rows = 0 if heads is None or G == 0 else int(x.size) // (heads * G)
+        if heads is not None and rows == 0:   # (no values: every descale 1, as for an all-zero x)
+            descale.fill(1)
+            return codes, descale
+        # max |x| (of each group) in the stream's own bytes (no pool memory inside a call: capturable), zeroed
+        # each call
+        amax = _plans.scratch("quantize_e4m3 amax", 4 * n_ds)
+        amax.data.memset_async(0, 4 * n_ds, cp.cuda.get_current_stream())
+        if heads is None:
+            n = int(x.size)
+            fp4.launch_abs_max(x, amax)
+            rt.launch(rt.get_kernel(SOURCE, f"{_NS}quantize_e4m3_tensor<{rt.ctype(x.dtype)}>"), _blocks(n),
+                      (_THREADS,), (x, np.int64(n), amax, codes, descale))
+        else:   # a CTA row per group: 16-byte chunks where a group's row is a whole number of them
+            per = _per_chunk(x.dtype) if G % _per_chunk(x.dtype) == 0 else 1
+            t = f"{rt.ctype(x.dtype)}, {per}"
+            grid, args = _head_grid(rows, heads, G, per), (x, np.int64(rows), np.int32(heads), np.int32(G), amax)
+            rt.launch(rt.get_kernel(SOURCE, f"{_NS}abs_max_heads<{t}>"), grid, (_THREADS,), args)
+            rt.launch(rt.get_kernel(SOURCE, f"{_NS}quantize_e4m3_heads<{t}>"), grid, (_THREADS,),
+                      args + (codes, descale))
     return codes, descale
 
 
@@ -152,29 +165,6 @@ def _head_grid(rows: int, groups: int, G: int, per: int) -> tuple:
     `groups` along y, at most 8 CTAs an SM in all."""
     rows_per_cta = max(1, _THREADS // max(1, G // per))
     return (max(1, min(rt.cdiv(rows, rows_per_cta), max(1, 8 * _device.num_sms() // groups))), groups)
-
-
-def _quantize_heads(x, heads: int):
-    """quantize_e4m3(x, heads) on the GPU: max |x| of each group of heads, then the codes (16-byte chunks where
-    a group's row is a whole number of them)."""
-    cp = rt.cupy
-    with x.device:
-        x = rt.ensure_aligned16(x)
-        codes = cp.empty(x.shape, dtype=cp.uint8)
-        descale = cp.empty(heads, dtype=cp.float32)
-        G = x.shape[-2] // heads * x.shape[-1]   # a group's elements in a row (< 2^31: _check_heads)
-        rows = int(x.size) // (heads * G) if G else 0
-        if rows == 0:
-            descale.fill(1)
-            return codes, descale
-        per = _per_chunk(x.dtype) if G % _per_chunk(x.dtype) == 0 else 1
-        amax = _plans.scratch("quantize_e4m3 amax", 4 * heads)
-        amax.data.memset_async(0, 4 * heads, cp.cuda.get_current_stream())
-        t = f"{rt.ctype(x.dtype)}, {per}"
-        grid, args = _head_grid(rows, heads, G, per), (x, np.int64(rows), np.int32(heads), np.int32(G), amax)
-        rt.launch(rt.get_kernel(SOURCE, f"{_NS}abs_max_heads<{t}>"), grid, (_THREADS,), args)
-        rt.launch(rt.get_kernel(SOURCE, f"{_NS}quantize_e4m3_heads<{t}>"), grid, (_THREADS,), args + (codes, descale))
-    return codes, descale
 
 
 def dequantize_e4m3(codes, descale=None, dtype=np.float32):
@@ -442,12 +432,12 @@ def _decoded(q, k, v, ds, ds_strides, out_dtype, **kw):
     """The fallback: E4M3(codes) * descale in out_dtype (into the stream's buffers, not the pool: capturable),
     then flash_attention. Per-head descales are per KV head: a query head takes its group's."""
     ts, bs, hs = ds_strides
+    Hkv = k.shape[2]
     dec = []
     for i, (name, x) in enumerate((("q", q), ("k", k), ("v", v))):
         n = int(x.size)
         buf = _plans.scratch(f"flash_attention_fp8 decoded {name}", 2 * n).view(out_dtype)[:n].reshape(x.shape)
         B, S, H, D = x.shape
-        Hkv = k.shape[2]
         _launch_decode(x, None if ds is None else ds.ravel()[i * ts:], S * H * D, Hkv, H // Hkv * D, hs, buf,
                        ds_bs=bs)
         dec.append(buf)
